@@ -1,0 +1,1 @@
+"""spikewatch observatory: metric store, spike detection and the rollback policy."""

@@ -1,0 +1,1 @@
+"""spikewatch trainer: a GPT with stability switches, probes and checkpoints."""

@@ -1,0 +1,52 @@
+"""What a callback may ask of the loop after seeing a step, before its update is applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Action", "Continue", "Rollback", "SkipUpdate", "strongest"]
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Apply the update and go on."""
+
+
+@dataclass(frozen=True)
+class SkipUpdate:
+    """Refuse this step's update: the weights and optimizer state stay as they were."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Restore the checkpoint of `to_step`, skip the batch-index ranges, scale the LR."""
+
+    to_step: int
+    skip_ranges: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    lr_scale: float = 1.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.to_step < 0:
+            raise ValueError(f"Rollback.to_step must be >= 0, got {self.to_step}")
+        if not 0 < self.lr_scale <= 1:
+            raise ValueError(f"Rollback.lr_scale must lie in (0, 1], got {self.lr_scale}")
+        for start, end in self.skip_ranges:
+            if end <= start:
+                raise ValueError(f"empty skip range [{start}, {end})")
+
+
+Action = Continue | SkipUpdate | Rollback
+
+_RANK = {Continue: 0, SkipUpdate: 1, Rollback: 2}
+
+
+def strongest(actions: list[Action]) -> Action:
+    """Rollback beats SkipUpdate beats Continue; among equals the first (highest priority) wins."""
+    best: Action = Continue()
+    for a in actions:
+        if _RANK[type(a)] > _RANK[type(best)]:
+            best = a
+    return best

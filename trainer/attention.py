@@ -1,0 +1,95 @@
+"""Attention backends that can also report the per-head maximum pre-softmax logit.
+
+`scaled_dot_product_attention` is fastest but hides its logits, and QK-Clip and the probes need
+the exact max logit per (batch, head). `eager` materialises QK^T (the reference); `chunked`
+processes query blocks so the score matrix is never whole, and takes the max from the scores it
+already has. The max is taken before any soft-cap: it is the logit QK-Clip bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention", "max_logits"]
+
+Backend = str  # "sdpa" | "eager" | "chunked"
+
+
+def _causal_mask(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query q_start+i may attend to key j."""
+    i = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    j = torch.arange(k_len, device=device)[None, :]
+    return j <= i
+
+
+def _block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    softcap: float | None,
+    want_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of a query block over keys; also the block's max logit per (B, nh)."""
+    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.detach().amax(dim=(-2, -1)) if want_max else None  # (B, nh)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.float(), dim=-1).to(v.dtype)
+    return p @ v, m  # (B, nh, Tq, hs)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: Backend,
+    causal: bool = True,
+    softcap: float | None = None,
+    need_max: bool = False,
+    chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k, v: (B, nh, T, hs). Returns (out (B, nh, T, hs), max logit (B, nh) or None)."""
+    T = q.size(-2)
+    if backend == "sdpa":
+        if softcap is not None:
+            raise ValueError("the sdpa backend cannot apply an attention soft-cap")
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out, (max_logits(q, k, causal=causal, chunk=chunk) if need_max else None)
+    if backend == "eager":
+        mask = _causal_mask(0, T, T, q.device) if causal else None
+        return _block(q, k, v, mask, softcap, need_max)
+    if backend != "chunked":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    outs, mx = [], None
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        k_end = end if causal else T
+        mask = _causal_mask(start, end - start, k_end, q.device) if causal else None
+        o, m = _block(q[:, :, start:end], k[:, :, :k_end], v[:, :, :k_end], mask, softcap, need_max)
+        outs.append(o)
+        if m is not None:
+            mx = m if mx is None else torch.maximum(mx, m)
+    return torch.cat(outs, dim=2), mx
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, chunk: int = 128):
+    """Max scaled logit per (B, nh), blockwise; for backends that do not expose their scores."""
+    T, mx = q.size(-2), None
+    scale = 1.0 / math.sqrt(q.size(-1))
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        k_end = end if causal else T
+        s = (q[:, :, start:end] @ k[:, :, :k_end].transpose(-2, -1)) * scale
+        if causal:
+            s = s.masked_fill(~_causal_mask(start, end - start, k_end, q.device), float("-inf"))
+        m = s.amax(dim=(-2, -1))
+        mx = m if mx is None else torch.maximum(mx, m)
+    return mx

@@ -1,0 +1,75 @@
+"""Callbacks: the loop's extension point (OLMo-core's hooks, with typed return actions).
+
+Hooks see frozen snapshots, never trainer internals. `pre_update` runs after the backward pass,
+when loss and gradient norm are known and before the optimizer step, and returns an `Action`
+that the loop carries out. Callback state goes into every checkpoint via `state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.actions import Action, Continue
+
+__all__ = ["Callback", "EvalState", "FitState", "StepState"]
+
+
+@dataclass(frozen=True)
+class StepState:
+    step: int  # 1-based: this step's update makes it the step-th
+    batch_index: int  # the global batch index this step trained on
+    loss: float  # ce + z-loss term
+    ce: float
+    grad_norm: float  # before clipping
+    clip_factor: float  # 1.0 when not clipped
+    lr: float  # peak-group LR this step
+    tokens: int  # tokens seen including this step
+    nonfinite: bool  # loss or gradient not finite: the update is refused
+    applied: bool = False  # set for post_step: whether the update was applied
+    action: str = "continue"
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalState:
+    step: int
+    val_loss: float
+
+
+@dataclass(frozen=True)
+class FitState:
+    run_id: str
+    run_dir: str
+    step: int
+    max_steps: int
+    config: Mapping[str, Any]
+
+
+class Callback:
+    """Override what you need; lower `priority` runs later."""
+
+    priority: int = 0
+
+    def on_fit_start(self, state: FitState) -> None:
+        """Before the first step (also after a resume)."""
+
+    def pre_update(self, state: StepState) -> Action:
+        """After backward, before the update: Continue, SkipUpdate or Rollback."""
+        return Continue()
+
+    def post_step(self, state: StepState) -> None:
+        """After the step's outcome is settled."""
+
+    def on_eval(self, state: EvalState) -> None:
+        """After each validation pass."""
+
+    def on_fit_end(self, state: FitState) -> None:
+        """After the last step, also on a clean early stop."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""

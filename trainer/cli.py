@@ -1,0 +1,105 @@
+"""`spikewatch`: one entry point, subcommands. Thin: parse, load config, build, call fit()."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+log = logging.getLogger("trainer")
+
+
+def _set_cpu_env() -> None:
+    """Before torch is imported: with 2 cores, OpenMP's spinning threads cost 10x (ARCHITECTURE)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _configure_logging(verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    pkg = logging.getLogger("trainer")
+    pkg.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not pkg.handlers:
+        pkg.addHandler(RichHandler(show_path=False, console=None))
+    pkg.propagate = False
+
+
+def _write_json(path: str, obj: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+    tmp.replace(p)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import load_config
+    from trainer.loop import fit
+    from trainer.progress import ProgressBar
+
+    cfg = load_config(args.config, args.set)
+    callbacks = [ProgressBar()] if cfg.train.progress else []
+    result = fit(cfg, run_dir=args.run_dir, callbacks=callbacks)
+    log.info(
+        "done: %d steps, train loss %.4f, val loss %.4f, run dir %s",
+        result.steps,
+        result.final_train_loss,
+        result.final_val_loss,
+        result.run_dir,
+    )
+    if args.summary_json:
+        _write_json(args.summary_json, result.summary())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from trainer.config import CONFIG_DIR
+
+    args.config = str(CONFIG_DIR / "demo.toml")
+    return cmd_train(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spikewatch", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a GPT from a TOML config")
+    train.add_argument("config", help="TOML config (a path, or a preset name in trainer/configs)")
+    demo = sub.add_parser("demo", help="a short training of trainer/configs/demo.toml")
+    for p in (train, demo):
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)",
+        )
+        p.add_argument("--run-dir", default=None, help="run directory (default runs/<run id>)")
+        p.add_argument("--summary-json", default=None, help="write the run summary here")
+    train.set_defaults(func=cmd_train)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _set_cpu_env()
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    from trainer.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"spikewatch: {e}", file=sys.stderr)  # noqa: T201 - the CLI's own error output
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Typed run configuration: one pydantic model per component, composed into `TrainConfig`.
+
+Precedence is CLI `--set` > TOML file > defaults. Unknown keys and bad values are errors that
+name the dotted key and, where the type is a choice, the allowed values. "Disabled" is `None`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LoopConfig",
+    "MixtureStage",
+    "ModelConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size (256 for byte-level tokens).")
+    n_layer: int = Field(2, ge=1, description="Number of transformer blocks.")
+    n_head: int = Field(4, ge=1, description="Attention heads per block.")
+    d_model: int = Field(128, ge=8, description="Residual stream width; divisible by n_head.")
+    max_seq_len: int = Field(1024, ge=1, description="Longest sequence the RoPE table covers.")
+    mlp_ratio: float = Field(
+        4.0, gt=0, description="SwiGLU hidden size is 2/3 * mlp_ratio * d_model, rounded to 8."
+    )
+    qk_norm: bool = Field(False, description="RMSNorm on queries and keys per head (QK-norm).")
+    z_loss: float | None = Field(
+        None, ge=0, description="Coefficient on mean log^2 Z of the logits (PaLM); None = off."
+    )
+    attn_softcap: float | None = Field(
+        None, gt=0, description="Soft-cap c*tanh(s/c) on attention logits; None = off."
+    )
+    final_softcap: float | None = Field(
+        None, gt=0, description="Soft-cap c*tanh(x/c) on output logits; None = off."
+    )
+    norm_placement: Literal["pre", "reordered"] = Field(
+        "pre", description="'pre': x + f(norm(x)); 'reordered' (OLMo 2): x + norm(f(x))."
+    )
+    tie_embeddings: bool = Field(False, description="Share the token embedding and output head.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal init of weight matrices.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm.")
+    attention: Literal["auto", "sdpa", "eager", "chunked"] = Field(
+        "auto",
+        description=(
+            "Attention backend. 'auto' uses SDPA when no max logit is needed and no attention "
+            "soft-cap is set, else 'chunked'. 'eager' materialises QK^T; 'chunked' is blockwise."
+        ),
+    )
+    attn_chunk: int = Field(128, ge=1, description="Query block size of the chunked backend.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("head dim d_model/n_head must be even for RoPE")
+        if self.attention == "sdpa" and self.attn_softcap is not None:
+            raise ValueError("attention='sdpa' cannot apply attn_softcap; use 'chunked' or 'eager'")
+        return self
+
+
+CorpusName = Literal["text", "code"]
+
+
+class MixtureStage(_Section):
+    until_step: int | None = Field(
+        None, ge=1, description="This stage applies to steps < until_step; None = to the end."
+    )
+    weights: dict[CorpusName, float] = Field(
+        description="Sampling weight per corpus ('text' = Shakespeare, 'code' = Python stdlib)."
+    )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> MixtureStage:
+        if any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
+            raise ValueError("mixture weights must be >= 0 with a positive sum")
+        return self
+
+
+class DataConfig(_Section):
+    seq_len: int = Field(128, ge=2, description="Tokens per training sequence.")
+    batch_size: int = Field(16, ge=1, description="Sequences per optimizer step (global batch).")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward/backward; None = batch_size (no accum.)."
+    )
+    val_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Fraction of documents held out for validation."
+    )
+    code_max_bytes: int = Field(
+        4_000_000, ge=10_000, description="Cap on the bytes of stdlib source read for 'code'."
+    )
+    stages: list[MixtureStage] = Field(
+        default_factory=lambda: [MixtureStage(weights={"text": 1.0})],
+        description="Mixture stages in order; the stage is a pure function of the step.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        micro = self.micro_batch_size or self.batch_size
+        if self.batch_size % micro:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of micro_batch_size={micro}"
+            )
+        if not self.stages:
+            raise ValueError("stages must hold at least one stage")
+        ends = [s.until_step for s in self.stages]
+        if ends[-1] is not None or any(e is None for e in ends[:-1]):
+            raise ValueError("only the last mixture stage may (and must) have until_step = None")
+        if ends[:-1] != sorted(ends[:-1]):
+            raise ValueError("mixture stages must be ordered by until_step")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "muon", "muonclip"] = Field(
+        "adamw", description="adamw; muon (Moonlight form, AdamW for non-matrix params); muonclip."
+    )
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (shared by Muon and AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        0.1, ge=0, description="Decoupled weight decay; never on embeddings, norms or gains."
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon Nesterov momentum.")
+    ns_steps: int = Field(5, ge=1, description="Newton-Schulz iterations of Muon.")
+    qk_clip_tau: float | None = Field(
+        None,
+        gt=0,
+        description="QK-Clip threshold on the per-head max logit (any optimizer); None = off. "
+        "muonclip defaults it to 100.",
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Global gradient-norm clipping threshold; None = off."
+    )
+
+    @model_validator(mode="after")
+    def _muonclip_tau(self) -> OptimConfig:
+        for b in self.betas:
+            if not 0 <= b < 1:
+                raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.name == "muonclip" and self.qk_clip_tau is None:
+            self.qk_clip_tau = 100.0
+        return self
+
+
+class ScheduleConfig(_Section):
+    name: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="cosine: warmup + cosine to the floor; wsd: warmup-stable-decay."
+    )
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps from 0 to the peak LR.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Floor as a fraction of the peak.")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="WSD: fraction of max_steps spent in the final decay."
+    )
+
+
+class EvalConfig(_Section):
+    interval: int | None = Field(
+        50, ge=1, description="Evaluate every N steps (and at the end); None = only at the end."
+    )
+    batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    batch_size: int | None = Field(None, ge=1, description="None = data.micro_batch_size.")
+
+
+class LoopConfig(_Section):
+    max_steps: int = Field(200, ge=1, description="Optimizer steps; the schedule targets this.")
+    stop_after: int | None = Field(
+        None, ge=1, description="End cleanly after this step, as a preemption would; None = run on."
+    )
+    seed: int = Field(0, ge=0, description="Seed of init, sampler and every RNG.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bfloat16 runs forward/backward under autocast; master weights fp32."
+    )
+    num_threads: int | None = Field(
+        1, ge=1, description="torch CPU threads (1 is fastest on small machines); None = torch's."
+    )
+    progress: bool = Field(True, description="Show a live progress bar.")
+
+
+class TrainConfig(_Section):
+    name: str = Field("run", min_length=1, description="Run name; prefixes the run id.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model switches.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation.")
+    train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
+
+    @model_validator(mode="after")
+    def _cross(self) -> TrainConfig:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}"
+            )
+        if self.schedule.warmup_steps >= self.train.max_steps:
+            raise ValueError(
+                f"schedule.warmup_steps={self.schedule.warmup_steps} must be < "
+                f"train.max_steps={self.train.max_steps}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<config>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'; allowed: {_allowed_keys(e['loc'][:-1])}")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{key}: {e['msg']}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> str:
+    cls: type[BaseModel] = TrainConfig
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return "see trainer/config.py"
+        cls = ann
+    return ", ".join(sorted(cls.model_fields))
+
+
+def _parse_value(text: str) -> Any:
+    """TOML literal if it parses (1e-3, true, [1, 2], "s"), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b=value` applied; the key path must exist."""
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        parts = key.strip().split(".")
+        cls: type[BaseModel] = TrainConfig
+        node = out
+        for i, part in enumerate(parts):
+            if part not in cls.model_fields:
+                where = ".".join(parts[:i]) or "<top level>"
+                raise ConfigError(
+                    f"unknown key '{key}' in --set; allowed in {where}: "
+                    f"{', '.join(sorted(cls.model_fields))}"
+                )
+            if i == len(parts) - 1:
+                node[part] = _parse_value(value)
+                break
+            ann = cls.model_fields[part].annotation
+            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+                raise ConfigError(f"'{'.'.join(parts[: i + 1])}' is a value, not a section")
+            cls = ann
+            node = node.setdefault(part, {})
+    return out
+
+
+def _find_config(p: Path) -> Path:
+    """A path as given, else a preset in trainer/configs by file name or by bare name."""
+    for candidate in (p, CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.toml"):
+        if candidate.is_file():
+            return candidate
+    return p
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load a TOML file (or the defaults), apply `--set` overrides and validate everything."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = _find_config(Path(path))
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return validate_config(apply_overrides(raw, overrides or []))
+
+
+def validate_config(raw: dict[str, Any]) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None

@@ -1,0 +1,97 @@
+"""One training step's arithmetic: forward/backward over micro-batches, clipping, the update.
+
+The loop decides *whether* to apply an update; these functions only compute. Everything stays on
+device: the loop makes the step's single host transfer from what `forward_backward` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from trainer.model import GPT
+from trainer.optim import qk_clip
+
+__all__ = ["StepTensors", "apply_update", "forward_backward"]
+
+
+@dataclass
+class StepTensors:
+    """Device tensors of one step, before the host transfer."""
+
+    loss: torch.Tensor  # () mean over micro-batches of ce + z-loss term
+    ce: torch.Tensor  # ()
+    grad_norm: torch.Tensor  # () global, before clipping
+    clip_factor: torch.Tensor  # () min(1, max_norm / norm)
+    z_mean: torch.Tensor | None  # ()
+    attn_max: torch.Tensor | None  # (L, nh) over the whole global batch
+
+    def scalars(self) -> list[torch.Tensor]:
+        out = [self.loss, self.ce, self.grad_norm, self.clip_factor]
+        return out + ([self.z_mean] if self.z_mean is not None else [])
+
+
+def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    model: GPT,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    micro_batch: int,
+    dtype: str,
+    need_attn_max: bool,
+    grad_clip: float | None,
+) -> StepTensors:
+    """x, y: (B, T). Accumulates gradients of the mean loss over B; clips them in place."""
+    n_micro = x.size(0) // micro_batch
+    loss_sum = x.new_zeros((), dtype=torch.float32)
+    ce_sum = torch.zeros_like(loss_sum)
+    z_sum: torch.Tensor | None = None
+    attn_max: torch.Tensor | None = None
+    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch), strict=True):
+        with _autocast(x.device, dtype):
+            out = model(xm, ym, need_attn_max=need_attn_max)
+        (out.loss / n_micro).backward()
+        loss_sum += out.loss.detach()
+        ce_sum += out.ce
+        if out.z_mean is not None:
+            z_sum = out.z_mean if z_sum is None else z_sum + out.z_mean
+        if out.attn_max is not None:
+            attn_max = out.attn_max if attn_max is None else torch.maximum(attn_max, out.attn_max)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+        factor = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        factor = torch.ones_like(norm)
+    return StepTensors(
+        loss=loss_sum / n_micro,
+        ce=ce_sum / n_micro,
+        grad_norm=norm,
+        clip_factor=factor,
+        z_mean=None if z_sum is None else z_sum / n_micro,
+        attn_max=attn_max,
+    )
+
+
+def apply_update(
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    lr_mult: float,
+    attn_max: torch.Tensor | None,
+    qk_clip_tau: float | None,
+) -> None:
+    """Set this step's LR on every group, step the optimizer, then QK-Clip if asked."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * lr_mult
+    optimizer.step()
+    if qk_clip_tau is not None and attn_max is not None:
+        qk_clip(model.attention_modules(), attn_max, qk_clip_tau)

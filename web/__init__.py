@@ -1,0 +1,1 @@
+"""spikewatch dashboard (FastAPI + Plotly)."""
