@@ -35,11 +35,13 @@ def _block(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of a query block over keys; also the block's max logit per (B, nh)."""
     s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, Tq, Tk)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    m = s.detach().amax(dim=(-2, -1)) if want_max else None  # (B, nh)
     if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
+        capped = softcap * torch.tanh(s / softcap)
+    if mask is not None:  # mask after the cap: tanh(-inf) = -1 would un-mask the future
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.detach().amax(dim=(-2, -1)) if want_max else None  # (B, nh), the pre-cap logit
+    if softcap is not None:
+        s = capped if mask is None else capped.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(v.dtype)
     return p @ v, m  # (B, nh, Tq, hs)
 

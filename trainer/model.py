@@ -151,7 +151,9 @@ class GPT(nn.Module):
             x, mx = block(x, cos, sin, backend, need_attn_max)
             if mx is not None:
                 maxes.append(mx.amax(dim=0))  # (nh,)
-        logits = self.lm_head(self.norm_f(x)).float()  # (B, T, V)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the loss in fp32 under autocast
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
             logits = c * torch.tanh(logits / c)
