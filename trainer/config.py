@@ -255,7 +255,9 @@ def _allowed_keys(loc: tuple[Any, ...]) -> str:
 
 
 def _parse_value(text: str) -> Any:
-    """TOML literal if it parses (1e-3, true, [1, 2], "s"), else the raw string."""
+    """TOML literal if it parses (1e-3, true, [1, 2], "s"); none/null = None; else the string."""
+    if text.strip().lower() in ("none", "null"):
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -40,6 +40,11 @@ def test_overrides_are_typed() -> None:
     assert cfg.optim.betas == (0.8, 0.9)
 
 
+def test_none_disables_an_optional_setting() -> None:
+    cfg = load_config("tiny_cpu", ["optim.grad_clip=none", "eval.interval=null"])
+    assert cfg.optim.grad_clip is None and cfg.eval.interval is None
+
+
 def test_override_beats_file_beats_default() -> None:
     assert load_config(None).train.max_steps == 200
     assert load_config("tiny_cpu").train.max_steps == 250

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -31,8 +29,9 @@ def test_adamw_groups_exempt_embeddings_and_gains_from_weight_decay() -> None:
     no_decay = _names(model, groups["no_decay"])
     decay = _names(model, groups["decay"])
     assert "wte.weight" in no_decay and "norm_f.weight" in no_decay
-    assert all(n == "wte.weight" or p.ndim == 1 for n, p in model.named_parameters()
-               if n in no_decay)
+    assert all(
+        n == "wte.weight" or p.ndim == 1 for n, p in model.named_parameters() if n in no_decay
+    )
     assert "lm_head.weight" in decay and "blocks.0.attn.q_proj.weight" in decay
     assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
     assert decay | no_decay == set(dict(model.named_parameters()))
@@ -65,7 +64,9 @@ def test_adamw_path_matches_torch_adamw() -> None:
         rest = [p for n, p in m.named_parameters() if p.ndim < 2 or n.startswith("wte")]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-            lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            eps=1e-8,
         )
 
     ref = _run_steps(reference, _model())
@@ -78,8 +79,9 @@ def test_muon_adamw_groups_match_torch_adamw() -> None:
     p1 = torch.nn.Parameter(torch.randn(10))
     p2 = torch.nn.Parameter(p1.detach().clone())
     ours = Muon([{"params": [p1], "weight_decay": 0.05}], lr=3e-2)
-    ref = torch.optim.AdamW([p2], lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05,
-                            foreach=False)
+    ref = torch.optim.AdamW(
+        [p2], lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, foreach=False
+    )
     for i in range(8):
         g = torch.randn(10, generator=torch.Generator().manual_seed(i))
         p1.grad, p2.grad = g.clone(), g.clone()
@@ -134,8 +136,9 @@ def test_qk_clip_brings_every_head_to_tau_and_leaves_the_rest() -> None:
     after = _max_logits(model, x, y)
     over = before[0] > tau
     assert over.any() and not over.all()
-    torch.testing.assert_close(after[0][over], torch.full_like(after[0][over], tau), rtol=1e-4,
-                               atol=0)
+    torch.testing.assert_close(
+        after[0][over], torch.full_like(after[0][over], tau), rtol=1e-4, atol=0
+    )
     torch.testing.assert_close(after[0][~over], before[0][~over])  # layer 0's input is unchanged
     rows = attn0.q_proj.weight.view(4, 8, -1)
     torch.testing.assert_close(rows[~over], q_before.view(4, 8, -1)[~over], rtol=0, atol=0)
@@ -155,8 +158,9 @@ def test_muonclip_step_bounds_recomputed_max_logit() -> None:
     opt = build_optimizer(model, OptimConfig(name="muonclip", lr=1e-4, qk_clip_tau=tau))
     x, y = _batch()
     assert _max_logits(model, x, y).max() > 5 * tau
-    t = forward_backward(model, x, y, micro_batch=4, dtype="float32", need_attn_max=True,
-                         grad_clip=1.0)
+    t = forward_backward(
+        model, x, y, micro_batch=4, dtype="float32", need_attn_max=True, grad_clip=1.0
+    )
     apply_update(model, opt, 1.0, t.attn_max, tau)
     assert _max_logits(model, x, y).max() <= tau * 1.02
 
@@ -169,7 +173,8 @@ def test_qk_clip_works_with_adamw() -> None:
         model.blocks[1].attn.q_proj.weight.mul_(50)
     opt = build_optimizer(model, OptimConfig(name="adamw", lr=1e-3, qk_clip_tau=5.0))
     x, y = _batch()
-    t = forward_backward(model, x, y, micro_batch=4, dtype="float32", need_attn_max=True,
-                         grad_clip=None)
+    t = forward_backward(
+        model, x, y, micro_batch=4, dtype="float32", need_attn_max=True, grad_clip=None
+    )
     apply_update(model, opt, 1.0, t.attn_max, 5.0)
     assert _max_logits(model, x, y).max() <= 5.0 * 1.02

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from trainer.cli import main
+
+
+def _train(tmp_path, name: str, *sets: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    args = [
+        "train",
+        "tiny_cpu",
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.progress=false",
+        "--run-dir",
+        str(tmp_path / name),
+        "--summary-json",
+        str(out),
+    ]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_two_cli_runs_give_identical_final_train_loss(tmp_path) -> None:
+    a, b = _train(tmp_path, "a"), _train(tmp_path, "b")
+    assert a["final_train_loss"] == b["final_train_loss"]
+    assert a["final_val_loss"] == b["final_val_loss"]
+    for key in (
+        "run_id",
+        "steps",
+        "final_train_loss",
+        "final_val_loss",
+        "tokens",
+        "interventions",
+        "config",
+    ):
+        assert key in a
+    assert a["steps"] == 30 and a["interventions"] == []
+    assert a["config"]["train"]["max_steps"] == 30
+
+
+def test_cli_muonclip_runs(tmp_path) -> None:
+    s = _train(tmp_path, "mc", "optim.name=muonclip")
+    assert s["config"]["optim"]["name"] == "muonclip"
+    assert s["config"]["optim"]["qk_clip_tau"] == 100.0
+    assert s["final_train_loss"] < 3.5
+
+
+def test_cli_bad_config_exits_2_with_the_key(tmp_path, capsys) -> None:
+    assert main(["train", "tiny_cpu", "--set", "optim.lr=-1"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    assert main(["train", "tiny_cpu", "--set", "optim.nme=adamw"]) == 2
+    assert "unknown key 'optim.nme'" in capsys.readouterr().err
+
+
+def test_console_script_is_installed(tmp_path) -> None:
+    exe = os.path.join(os.path.dirname(sys.executable), "spikewatch")
+    out = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, check=True)
+    assert "--summary-json" in out.stdout
