@@ -39,13 +39,26 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.config import load_config
+    from trainer.config import ConfigError, load_config
     from trainer.loop import fit
     from trainer.progress import ProgressBar
 
-    cfg = load_config(args.config, args.set)
+    run_dir = args.run_dir
+    if args.resume:
+        if run_dir and Path(run_dir) != Path(args.resume):
+            raise ConfigError("--resume RUN_DIR and --run-dir name different directories")
+        run_dir = args.resume
+        if not (Path(run_dir) / "checkpoints").is_dir():
+            raise ConfigError(f"--resume {run_dir}: no checkpoints directory there")
+    config = args.config
+    if config is None:
+        if not args.resume:
+            raise ConfigError("a CONFIG is required unless --resume names a run directory")
+        config = Path(run_dir) / "config.json"
+        args.set = ["train.stop_after=none", *args.set]  # the stop that ended it is no setting
+    cfg = load_config(config, args.set)
     callbacks = [ProgressBar()] if cfg.train.progress else []
-    result = fit(cfg, run_dir=args.run_dir, callbacks=callbacks)
+    result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
     log.info(
         "done: %d steps, train loss %.4f, val loss %.4f, run dir %s",
         result.steps,
@@ -55,6 +68,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if args.summary_json:
         _write_json(args.summary_json, result.summary())
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from trainer.young_daly import daly, overhead, parse_duration, young
+
+    mtbf, cost = parse_duration(args.mtbf), parse_duration(args.save_cost)
+    rows = [("Young", young(cost, mtbf)), ("Daly", daly(cost, mtbf))]
+    out = {"mtbf_s": mtbf, "save_cost_s": cost}
+    for name, t in rows:
+        print(  # noqa: T201 - the command's output
+            f"{name:>5}: checkpoint every {t / 60:.1f} min "
+            f"(expected overhead {100 * overhead(t, cost, mtbf):.1f}% of wall time)"
+        )
+        out[f"{name.lower()}_interval_s"] = t
+        out[f"{name.lower()}_overhead"] = overhead(t, cost, mtbf)
+    if args.json:
+        print(json.dumps(out))  # noqa: T201
     return 0
 
 
@@ -71,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a GPT from a TOML config")
-    train.add_argument("config", help="TOML config (a path, or a preset name in trainer/configs)")
+    train.add_argument(
+        "config", nargs="?", help="TOML config (a path, or a preset name in trainer/configs)"
+    )
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue from the newest intact checkpoint there"
+    )
     demo = sub.add_parser("demo", help="a short training of trainer/configs/demo.toml")
     for p in (train, demo):
         p.add_argument(
@@ -84,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", default=None, help="run directory (default runs/<run id>)")
         p.add_argument("--summary-json", default=None, help="write the run summary here")
     train.set_defaults(func=cmd_train)
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, resume=None)
+
+    advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
+    advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")
+    advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
+    advise.add_argument("--json", action="store_true", help="also print a JSON line")
+    advise.set_defaults(func=cmd_advise)
     return parser
 
 
@@ -92,13 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_env()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
+    from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
 
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"spikewatch: {e}", file=sys.stderr)  # noqa: T201 - the CLI's own error output
         return 2
+    except CheckpointError as e:
+        print(f"spikewatch: {e}", file=sys.stderr)  # noqa: T201
+        return 3
 
 
 if __name__ == "__main__":

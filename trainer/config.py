@@ -9,11 +9,19 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "EvalConfig",
@@ -187,6 +195,32 @@ class EvalConfig(_Section):
     batch_size: int | None = Field(None, ge=1, description="None = data.micro_batch_size.")
 
 
+class CheckpointConfig(_Section):
+    interval: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        None,
+        description="Save every N steps; 'auto' = Young/Daly from the measured save time and "
+        "mtbf_hours; None = no checkpoints (and no rollback).",
+    )
+    keep_last: int = Field(
+        2, ge=2, description="Newest checkpoints always kept (the newest may still be writing)."
+    )
+    async_save: bool = Field(
+        False, description="Copy to host, write in a background thread (one save in flight)."
+    )
+    mtbf_hours: float = Field(
+        24.0, gt=0, description="Mean time between failures, for interval = 'auto'."
+    )
+    fsync: bool = Field(True, description="fsync files and directories before the rename.")
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _auto_word(cls, v: object) -> object:
+        ok = v is None or v == "auto" or (type(v) is int and v >= 1)
+        if not ok:
+            raise ValueError(f"interval must be a positive integer, 'auto' or none, got {v!r}")
+        return v
+
+
 class LoopConfig(_Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps; the schedule targets this.")
     stop_after: int | None = Field(
@@ -210,6 +244,9 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints and retention."
+    )
     train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
 
     @model_validator(mode="after")
@@ -301,16 +338,19 @@ def _find_config(p: Path) -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Load a TOML file (or the defaults), apply `--set` overrides and validate everything."""
+    """Load a TOML file (a resolved .json one too), apply `--set` overrides, validate it all."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = _find_config(Path(path))
         try:
-            raw = tomllib.loads(p.read_text())
+            text = p.read_text()
+            raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from None
     return validate_config(apply_overrides(raw, overrides or []))
 
 

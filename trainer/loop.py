@@ -12,6 +12,8 @@ import logging
 import math
 import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -25,14 +27,20 @@ import torch
 from trainer import metric_names as M
 from trainer.actions import Action, Continue, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, EvalState, FitState, StepState
-from trainer.config import TrainConfig
+from trainer.checkpoint import CheckpointError, read_checkpoint
+from trainer.checkpointer import Checkpointer
+from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.schedule import lr_multiplier
+from trainer.snapshot import build_snapshot, restore
 from trainer.step import StepTensors, apply_update, forward_backward
 
 __all__ = ["FitResult", "Trainer", "build_trainer", "fit"]
+
+# Settings a resume may change: they do not touch the arithmetic of the run.
+RESUMABLE_KEYS = {"train.stop_after", "train.progress", "checkpoint.async_save"}
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,7 @@ class Trainer:
         run_id: str,
         run_dir: Path,
         device: torch.device,
+        checkpointer: Checkpointer,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -117,11 +126,14 @@ class Trainer:
         self.run_id = run_id
         self.run_dir = run_dir
         self.device = device
+        self.checkpointer = checkpointer
         self.step = 0
         self.tokens = 0
         self.lr_scale = 1.0
         self.interventions: list[dict[str, Any]] = []
-        self.train_losses: list[float] = []
+        self.history: list[tuple[int, float]] = []  # (step, ce) of the live branch
+        self.stop_requested = False
+        self.seconds_per_step = 0.0
         self.val_losses: list[tuple[int, float]] = []
         self.metric_names: set[str] = set()
 
@@ -129,18 +141,51 @@ class Trainer:
     def fit(self) -> FitResult:
         cfg = self.cfg
         last = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
-        fit_state = self._fit_state()
         for cb in self.callbacks:
-            cb.on_fit_start(fit_state)
-        t0 = time.perf_counter()
-        while self.step < last:
-            self._train_step()
-            if self._eval_due(last):
-                self._evaluate()
+            cb.on_fit_start(self._fit_state())
+        t0, start_step = time.perf_counter(), self.step
+        with _stop_on_signals(self):
+            try:
+                if self.checkpointer.enabled and self.checkpointer.latest() is None:
+                    self._save()  # the step-0 anchor: an early spike can roll back to it
+                while self.step < last and not self.stop_requested:
+                    self._train_step()
+                    if self._eval_due(last):
+                        self._evaluate()
+                    self.seconds_per_step = (time.perf_counter() - t0) / max(
+                        1, self.step - start_step
+                    )
+                    if self.checkpointer.due(self.step, self.seconds_per_step):
+                        self._save()
+                if self.stop_requested:
+                    log.warning("stopping at step %d on request", self.step)
+                    if not self.val_losses or self.val_losses[-1][0] != self.step:
+                        self._evaluate()
+                if self.checkpointer.enabled and self.checkpointer.last_saved != self.step:
+                    self._save()
+            finally:
+                self.checkpointer.wait()
         elapsed = time.perf_counter() - t0
         for cb in self.callbacks:
             cb.on_fit_end(self._fit_state())
         return self._result(elapsed)
+
+    def _save(self) -> None:
+        stall = self.checkpointer.save(self.step, lambda stage: build_snapshot(self, stage))
+        log.debug("checkpoint at step %d (loop blocked %.3fs)", self.step, stall)
+
+    def resume(self) -> int:
+        """Continue from the newest intact checkpoint in the run directory; returns its step."""
+        found = self.checkpointer.latest()
+        if found is None:
+            raise CheckpointError(f"no intact checkpoint under {self.checkpointer.root}")
+        step, path = found
+        loaded = read_checkpoint(path, map_location=self.device)
+        _check_resumable(self.cfg, loaded["config.json"], path)
+        restore(self, loaded, resume=True)
+        self.checkpointer.last_saved = step
+        log.info("resumed from %s", path)
+        return step
 
     def _train_step(self) -> None:
         cfg, step = self.cfg, self.step + 1
@@ -164,7 +209,7 @@ class Trainer:
             apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
         self.optimizer.zero_grad(set_to_none=True)
         self.step, self.tokens = step, state.tokens
-        self.train_losses.append(state.ce)
+        self.history.append((step, state.ce))
         done = replace(state, applied=isinstance(action, Continue), action=_action_name(action))
         for cb in self.callbacks:
             cb.post_step(done)
@@ -224,10 +269,31 @@ class Trainer:
         return action
 
     def _rollback(self, action: Rollback) -> None:
-        raise RuntimeError(
-            f"a callback asked for Rollback(to_step={action.to_step}) but this trainer keeps no "
-            "checkpoints to restore; rollback is carried out once checkpointing is configured"
+        """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip."""
+        if not self.checkpointer.enabled:
+            raise RuntimeError(
+                f"Rollback(to_step={action.to_step}) needs checkpoints: set checkpoint.interval"
+            )
+        found = self.checkpointer.latest(at_most=action.to_step)
+        if found is None:
+            raise CheckpointError(f"no intact checkpoint at or before step {action.to_step}")
+        step, path = found
+        from_step = self.step
+        restore(self, read_checkpoint(path, map_location=self.device), resume=False)
+        dropped = self.checkpointer.drop_after(step)
+        self.checkpointer.pin(step, "rollback target")
+        self.checkpointer.last_saved = step
+        for start, end in action.skip_ranges:
+            self.data_state.add_skip(start, end)
+        self.lr_scale *= action.lr_scale
+        self.interventions[-1].update(
+            from_step=from_step,
+            to_step=step,
+            skip_ranges=[list(r) for r in action.skip_ranges],
+            lr_scale=action.lr_scale,
+            dropped_checkpoints=dropped,
         )
+        log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
@@ -267,12 +333,12 @@ class Trainer:
             run_id=self.run_id,
             run_dir=str(self.run_dir),
             steps=self.step,
-            final_train_loss=self.train_losses[-1] if self.train_losses else math.nan,
+            final_train_loss=self.history[-1][1] if self.history else math.nan,
             final_val_loss=self.val_losses[-1][1] if self.val_losses else math.nan,
             tokens=self.tokens,
             config=self.cfg.to_dict(),
             interventions=list(self.interventions),
-            train_losses=list(self.train_losses),
+            train_losses=[v for _, v in self.history],
             val_losses=list(self.val_losses),
             elapsed_s=elapsed,
             metric_names=sorted(self.metric_names),
@@ -284,18 +350,24 @@ def build_trainer(
     *,
     run_dir: str | Path | None = None,
     callbacks: Sequence[Callback] = (),
+    resume: bool = False,
 ) -> Trainer:
-    """Seed, pick the device and threads, build model, optimizer and sampler, make the run dir."""
+    """Seed, pick the device and threads, build model, optimizer and sampler, make the run dir;
+    with `resume`, load the newest intact checkpoint of `run_dir`."""
     device = resolve_device(cfg.train.device)
     if device.type == "cpu" and cfg.train.num_threads is not None:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
+    if resume and run_dir is None:
+        raise ValueError("resume needs the run directory")
     run_id = Path(run_dir).name if run_dir else new_run_id(cfg.name)
     path = Path(run_dir) if run_dir else Path("runs") / run_id
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     model = build_model(cfg.model, cfg.train.seed, device)
-    return Trainer(
+    checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
+    checkpointer.open()
+    trainer = Trainer(
         cfg=cfg,
         model=model,
         optimizer=build_optimizer(model, cfg.optim),
@@ -305,10 +377,60 @@ def build_trainer(
         run_id=run_id,
         run_dir=path,
         device=device,
+        checkpointer=checkpointer,
     )
+    if resume:
+        trainer.resume()
+    return trainer
 
 
 def fit(
-    cfg: TrainConfig, *, run_dir: str | Path | None = None, callbacks: Sequence[Callback] = ()
+    cfg: TrainConfig,
+    *,
+    run_dir: str | Path | None = None,
+    callbacks: Sequence[Callback] = (),
+    resume: bool = False,
 ) -> FitResult:
-    return build_trainer(cfg, run_dir=run_dir, callbacks=callbacks).fit()
+    return build_trainer(cfg, run_dir=run_dir, callbacks=callbacks, resume=resume).fit()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (k == "weights"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
+    now, then = _flatten(cfg.to_dict()), _flatten(saved)
+    diff = sorted(
+        k for k in now.keys() | then.keys() if k not in RESUMABLE_KEYS and now.get(k) != then.get(k)
+    )
+    if diff:
+        shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
+        raise ConfigError(f"cannot resume {path}: the config differs in {shown}")
+
+
+class _stop_on_signals:
+    """SIGTERM / SIGINT end the run cleanly after the current step, with a checkpoint."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.saved: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.trainer.stop_requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.trainer.stop_requested = True
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.saved[sig] = signal.signal(sig, self._handler)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self.saved.items():
+            signal.signal(sig, old)

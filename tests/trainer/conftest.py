@@ -1,31 +1,22 @@
 from __future__ import annotations
 
-import pytest
-
 from trainer.config import TrainConfig, load_config
+
+TINY = (
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=32",
+    "model.max_seq_len=64",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "schedule.warmup_steps=2",
+    "train.max_steps=12",
+    "train.progress=false",
+    "eval.interval=6",
+    "eval.batches=2",
+)
 
 
 def tiny_config(*overrides: str) -> TrainConfig:
     """2 layers, d=32, T=32, B=8: a model small enough for many tests on 2 cores."""
-    base = [
-        "model.n_layer=2",
-        "model.n_head=4",
-        "model.d_model=32",
-        "model.max_seq_len=64",
-        "data.seq_len=32",
-        "data.batch_size=8",
-        "schedule.warmup_steps=2",
-        "train.max_steps=12",
-        "train.progress=false",
-        "eval.interval=6",
-        "eval.batches=2",
-    ]
-    return load_config(None, [*base, *overrides])
-
-
-@pytest.fixture
-def tiny() -> type:
-    class Factory:
-        __call__ = staticmethod(tiny_config)
-
-    return Factory()
+    return load_config(None, [*TINY, *overrides])

@@ -1,0 +1,80 @@
+"""SIGKILL at random moments, during steps and during checkpoint writes: every checkpoint on disk
+is intact or absent, and resuming reproduces the uninterrupted run bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import checkpoint as ck
+from trainer.loop import build_trainer
+
+from .conftest import tiny_config
+
+ARGS = ("checkpoint.interval=1", "train.max_steps=40", "eval.interval=none")
+REPO = Path(__file__).parents[2]
+
+
+def _launch(run_dir: Path) -> subprocess.Popen:
+    """The CLI in a subprocess, training exactly tiny_config(*ARGS) (written out as JSON)."""
+    cfg_file = run_dir.parent / f"{run_dir.name}.json"
+    cfg_file.write_text(json.dumps(tiny_config(*ARGS).to_dict()))
+    cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file), "--run-dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def _final_weights(run_dir: Path, resume: bool) -> dict[str, torch.Tensor]:
+    tr = build_trainer(tiny_config(*ARGS), run_dir=run_dir, resume=resume)
+    tr.fit()
+    return tr.model.state_dict()
+
+
+def _trial(tmp: Path, rng: random.Random, reference: dict, window: float) -> str:
+    proc = _launch(tmp)
+    first = tmp / "checkpoints" / "step00000000" / "meta.json"
+    deadline = time.monotonic() + 60
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0, window))
+    finished = proc.poll() is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for path in ck.list_checkpoints(tmp / "checkpoints").values():
+        ck.verify_checkpoint(path)  # raises if a torn checkpoint was ever published
+    has_any = ck.find_intact(tmp / "checkpoints") is not None
+    weights = _final_weights(tmp, resume=has_any)
+    for k, v in reference.items():
+        assert torch.equal(weights[k], v), k
+    return "finished" if finished else "killed"
+
+
+def _run_trials(tmp_path: Path, n: int, seed: int) -> list[str]:
+    reference = _final_weights(tmp_path / "reference", resume=False)
+    t0 = time.perf_counter()
+    _final_weights(tmp_path / "timing", resume=False)
+    window = 1.2 * (time.perf_counter() - t0)  # the kill lands anywhere in a run's lifetime
+    rng = random.Random(seed)
+    return [_trial(tmp_path / f"t{i}", rng, reference, window) for i in range(n)]
+
+
+def test_sigkill_always_resumes_from_an_intact_checkpoint(tmp_path) -> None:
+    outcomes = _run_trials(tmp_path, n=10, seed=0)
+    assert outcomes.count("killed") >= 5
+
+
+@pytest.mark.slow
+def test_sigkill_many_trials(tmp_path) -> None:
+    outcomes = _run_trials(tmp_path, n=60, seed=1)
+    assert outcomes.count("killed") >= 30

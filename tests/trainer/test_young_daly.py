@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer.cli import main
+from trainer.young_daly import daly, overhead, parse_duration, young
+
+
+def test_llama3_numbers() -> None:
+    """Llama 3: a failure every 3.1 h; a 5-minute save -> ~43 min (Young), ~40 min (Daly)."""
+    m, c = parse_duration("3.1h"), parse_duration("5min")
+    assert (m, c) == (3.1 * 3600, 300)
+    assert young(c, m) / 60 == pytest.approx(43.1, abs=0.1)
+    assert daly(c, m) / 60 == pytest.approx(39.9, abs=0.1)
+
+
+def test_formulas() -> None:
+    c, m = 30.0, 7200.0
+    r = math.sqrt(2 * c * m)
+    assert young(c, m) == pytest.approx(r)
+    assert daly(c, m) == pytest.approx(r * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m)) - c)
+    assert daly(5000, 100) == 100  # C >= 2M: checkpoint once per MTBF
+    assert overhead(r, c, m) == pytest.approx(c / r + (r + c) / (2 * m))
+
+
+def test_young_minimises_the_first_order_overhead() -> None:
+    c, m = 60.0, 36000.0
+    t = young(c, m)
+    assert overhead(t, c, m) < overhead(0.7 * t, c, m)
+    assert overhead(t, c, m) < overhead(1.4 * t, c, m)
+
+
+@pytest.mark.parametrize("bad", ["", "5 parsecs", "-3h", "h"])
+def test_parse_duration_rejects(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(bad)
+
+
+def test_advise_prints_43_minutes(capsys) -> None:
+    assert main(["advise", "--mtbf", "3.1h", "--save-cost", "5min"]) == 0
+    out = capsys.readouterr().out
+    assert "Young: checkpoint every 43.1 min" in out
+    assert "Daly: checkpoint every 39.9 min" in out

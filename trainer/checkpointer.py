@@ -1,0 +1,153 @@
+"""When to save, how (sync or one background save in flight), what to keep, and pins.
+
+The loop hands over a `Snapshot` builder; this class decides the timing (`checkpoint.interval`,
+or Young/Daly from the measured save cost with `interval = "auto"`), writes, prunes with the
+exponential retention of `retention.keep`, and never deletes a pinned checkpoint. Pins are kept
+in each checkpoint's meta.json, so they survive a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer import checkpoint as ck
+from trainer.config import CheckpointConfig
+from trainer.retention import keep
+from trainer.snapshot import Stager
+from trainer.young_daly import daly
+
+__all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+AUTO_FIRST_SAVE = 5  # with interval="auto", the first save (at this step) measures the cost
+
+
+class Checkpointer:
+    def __init__(self, root: Path, cfg: CheckpointConfig) -> None:
+        self.root = root
+        self.cfg = cfg
+        self.pins: dict[int, set[str]] = {}
+        self.last_saved: int | None = None
+        self.save_seconds: float | None = None  # what a save costs the loop (stall if async)
+        self.auto_interval: int | None = None
+        self._stager = Stager()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.interval is not None
+
+    def open(self) -> None:
+        """Clean half-written checkpoints of a killed process; load pins from disk."""
+        ck.clean_temporaries(self.root)
+        for step, path in ck.list_checkpoints(self.root).items():
+            try:
+                pins = ck.read_meta(path).get("pins", [])
+            except ck.CheckpointError:
+                continue
+            if pins:
+                self.pins[step] = set(pins)
+
+    # -- timing ---------------------------------------------------------------------------
+    def due(self, step: int, seconds_per_step: float) -> bool:
+        interval = self.cfg.interval
+        if interval is None:
+            return False
+        if interval != "auto":
+            return step % interval == 0
+        if self.save_seconds is None:
+            return step >= AUTO_FIRST_SAVE and self.last_saved in (None, 0)
+        self.auto_interval = self.interval_for(seconds_per_step)
+        return step - (self.last_saved or 0) >= self.auto_interval
+
+    def interval_for(self, seconds_per_step: float) -> int:
+        """Daly's interval in steps for the measured save cost and the configured MTBF."""
+        assert self.save_seconds is not None
+        cost = max(self.save_seconds, 1e-6)
+        seconds = daly(cost, self.cfg.mtbf_hours * 3600)
+        return max(1, round(seconds / max(seconds_per_step, 1e-9)))
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
+        """Save the state of `step`; returns how long the loop was blocked (seconds).
+
+        `build(stage)` makes the snapshot; with a stager every tensor is a host copy, so the
+        loop may go on mutating its own while a background thread writes.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        pins = {s: set(p) for s, p in self.pins.items()}
+        if self.cfg.async_save:
+            snap = build(self._stager)
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(snap, pins), name=f"ckpt-{step}", daemon=False
+            )
+            self._thread.start()
+        else:
+            self._write(build(None), pins)
+        stall = time.perf_counter() - t0
+        self.save_seconds = stall
+        self.last_saved = step
+        return stall
+
+    def _write_guarded(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        try:
+            self._write(snap, pins)
+        except BaseException as e:  # re-raised in the loop's thread by wait()
+            self._error = e
+
+    def _write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        snap.meta["pins"] = sorted(pins.get(snap.step, ()))
+        path = ck.write_checkpoint(self.root, snap, fsync=self.cfg.fsync)
+        log.debug("saved %s", path)
+        self._prune(snap.step, pins)
+
+    def _prune(self, now: int, pins: dict[int, set[str]]) -> None:
+        existing = ck.list_checkpoints(self.root)
+        kept = keep(existing, now, pins=pins, keep_last=self.cfg.keep_last)
+        for step, path in existing.items():
+            if step not in kept:
+                ck.delete_checkpoint(path)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background checkpoint save failed: {err}") from err
+
+    # -- pins and branches ----------------------------------------------------------------
+    def pin(self, step: int, reason: str) -> None:
+        """Protect the checkpoint of `step` from retention (now, or once it is written)."""
+        self.wait()
+        path = ck.step_dir(self.root, step)
+        exists = (path / ck.META).exists()
+        if not exists and self.last_saved is not None and step <= self.last_saved:
+            raise ck.CheckpointError(f"cannot pin step {step}: no checkpoint of it is kept")
+        self.pins.setdefault(step, set()).add(reason)
+        if exists:
+            ck.write_pins(path, sorted(self.pins[step]))
+
+    def drop_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step`: after a rollback they hold the abandoned branch,
+        and a later resume must never land on them."""
+        self.wait()
+        dropped = []
+        for s, path in ck.list_checkpoints(self.root).items():
+            if s > step:
+                ck.delete_checkpoint(path)
+                self.pins.pop(s, None)
+                dropped.append(s)
+        return dropped
+
+    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
+        self.wait()
+        return ck.find_intact(self.root, at_most)

@@ -1,0 +1,134 @@
+"""The trainer's complete state as a checkpoint `Snapshot`, and back.
+
+Complete means a resumed run is bitwise equal to an uninterrupted one: weights, optimizer state,
+the data position with its skip ranges, every RNG (python, numpy, torch CPU and CUDA), the
+counters, callback states and the resolved config. The LR schedule is a pure function of the
+step, so it needs only the step and the rollback LR scale.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from trainer.checkpoint import Snapshot
+from trainer.data import DataState
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
+
+__all__ = ["Stager", "build_snapshot", "restore"]
+
+
+class Stager:
+    """Host buffers reused from save to save: an async save copies into memory that is already
+    mapped (first-touch page faults cost more than the copy itself). The caller guarantees that
+    no earlier write still reads the buffers (one save in flight, joined before the next)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        return buf.copy_(t.detach())
+
+
+def _to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
+    """Tensors to CPU: staged copies with a `stage` (the live ones may change meanwhile), else
+    the tensors themselves (a synchronous save writes before training goes on)."""
+    if torch.is_tensor(obj):
+        return stage(key, obj) if stage is not None else obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_host(v, stage, f"{key}/{k}") for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
+    return obj
+
+
+def _rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensor states for rng.pt, JSON states for trainer.json)."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    py = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    json_states = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+    return tensors, json_states
+
+
+def _set_rng_states(tensors: dict[str, Any], states: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["cuda"])
+    v, keys, gauss = states["python"]
+    random.setstate((v, tuple(keys), gauss))
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def callback_key(i: int, cb: object) -> str:
+    return f"{i}:{type(cb).__name__}"
+
+
+def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
+    rng_tensors, rng_json = _rng_states()
+    state = {
+        "step": tr.step,
+        "tokens": tr.tokens,
+        "lr_scale": tr.lr_scale,
+        "run_id": tr.run_id,
+        "data_state": tr.data_state.to_dict(),
+        "interventions": tr.interventions,
+        "val_losses": tr.val_losses,
+        "rng": rng_json,
+        "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(tr.callbacks)},
+    }
+    last = tr.history[-1][1] if tr.history else None
+    return Snapshot(
+        step=tr.step,
+        torch_files={
+            # the largest first: its checksum then overlaps the writing of the next
+            "optimizer.pt": _to_host(tr.optimizer.state_dict(), stage, "optimizer"),
+            "model.pt": _to_host(tr.model.state_dict(), stage, "model"),
+            "rng.pt": rng_tensors,
+        },
+        json_files={"trainer.json": state, "config.json": tr.cfg.to_dict()},
+        meta={
+            "run_id": tr.run_id,
+            "loss": last,
+            "tokens": tr.tokens,
+            "data_state": tr.data_state.to_dict(),
+        },
+    )
+
+
+def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
+    """Load a checkpoint into `tr`. A resume takes everything back; a rollback keeps what the
+    run has learned since (interventions, skip ranges, LR scale, callback states)."""
+    state = loaded["trainer.json"]
+    tr.model.load_state_dict(loaded["model.pt"])
+    tr.optimizer.load_state_dict(loaded["optimizer.pt"])
+    _set_rng_states(loaded["rng.pt"], state["rng"])
+    tr.step, tr.tokens = state["step"], state["tokens"]
+    restored = DataState.from_dict(state["data_state"])
+    if resume:
+        tr.data_state = restored
+        tr.lr_scale = state["lr_scale"]
+        tr.interventions = list(state["interventions"])
+        tr.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
+        for i, cb in enumerate(tr.callbacks):
+            if (key := callback_key(i, cb)) in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][key])
+    else:
+        ranges = sorted(set(restored.skip_ranges) | set(tr.data_state.skip_ranges))
+        tr.data_state = DataState(restored.batch_index, ranges)
+        tr.val_losses = [(s, v) for s, v in tr.val_losses if s <= tr.step]
+    tr.history = [(s, v) for s, v in tr.history if s <= tr.step]
