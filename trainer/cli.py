@@ -21,12 +21,13 @@ def _set_cpu_env() -> None:
 
 
 def _configure_logging(verbose: bool) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
     pkg = logging.getLogger("trainer")
     pkg.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not pkg.handlers:
-        pkg.addHandler(RichHandler(show_path=False, console=None))
+        pkg.addHandler(RichHandler(show_path=False, console=Console(stderr=True)))
     pkg.propagate = False
 
 

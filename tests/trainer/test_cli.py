@@ -64,3 +64,21 @@ def test_console_script_is_installed(tmp_path) -> None:
     exe = os.path.join(os.path.dirname(sys.executable), "spikewatch")
     out = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, check=True)
     assert "--summary-json" in out.stdout
+
+
+def test_cli_stop_and_resume_is_bit_exact(tmp_path) -> None:
+    straight = _train(tmp_path, "straight", "checkpoint.interval=7")
+    _train(tmp_path, "split", "checkpoint.interval=7", "train.stop_after=12")
+    out = tmp_path / "resumed.json"
+    assert main(["train", "--resume", str(tmp_path / "split"), "--summary-json", str(out)]) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["steps"] == 30 and resumed["tokens"] == straight["tokens"]
+    assert resumed["final_train_loss"] == straight["final_train_loss"]
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
+
+
+def test_cli_resume_errors(tmp_path, capsys) -> None:
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoints directory" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "CONFIG is required" in capsys.readouterr().err

@@ -78,3 +78,23 @@ def test_sigkill_always_resumes_from_an_intact_checkpoint(tmp_path) -> None:
 def test_sigkill_many_trials(tmp_path) -> None:
     outcomes = _run_trials(tmp_path, n=60, seed=1)
     assert outcomes.count("killed") >= 30
+
+
+def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path) -> None:
+    reference = _final_weights(tmp_path / "reference", resume=False)
+    run = tmp_path / "run"
+    proc = _launch(run)
+    first = run / "checkpoints" / "step00000003" / "meta.json"
+    deadline = time.monotonic() + 60
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    step, path = ck.find_intact(run / "checkpoints")
+    assert 3 <= step <= 40
+    if step < 40:
+        assert b"stopping at step" in err
+    weights = _final_weights(run, resume=True)
+    for k, v in reference.items():
+        assert torch.equal(weights[k], v), k
