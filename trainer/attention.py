@@ -8,6 +8,7 @@ already has. The max is taken before any soft-cap: it is the logit QK-Clip bound
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,11 +19,18 @@ __all__ = ["attention", "max_logits"]
 Backend = str  # "sdpa" | "eager" | "chunked"
 
 
+@functools.lru_cache(maxsize=256)
 def _causal_mask(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(q_len, k_len) bool, True where query q_start+i may attend to key j."""
+    """(q_len, k_len) bool, True where query q_start+i may attend to key j. Cached: the same
+    few shapes recur every step, and building them is a good part of a small model's cost."""
     i = torch.arange(q_start, q_start + q_len, device=device)[:, None]
     j = torch.arange(k_len, device=device)[None, :]
     return j <= i
+
+
+@functools.lru_cache(maxsize=256)
+def _future(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    return ~_causal_mask(q_start, q_len, k_len, device)
 
 
 def _block(
@@ -83,15 +91,16 @@ def attention(
 
 @torch.no_grad()
 def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, chunk: int = 128):
-    """Max scaled logit per (B, nh), blockwise; for backends that do not expose their scores."""
+    """Max scaled logit per (B, nh), blockwise; for backends that do not expose their scores.
+    No softmax and no backward: about a quarter of attention's forward cost."""
     T, mx = q.size(-2), None
     scale = 1.0 / math.sqrt(q.size(-1))
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         k_end = end if causal else T
-        s = (q[:, :, start:end] @ k[:, :, :k_end].transpose(-2, -1)) * scale
+        s = q[:, :, start:end] @ k[:, :, :k_end].transpose(-2, -1)
         if causal:
-            s = s.masked_fill(~_causal_mask(start, end - start, k_end, q.device), float("-inf"))
+            s.masked_fill_(_future(start, end - start, k_end, q.device), float("-inf"))
         m = s.amax(dim=(-2, -1))
         mx = m if mx is None else torch.maximum(mx, m)
-    return mx
+    return mx * scale  # scaling the max, not every score: max(c*s) = c*max(s) for c > 0

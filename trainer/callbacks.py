@@ -62,6 +62,10 @@ class Callback:
     def post_step(self, state: StepState) -> None:
         """After the step's outcome is settled."""
 
+    def on_update_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """The update statistics of `step` (update norms, optimizer state), which exist only
+        after its update and so arrive with the next step's host transfer (or at the end)."""
+
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""
 

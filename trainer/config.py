@@ -29,6 +29,7 @@ __all__ = [
     "MixtureStage",
     "ModelConfig",
     "OptimConfig",
+    "ProbesConfig",
     "ScheduleConfig",
     "TrainConfig",
     "apply_overrides",
@@ -221,6 +222,30 @@ class CheckpointConfig(_Section):
         return v
 
 
+class ProbesConfig(_Section):
+    enabled: bool = Field(True, description="Master switch of the per-step telemetry.")
+    interval: int = Field(
+        1, ge=1, description="Probe every N steps (loss, grad norm, LR are always recorded)."
+    )
+    state_interval: int = Field(
+        10,
+        ge=1,
+        description="Update norms and optimizer-state statistics every N probed steps: each is "
+        "a pass over all parameters (or moments), cheap on a GPU, ~1-5% of a CPU step each.",
+    )
+    grad_norms: bool = Field(True, description="Per-layer gradient norms.")
+    update_norms: bool = Field(
+        True, description="Per-layer parameter norm, update norm and update/parameter ratio."
+    )
+    optimizer_state: bool = Field(
+        True, description="Per-layer Adam moment statistics or Muon momentum norm."
+    )
+    attn_max: bool = Field(
+        True, description="Per-layer, per-head max attention logit (needs a backend that sees it)."
+    )
+    output_logits: bool = Field(True, description="Mean log-partition z and max output logit.")
+
+
 class LoopConfig(_Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps; the schedule targets this.")
     stop_after: int | None = Field(
@@ -247,6 +272,7 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoints and retention."
     )
+    probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
     train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
 
     @model_validator(mode="after")

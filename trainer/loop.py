@@ -33,6 +33,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
+from trainer.probes import Probes
 from trainer.schedule import lr_multiplier
 from trainer.snapshot import build_snapshot, restore
 from trainer.step import StepTensors, apply_update, forward_backward
@@ -101,6 +102,28 @@ def _action_name(action: Action) -> str:
     return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback"}[type(action)]
 
 
+class _Transfer:
+    """Named device tensors gathered into one host copy."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.late: list[bool] = []
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
+        if names:
+            self.names += names
+            self.late += [late] * len(names)
+            self.parts.append(values.detach().float().reshape(-1))
+
+    def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
+        values = torch.cat(self.parts).tolist()
+        now, late = {}, {}
+        for name, is_late, v in zip(self.names, self.late, values, strict=True):
+            (late if is_late else now)[name] = v
+        return now, late
+
+
 class Trainer:
     """Holds what `fit` needs; built by `build_trainer`, which does all the work of setting up."""
 
@@ -116,6 +139,7 @@ class Trainer:
         run_dir: Path,
         device: torch.device,
         checkpointer: Checkpointer,
+        probes: Probes,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -127,6 +151,8 @@ class Trainer:
         self.run_dir = run_dir
         self.device = device
         self.checkpointer = checkpointer
+        self.probes = probes
+        self._last_step_end: float | None = None
         self.step = 0
         self.tokens = 0
         self.lr_scale = 1.0
@@ -164,6 +190,7 @@ class Trainer:
                 if self.checkpointer.enabled and self.checkpointer.last_saved != self.step:
                     self._save()
             finally:
+                self._flush_probes()
                 self.checkpointer.wait()
         elapsed = time.perf_counter() - t0
         for cb in self.callbacks:
@@ -199,18 +226,24 @@ class Trainer:
             y,
             micro_batch=cfg.data.micro_batch_size or cfg.data.batch_size,
             dtype=cfg.train.dtype,
-            need_attn_max=tau is not None,
+            need_attn_max=tau is not None or self.probes.wants_attn_max(step),
+            need_logit_stats=self.probes.wants_logit_stats(step),
             grad_clip=cfg.optim.grad_clip,
         )
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.lr_scale
-        state = self._step_state(step, index, x.numel(), t, lr_mult)
+        state, late = self._step_state(step, index, x.numel(), t, lr_mult)
+        if late is not None:
+            self._emit_update_metrics(*late)
         action = self._decide(state)
-        if isinstance(action, Continue):
+        applied = isinstance(action, Continue)
+        if applied:
+            self.probes.before_update(step)
             apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
+        self.probes.after_update(step, applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.step, self.tokens = step, state.tokens
         self.history.append((step, state.ce))
-        done = replace(state, applied=isinstance(action, Continue), action=_action_name(action))
+        done = replace(state, applied=applied, action=_action_name(action))
         for cb in self.callbacks:
             cb.post_step(done)
         if isinstance(action, Rollback):
@@ -218,34 +251,57 @@ class Trainer:
 
     def _step_state(
         self, step: int, index: int, ntok: int, t: StepTensors, lr_mult: float
-    ) -> StepState:
-        tensors = t.scalars()
-        if t.attn_max is not None:
-            tensors.append(t.attn_max.flatten())
-        host = torch.cat([v.float().reshape(-1) for v in tensors]).tolist()  # the one sync
-        loss, ce, gnorm, clip = host[:4]
-        metrics = {M.LOSS: loss, M.CE: ce, M.GRAD_NORM: gnorm, M.CLIP_FACTOR: clip}
-        metrics[M.LR] = self.cfg.optim.lr * lr_mult
-        rest = host[4:]
+    ) -> tuple[StepState, tuple[int, dict[str, float]] | None]:
+        """The step's one host transfer: its own metrics plus the previous step's update
+        statistics, which only existed after that step's optimizer update."""
+        xfer = _Transfer()
+        xfer.add([M.LOSS, M.CE, M.GRAD_NORM, M.CLIP_FACTOR],
+                 torch.stack([t.loss, t.ce, t.grad_norm, t.clip_factor]))
         if t.z_mean is not None:
-            metrics[M.Z_MEAN], rest = rest[0], rest[1:]
+            xfer.add([M.Z_MEAN], t.z_mean)
+        if t.logit_max is not None:
+            xfer.add([M.LOGIT_MAX], t.logit_max)
         if t.attn_max is not None:
-            nh = t.attn_max.size(1)
-            for i, v in enumerate(rest):
-                metrics[M.attn_max(i // nh, i % nh)] = v
+            L, nh = t.attn_max.shape
+            xfer.add([M.attn_max(i, h) for i in range(L) for h in range(nh)], t.attn_max)
+            xfer.add([M.layer_attn_max(i) for i in range(L)], t.attn_max.amax(dim=1))
+        if self.probes.active(step):
+            xfer.add(*self.probes.grad_norms(t.grad_norms))
+        pending = self.probes.take_pending()
+        if pending is not None:
+            xfer.add(pending[1], pending[2], late=True)
+        metrics, late_metrics = xfer.fetch()  # the one device->host sync of the step
+        metrics[M.LR] = self.cfg.optim.lr * lr_mult
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            metrics[M.TOKENS_PER_S] = ntok / max(now - self._last_step_end, 1e-9)
+        self._last_step_end = now
         self.metric_names.update(metrics)
-        return StepState(
+        loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
+        state = StepState(
             step=step,
             batch_index=index,
             loss=loss,
-            ce=ce,
+            ce=metrics[M.CE],
             grad_norm=gnorm,
-            clip_factor=clip,
+            clip_factor=metrics[M.CLIP_FACTOR],
             lr=metrics[M.LR],
             tokens=self.tokens + ntok,
             nonfinite=not (math.isfinite(loss) and math.isfinite(gnorm)),
             metrics=metrics,
         )
+        return state, (None if pending is None else (pending[0], late_metrics))
+
+    def _emit_update_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.metric_names.update(metrics)
+        for cb in self.callbacks:
+            cb.on_update_metrics(step, metrics)
+
+    def _flush_probes(self) -> None:
+        pending = self.probes.take_pending()
+        if pending is not None:
+            step, names, values = pending
+            self._emit_update_metrics(step, dict(zip(names, values.tolist(), strict=True)))
 
     def _decide(self, state: StepState) -> Action:
         proposed: list[Action] = []
@@ -365,12 +421,13 @@ def build_trainer(
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     model = build_model(cfg.model, cfg.train.seed, device)
+    optimizer = build_optimizer(model, cfg.optim)
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
     checkpointer.open()
     trainer = Trainer(
         cfg=cfg,
         model=model,
-        optimizer=build_optimizer(model, cfg.optim),
+        optimizer=optimizer,
         sampler=build_sampler(cfg.data, cfg.train.seed),
         data_state=DataState(),
         callbacks=callbacks,
@@ -378,6 +435,7 @@ def build_trainer(
         run_dir=path,
         device=device,
         checkpointer=checkpointer,
+        probes=Probes(model, optimizer, cfg.probes),
     )
     if resume:
         trainer.resume()

@@ -114,6 +114,7 @@ class ModelOutput:
     loss: torch.Tensor  # () ce + z-loss term, what backward sees
     ce: torch.Tensor  # () cross-entropy, detached
     z_mean: torch.Tensor | None  # () mean log-sum-exp of the logits, detached
+    logit_max: torch.Tensor | None  # () max output logit, detached
     attn_max: torch.Tensor | None  # (L, nh) max pre-softmax logit per layer and head
     logits: torch.Tensor  # (B, T, V)
 
@@ -133,13 +134,21 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def backend(self, need_max: bool) -> str:
-        """The attention backend for this forward: SDPA unless logits must be seen."""
+        """The attention backend for this forward. 'auto': SDPA, with the max logit from a
+        separate score pass when asked (cheaper than the chunked backend on CPU, and the
+        training arithmetic stays the same whether probes run or not); 'chunked' when an
+        attention soft-cap must be applied."""
         if self.cfg.attention != "auto":
             return self.cfg.attention
-        return "chunked" if need_max or self.cfg.attn_softcap is not None else "sdpa"
+        return "chunked" if self.cfg.attn_softcap is not None else "sdpa"
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor, *, need_attn_max: bool = False
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        need_attn_max: bool = False,
+        need_logit_stats: bool = False,
     ) -> ModelOutput:
         """idx, targets: (B, T) int64."""
         T = idx.size(1)
@@ -157,16 +166,25 @@ class GPT(nn.Module):
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
             logits = c * torch.tanh(logits / c)
-        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        loss, z_mean = ce, None
+        # log_softmax + nll_loss is what cross_entropy runs inside; keeping logp exposes the
+        # log-partition for free: lse = x_0 - logp_0, an O(B*T) op instead of O(B*T*V).
+        logp = F.log_softmax(logits, dim=-1)  # (B, T, V)
+        ce = F.nll_loss(logp.view(-1, logp.size(-1)), targets.reshape(-1))
+        loss, z_mean, logit_max = ce, None, None
         if self.cfg.z_loss is not None:
-            lse = torch.logsumexp(logits, dim=-1)  # (B, T)
+            lse = logits[..., 0] - logp[..., 0]  # (B, T)
             loss = ce + self.cfg.z_loss * lse.square().mean()
             z_mean = lse.detach().mean()
+        if need_logit_stats:
+            with torch.no_grad():
+                if z_mean is None:
+                    z_mean = (logits[..., 0] - logp[..., 0]).mean()
+                logit_max = logits.amax()
         return ModelOutput(
             loss=loss,
             ce=ce.detach(),
             z_mean=z_mean,
+            logit_max=logit_max,
             attn_max=torch.stack(maxes) if maxes else None,
             logits=logits,
         )

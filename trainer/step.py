@@ -26,11 +26,9 @@ class StepTensors:
     grad_norm: torch.Tensor  # () global, before clipping
     clip_factor: torch.Tensor  # () min(1, max_norm / norm)
     z_mean: torch.Tensor | None  # ()
+    logit_max: torch.Tensor | None  # ()
     attn_max: torch.Tensor | None  # (L, nh) over the whole global batch
-
-    def scalars(self) -> list[torch.Tensor]:
-        out = [self.loss, self.ce, self.grad_norm, self.clip_factor]
-        return out + ([self.z_mean] if self.z_mean is not None else [])
+    grad_norms: torch.Tensor  # (P,) per parameter, in model.parameters() order, pre-clip
 
 
 def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -48,38 +46,57 @@ def forward_backward(
     dtype: str,
     need_attn_max: bool,
     grad_clip: float | None,
+    need_logit_stats: bool = False,
 ) -> StepTensors:
     """x, y: (B, T). Accumulates gradients of the mean loss over B; clips them in place."""
     n_micro = x.size(0) // micro_batch
     loss_sum = x.new_zeros((), dtype=torch.float32)
     ce_sum = torch.zeros_like(loss_sum)
     z_sum: torch.Tensor | None = None
+    logit_max: torch.Tensor | None = None
     attn_max: torch.Tensor | None = None
     for xm, ym in zip(x.split(micro_batch), y.split(micro_batch), strict=True):
         with _autocast(x.device, dtype):
-            out = model(xm, ym, need_attn_max=need_attn_max)
+            out = model(xm, ym, need_attn_max=need_attn_max, need_logit_stats=need_logit_stats)
         (out.loss / n_micro).backward()
         loss_sum += out.loss.detach()
         ce_sum += out.ce
         if out.z_mean is not None:
             z_sum = out.z_mean if z_sum is None else z_sum + out.z_mean
+        if out.logit_max is not None:
+            logit_max = _max(logit_max, out.logit_max)
         if out.attn_max is not None:
-            attn_max = out.attn_max if attn_max is None else torch.maximum(attn_max, out.attn_max)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
-        factor = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        factor = torch.ones_like(norm)
+            attn_max = _max(attn_max, out.attn_max)
+    norm, factor, per_tensor = clip_by_global_norm(list(model.parameters()), grad_clip)
     return StepTensors(
         loss=loss_sum / n_micro,
         ce=ce_sum / n_micro,
         grad_norm=norm,
         clip_factor=factor,
         z_mean=None if z_sum is None else z_sum / n_micro,
+        logit_max=logit_max,
         attn_max=attn_max,
+        grad_norms=per_tensor,
     )
+
+
+def _max(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.maximum(a, b)
+
+
+def clip_by_global_norm(
+    params: list[torch.Tensor], max_norm: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.nn.utils.clip_grad_norm_'s arithmetic, keeping the per-tensor norms it computes
+    (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    per_tensor = torch.stack(torch._foreach_norm(grads))  # (P,)
+    total = torch.linalg.vector_norm(per_tensor)
+    if max_norm is None:
+        return total, torch.ones_like(total), per_tensor
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+    return total, factor, per_tensor
 
 
 def apply_update(
