@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Triton kernels run on a CPU only through the interpreter, which must be on before any
+# @triton.jit function is defined (ARCHITECTURE.md).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -3,7 +3,8 @@
 `scaled_dot_product_attention` is fastest but hides its logits, and QK-Clip and the probes need
 the exact max logit per (batch, head). `eager` materialises QK^T (the reference); `chunked`
 processes query blocks so the score matrix is never whole, and takes the max from the scores it
-already has. The max is taken before any soft-cap: it is the logit QK-Clip bounds.
+already has; `triton` is the fused kernel in trainer/kernels/attention.py (CUDA, or the
+interpreter on a CPU). The max is taken before any soft-cap: it is the logit QK-Clip bounds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 __all__ = ["attention", "max_logits"]
 
-Backend = str  # "sdpa" | "eager" | "chunked"
+Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,6 +73,13 @@ def attention(
             raise ValueError("the sdpa backend cannot apply an attention soft-cap")
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return out, (max_logits(q, k, causal=causal, chunk=chunk) if need_max else None)
+    if backend == "triton":
+        if softcap is not None:
+            raise ValueError("the triton backend does not apply an attention soft-cap")
+        from trainer.kernels.attention import flash_attention  # imports Triton: only when used
+
+        out, mx = flash_attention(q, k, v, causal=causal)
+        return out, (mx if need_max else None)
     if backend == "eager":
         mask = _causal_mask(0, T, T, q.device) if causal else None
         return _block(q, k, v, mask, softcap, need_max)

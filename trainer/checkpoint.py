@@ -109,8 +109,14 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
             (tmp / name).write_bytes(_json_bytes(obj))
             jobs[name] = pool.submit(_digest, tmp / name, fsync)
         files = {name: job.result() for name, job in jobs.items()}
-    meta = {"format": FORMAT, "step": snap.step, "created": time.time(), "files": files,
-            "pins": [], **snap.meta}
+    meta = {
+        "format": FORMAT,
+        "step": snap.step,
+        "created": time.time(),
+        "files": files,
+        "pins": [],
+        **snap.meta,
+    }
     (tmp / META).write_bytes(_json_bytes(meta))
     if fsync:
         _fsync_file(tmp / META)

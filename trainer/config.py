@@ -73,11 +73,13 @@ class ModelConfig(_Section):
     init_std: float = Field(0.02, gt=0, description="Std of the normal init of weight matrices.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm.")
-    attention: Literal["auto", "sdpa", "eager", "chunked"] = Field(
+    attention: Literal["auto", "sdpa", "eager", "chunked", "triton"] = Field(
         "auto",
         description=(
-            "Attention backend. 'auto' uses SDPA when no max logit is needed and no attention "
-            "soft-cap is set, else 'chunked'. 'eager' materialises QK^T; 'chunked' is blockwise."
+            "Attention backend. 'auto': on CUDA the fused Triton kernel when the max logit is "
+            "needed, else SDPA; on CPU SDPA plus a separate max-logit pass; 'chunked' whenever "
+            "an attention soft-cap is set. 'eager' materialises QK^T; 'chunked' is blockwise; "
+            "'triton' needs CUDA (or TRITON_INTERPRET=1)."
         ),
     )
     attn_chunk: int = Field(128, ge=1, description="Query block size of the chunked backend.")
@@ -88,8 +90,10 @@ class ModelConfig(_Section):
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if (self.d_model // self.n_head) % 2:
             raise ValueError("head dim d_model/n_head must be even for RoPE")
-        if self.attention == "sdpa" and self.attn_softcap is not None:
-            raise ValueError("attention='sdpa' cannot apply attn_softcap; use 'chunked' or 'eager'")
+        if self.attention in ("sdpa", "triton") and self.attn_softcap is not None:
+            raise ValueError(
+                f"attention='{self.attention}' cannot apply attn_softcap; use 'chunked' or 'eager'"
+            )
         return self
 
 

@@ -255,8 +255,10 @@ class Trainer:
         """The step's one host transfer: its own metrics plus the previous step's update
         statistics, which only existed after that step's optimizer update."""
         xfer = _Transfer()
-        xfer.add([M.LOSS, M.CE, M.GRAD_NORM, M.CLIP_FACTOR],
-                 torch.stack([t.loss, t.ce, t.grad_norm, t.clip_factor]))
+        xfer.add(
+            [M.LOSS, M.CE, M.GRAD_NORM, M.CLIP_FACTOR],
+            torch.stack([t.loss, t.ce, t.grad_norm, t.clip_factor]),
+        )
         if t.z_mean is not None:
             xfer.add([M.Z_MEAN], t.z_mean)
         if t.logit_max is not None:

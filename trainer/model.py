@@ -134,13 +134,16 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def backend(self, need_max: bool) -> str:
-        """The attention backend for this forward. 'auto': SDPA, with the max logit from a
-        separate score pass when asked (cheaper than the chunked backend on CPU, and the
-        training arithmetic stays the same whether probes run or not); 'chunked' when an
-        attention soft-cap must be applied."""
+        """The attention backend for this forward. 'auto': on CUDA, the fused Triton kernel when
+        the max logit is needed (it comes free from the online softmax), else SDPA; on CPU, SDPA
+        with the max from a separate score pass (cheaper here than the chunked backend, and the
+        training arithmetic is the same whether probes run or not); 'chunked' when an attention
+        soft-cap must be applied."""
         if self.cfg.attention != "auto":
             return self.cfg.attention
-        return "chunked" if self.cfg.attn_softcap is not None else "sdpa"
+        if self.cfg.attn_softcap is not None:
+            return "chunked"
+        return "triton" if need_max and self.rope_cos.is_cuda else "sdpa"
 
     def forward(
         self,

@@ -105,10 +105,12 @@ class Probes:
         self.groups = _Groups(self.layers, owner, device)
         muon = {id(p) for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]}
         self.is_muon = [id(p) in muon for p in self.params]
-        self.adam_groups = _Groups(self.layers, [o for o, m in zip(owner, self.is_muon,
-                                                                    strict=True) if not m], device)
-        self.muon_groups = _Groups(self.layers, [o for o, m in zip(owner, self.is_muon,
-                                                                    strict=True) if m], device)
+        self.adam_groups = _Groups(
+            self.layers, [o for o, m in zip(owner, self.is_muon, strict=True) if not m], device
+        )
+        self.muon_groups = _Groups(
+            self.layers, [o for o, m in zip(owner, self.is_muon, strict=True) if m], device
+        )
         self._grad_names = [M.layer(layer, "grad_norm") for layer in self.layers]
         self._prev: list[torch.Tensor] | None = None
         self.pending: tuple[int, list[str], torch.Tensor] | None = None
@@ -179,8 +181,12 @@ class Probes:
             mean = g.sum(_stack(torch._foreach_norm(sqrt_v, 1))) / g.count
             vmax = g.max(_stack(torch._foreach_max(sqrt_v)))
             tiny = g.sum(_stack([_tiny_count(x) for x in v])) / g.sample_count(v)
-            for stat, val in (("adam_m_norm", m_norm), ("adam_sqrt_v_mean", mean),
-                              ("adam_sqrt_v_max", vmax), ("adam_v_tiny_frac", tiny)):
+            for stat, val in (
+                ("adam_m_norm", m_norm),
+                ("adam_sqrt_v_mean", mean),
+                ("adam_sqrt_v_max", vmax),
+                ("adam_v_tiny_frac", tiny),
+            ):
                 names += g.names(stat)
                 parts.append(val[g.index])
         if muon and all("momentum_buffer" in state[p] for p in muon):

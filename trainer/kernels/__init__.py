@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its launcher and a plain-PyTorch reference."""
