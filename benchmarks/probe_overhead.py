@@ -31,6 +31,7 @@ VARIANTS = {
     "off": ["probes.enabled=false"],
     "no_attn": ["probes.attn_max=false"],
     "all": [],
+    "all_state_every_step": ["probes.state_interval=1"],
 }
 WIDE = [
     "model.d_model=512",
