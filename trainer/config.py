@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "FaultConfig",
     "LoopConfig",
     "MixtureStage",
     "ModelConfig",
@@ -266,6 +267,15 @@ class LoopConfig(_Section):
     progress: bool = Field(True, description="Show a live progress bar.")
 
 
+class FaultConfig(_Section):
+    kind: Literal["shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss"] = (
+        Field(description="What goes wrong (trainer/faults.py describes each).")
+    )
+    start: int = Field(ge=0, description="First global batch index affected.")
+    length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
+    factor: float = Field(30.0, gt=0, description="LR multiplier, for kind = 'lr_scale'.")
+
+
 class TrainConfig(_Section):
     name: str = Field("run", min_length=1, description="Run name; prefixes the run id.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model switches.")
@@ -278,6 +288,9 @@ class TrainConfig(_Section):
     )
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
     train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
+    faults: list[FaultConfig] = Field(
+        default_factory=list, description="Injected faults (tests, demos); empty = none."
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:

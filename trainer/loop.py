@@ -31,6 +31,7 @@ from trainer.checkpoint import CheckpointError, read_checkpoint
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
+from trainer.faults import apply_faults
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
@@ -218,7 +219,9 @@ class Trainer:
         cfg, step = self.cfg, self.step + 1
         index = self.data_state.take()
         x, y = self.sampler.batch(index, step)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        fault = apply_faults(cfg.faults, index, x, y)
+        x = fault.x.to(self.device, non_blocking=True)
+        y = fault.y.to(self.device, non_blocking=True)
         tau = cfg.optim.qk_clip_tau
         t = forward_backward(
             self.model,
@@ -229,8 +232,10 @@ class Trainer:
             need_attn_max=tau is not None or self.probes.wants_attn_max(step),
             need_logit_stats=self.probes.wants_logit_stats(step),
             grad_clip=cfg.optim.grad_clip,
+            poison_nan=fault.nan_loss,
         )
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.lr_scale
+        lr_mult *= fault.lr_factor
         state, late = self._step_state(step, index, x.numel(), t, lr_mult)
         if late is not None:
             self._emit_update_metrics(*late)

@@ -47,6 +47,7 @@ def forward_backward(
     need_attn_max: bool,
     grad_clip: float | None,
     need_logit_stats: bool = False,
+    poison_nan: bool = False,
 ) -> StepTensors:
     """x, y: (B, T). Accumulates gradients of the mean loss over B; clips them in place."""
     n_micro = x.size(0) // micro_batch
@@ -58,8 +59,9 @@ def forward_backward(
     for xm, ym in zip(x.split(micro_batch), y.split(micro_batch), strict=True):
         with _autocast(x.device, dtype):
             out = model(xm, ym, need_attn_max=need_attn_max, need_logit_stats=need_logit_stats)
-        (out.loss / n_micro).backward()
-        loss_sum += out.loss.detach()
+        loss = out.loss * float("nan") if poison_nan else out.loss  # an injected fault
+        (loss / n_micro).backward()
+        loss_sum += loss.detach()
         ce_sum += out.ce
         if out.z_mean is not None:
             z_sum = out.z_mean if z_sum is None else z_sum + out.z_mean

@@ -1,0 +1,55 @@
+"""Deliberate faults, for tests and the demo: real loss spikes on demand.
+
+A fault is keyed by global *batch index*, not by step: it is a property of the data region,
+so a rollback that skips those indices also skips the fault, exactly as skipping bad batches
+does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small model:
+- "shifted_labels": targets shifted by one byte value (loss ~7.4, lasting harm ~+3%);
+- "repeated_bytes": one byte repeated (a dramatic but harmless spike);
+- "random_bytes": uniform random bytes (seeded by the index);
+- "lr_scale": the learning rate times `factor` on those batches (x30 for 3 steps: +26%);
+- "nan_loss": a non-finite loss (exercises the refusal of non-finite updates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import FaultConfig
+
+__all__ = ["FaultEffect", "apply_faults"]
+
+
+@dataclass(frozen=True)
+class FaultEffect:
+    x: torch.Tensor
+    y: torch.Tensor
+    lr_factor: float = 1.0
+    nan_loss: bool = False
+    kinds: tuple[str, ...] = ()
+
+
+def apply_faults(
+    faults: list[FaultConfig], index: int, x: torch.Tensor, y: torch.Tensor
+) -> FaultEffect:
+    """The batch `index` as the faults leave it (unchanged when none covers the index)."""
+    lr, nan, kinds = 1.0, False, []
+    for f in faults:
+        if not f.start <= index < f.start + f.length:
+            continue
+        kinds.append(f.kind)
+        if f.kind == "shifted_labels":
+            y = (y + 1) % 256
+        elif f.kind == "repeated_bytes":
+            x = torch.full_like(x, ord("a"))
+            y = torch.full_like(y, ord("a"))
+        elif f.kind == "random_bytes":
+            g = torch.Generator().manual_seed(index)
+            buf = torch.randint(0, 256, (x.size(0), x.size(1) + 1), generator=g)
+            x, y = buf[:, :-1].to(x.device), buf[:, 1:].to(y.device)
+        elif f.kind == "lr_scale":
+            lr *= f.factor
+        elif f.kind == "nan_loss":
+            nan = True
+    return FaultEffect(x, y, lr, nan, tuple(kinds))
