@@ -1,0 +1,286 @@
+"""Online loss-spike detection, the same code online (trainer) and offline (scan).
+
+Loss: robust statistics on log-loss. The level is the median of the last `level_window`
+normal points; the noise scale is the MAD of first differences over `window` normal points
+(first differences cancel the downward trend of a healthy run, so the scale is the step-to-step
+noise, not the progress), floored at `noise_floor`. A step is an excursion when its robust
+z-score passes `threshold`; `persistence` consecutive excursions make a spike, so one noisy
+batch never does. The **onset** is where the excursion began: the detector walks back over the
+points just before the first excursion while they stand above `onset_threshold`. Points inside
+an excursion never enter the baseline.
+
+What it must not fire on, and how: warmup (nothing fires before `ignore_before` nor before
+`min_history` normal points), known regime changes such as a data-mixture stage switch or the
+start of a WSD decay (`rebase(step)` restarts the baseline there: the trainer knows its own
+schedule), and slow divergence (a rise of the long EMA of log-loss over its running minimum by
+`trend_rise`: reported once as kind "divergence", never as a spike). Non-finite losses are
+reported at once as kind "nonfinite".
+
+Leading signals raise warnings (kind "warning"), which the trainer answers by pinning its
+newest checkpoint as a pre-spike anchor: a gradient-norm jump (same robust scheme on log grad
+norm, `grad_threshold`), a per-layer update-norm jump (`update_jump` times its median) and a
+max attention logit above `attn_warn`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Detector", "DetectorConfig", "Verdict"]
+
+Kind = Literal["spike", "nonfinite", "warning", "divergence"]
+
+
+class DetectorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    window: int = Field(64, ge=8, description="Normal points kept for the noise scale.")
+    level_window: int = Field(
+        16, ge=3, description="Recent normal points: their median is the level."
+    )
+    min_history: int = Field(24, ge=4, description="Normal points needed before anything fires.")
+    ignore_before: int = Field(0, ge=0, description="No verdicts before this step (warmup).")
+    threshold: float = Field(8.0, gt=0, description="Robust z-score of an excursion step.")
+    onset_threshold: float = Field(3.0, gt=0, description="Z-score that still counts as rising.")
+    persistence: int = Field(3, ge=1, description="Consecutive excursion steps for a spike.")
+    noise_floor: float = Field(
+        0.01, gt=0, description="Minimal noise scale in log-loss (1%): perfect curves still vary."
+    )
+    grad_threshold: float = Field(12.0, gt=0, description="Z-score of a grad-norm warning.")
+    update_jump: float = Field(3.0, gt=1, description="Update norm / its median for a warning.")
+    attn_warn: float | None = Field(
+        100.0, gt=0, description="Max attention logit that warns (Kimi K2's tau); None = off."
+    )
+    trend_rise: float = Field(
+        0.05, gt=0, description="Rise of the long EMA of log-loss over its minimum: divergence."
+    )
+    trend_horizon: int = Field(200, ge=10, description="Steps of the long EMA (its 1/alpha).")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    step: int  # when it was decided (the detection step)
+    onset_step: int
+    peak_step: int
+    score: float
+    signal: str = "loss"
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Robust:
+    """Robust level and scale of a series of normal points."""
+
+    window: int
+    level_window: int
+    values: deque = field(default_factory=deque)
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+        while len(self.values) > self.window:
+            self.values.popleft()
+
+    def score(self, v: float, floor: float) -> float:
+        vals = list(self.values)
+        level = statistics.median(vals[-self.level_window :])
+        diffs = [b - a for a, b in zip(vals, vals[1:], strict=False)]
+        mad = statistics.median(abs(d - statistics.median(diffs)) for d in diffs) if diffs else 0
+        scale = max(1.4826 * mad / math.sqrt(2), floor)
+        return (v - level) / scale
+
+
+class Detector:
+    """Feed it one step at a time; it returns a `Verdict` when there is something to act on."""
+
+    def __init__(self, cfg: DetectorConfig | None = None) -> None:
+        self.cfg = cfg or DetectorConfig()
+        self.loss = _Robust(self.cfg.window, self.cfg.level_window)
+        self.grad = _Robust(self.cfg.window, self.cfg.level_window)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=32)  # (step, z) of normal points
+        self.excursion: list[tuple[int, float]] = []
+        self.updates: dict[str, deque[float]] = {}
+        self.ema: float | None = None
+        self.ema_min = math.inf
+        self.trend_n = 0
+        self.diverging = False
+        self.last_step = -1
+
+    # -- the loss ---------------------------------------------------------------------------
+    def update(self, step: int, loss: float, grad_norm: float | None = None) -> list[Verdict]:
+        """All verdicts for this step: at most one loss verdict, plus warnings."""
+        if step <= self.last_step:
+            raise ValueError(f"steps must increase: got {step} after {self.last_step}")
+        self.last_step = step
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            return [Verdict("nonfinite", step, step, step, math.inf, message="non-finite value")]
+        if loss <= 0:
+            raise ValueError(f"loss must be positive for log-space detection, got {loss}")
+        out = []
+        if grad_norm is not None and grad_norm > 0:
+            out += self._grad(step, math.log(grad_norm))
+        v = self._loss(step, math.log(loss))
+        if v is not None:
+            out.append(v)
+        return out
+
+    def _armed(self, step: int, series: _Robust) -> bool:
+        return step >= self.cfg.ignore_before and len(series.values) >= self.cfg.min_history
+
+    def _loss(self, step: int, z: float) -> Verdict | None:
+        cfg = self.cfg
+        score = self.loss.score(z, cfg.noise_floor) if self._armed(step, self.loss) else 0.0
+        if score > cfg.threshold:
+            self.excursion.append((step, score))
+            if len(self.excursion) == cfg.persistence:
+                return self._spike(step)
+            if len(self.excursion) >= cfg.window:  # not a spike but a new level: accept it
+                self.rebase(step)
+            return None
+        self.excursion = []
+        self.loss.add(z)
+        self.recent.append((step, score))
+        return self._trend(step, z)
+
+    def _spike(self, step: int) -> Verdict:
+        onset = self.excursion[0][0]
+        for s, score in reversed(self.recent):  # walk back while the curve was already rising
+            if score < self.cfg.onset_threshold or s < onset - len(self.recent):
+                break
+            onset = s
+        peak_step, peak = max(self.excursion, key=lambda e: e[1])
+        return Verdict(
+            "spike",
+            step,
+            onset,
+            peak_step,
+            peak,
+            message=f"log-loss {peak:.1f} robust sigmas above its level",
+        )
+
+    def _trend(self, step: int, z: float) -> Verdict | None:
+        if step < self.cfg.ignore_before:
+            return None
+        h = self.cfg.trend_horizon
+        self.ema = z if self.ema is None else (1 - 1 / h) * self.ema + z / h
+        self.trend_n += 1
+        if self.trend_n < h:  # the EMA still remembers its start
+            return None
+        self.ema_min = min(self.ema_min, self.ema)
+        rise = self.ema - self.ema_min
+        if rise > self.cfg.trend_rise and not self.diverging:
+            self.diverging = True
+            msg = f"smoothed log-loss {rise:.3f} above its minimum: slow divergence"
+            return Verdict("divergence", step, step, step, rise, message=msg)
+        return None
+
+    # -- leading signals --------------------------------------------------------------------
+    def _grad(self, step: int, g: float) -> list[Verdict]:
+        score = self.grad.score(g, 0.05) if self._armed(step, self.grad) else 0.0
+        if score > self.cfg.grad_threshold:
+            return [
+                Verdict(
+                    "warning",
+                    step,
+                    step,
+                    step,
+                    score,
+                    "grad_norm",
+                    f"grad norm {score:.1f} robust sigmas above its level",
+                )
+            ]
+        self.grad.add(g)
+        return []
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> list[Verdict]:
+        """Leading signals from the probes: per-layer update norms and attention maxima."""
+        out = []
+        for name, value in metrics.items():
+            if name.endswith("/update_norm") and math.isfinite(value) and value > 0:
+                hist = self.updates.setdefault(name, deque(maxlen=self.cfg.window))
+                if len(hist) >= self.cfg.min_history and step >= self.cfg.ignore_before:
+                    med = statistics.median(hist)
+                    if value > self.cfg.update_jump * med:
+                        out.append(
+                            Verdict(
+                                "warning",
+                                step,
+                                step,
+                                step,
+                                value / med,
+                                name,
+                                f"{name} jumped to {value / med:.1f}x its median",
+                            )
+                        )
+                        continue
+                hist.append(value)
+            elif (
+                name.endswith("/attn_max")
+                and "/head/" not in name
+                and self.cfg.attn_warn is not None
+                and value > self.cfg.attn_warn
+            ):
+                out.append(
+                    Verdict(
+                        "warning",
+                        step,
+                        step,
+                        step,
+                        value,
+                        name,
+                        f"{name} = {value:.0f} > {self.cfg.attn_warn:.0f}",
+                    )
+                )
+        return out
+
+    # -- regime changes, rollbacks, checkpoints ---------------------------------------------
+    def rebase(self, step: int) -> None:
+        """A known regime change at `step` (mixture stage, WSD decay): restart the baseline."""
+        self.loss.values.clear()
+        self.recent.clear()
+        self.excursion = []
+        self.ema, self.ema_min, self.trend_n = None, math.inf, 0
+        self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: the spike's points are gone; forget the excursion."""
+        self.excursion = []
+        self.last_step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "cfg": self.cfg.model_dump(),
+            "loss": list(self.loss.values),
+            "grad": list(self.grad.values),
+            "recent": [list(r) for r in self.recent],
+            "excursion": [list(e) for e in self.excursion],
+            "updates": {k: list(v) for k, v in self.updates.items()},
+            "ema": self.ema,
+            "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
+            "trend_n": self.trend_n,
+            "diverging": self.diverging,
+            "last_step": self.last_step,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.cfg = DetectorConfig.model_validate(d["cfg"])
+        self.loss = _Robust(self.cfg.window, self.cfg.level_window, deque(d["loss"]))
+        self.grad = _Robust(self.cfg.window, self.cfg.level_window, deque(d["grad"]))
+        self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
+        self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
+        self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
+        self.ema = d["ema"]
+        self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf
+        self.trend_n = d["trend_n"]
+        self.diverging = d["diverging"]
+        self.last_step = d["last_step"]
