@@ -51,14 +51,14 @@ def lineage(
 
 def downsample(
     session: Session, segs: list[Segment], buckets: int, start: int | None, end: int | None
-) -> tuple[int, dict[tuple[int, int], list[Any]]]:
-    """Bucket width and {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
-    max_step]} for the segments clipped to [start, end]."""
+) -> tuple[int, dict[tuple[int, int], list[Any]], list[Segment]]:
+    """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
+    max_step]} and the segments as read (clipped to [start, end] and to the stored steps)."""
     if not 1 <= buckets <= MAX_BUCKETS:
         raise ValueError(f"buckets must be in [1, {MAX_BUCKETS}], got {buckets}")
     segs = _clip(session, segs, start, end)
     if not segs:
-        return 1, {}
+        return 1, {}, []
     lo, hi = min(s[2] for s in segs), max(s[3] for s in segs)
     width, level, size = grid(lo, hi, buckets)
     dialect = session.get_bind().dialect.name
@@ -69,7 +69,7 @@ def downsample(
         merge_cells(
             cells, (group_of[sid], int(k)), [int(n), int(n_nan), nan_step, mn, mn_s, mx, mx_s]
         )
-    return width, cells
+    return width, cells, segs
 
 
 def _clip(

@@ -147,6 +147,33 @@ class Writer:
         self._branches.clear()
         self._layouts.clear()
 
+    def write_series(
+        self, run_key: str, branch: int, metric: str, steps: np.ndarray, values: np.ndarray
+    ) -> int:
+        """Bulk-load one metric's points (an import, a benchmark) in one transaction.
+
+        The run must exist; the branch is created if needed. Same idempotence as `write`.
+        """
+        steps = np.asarray(steps, np.int64)
+        values = np.asarray(values, np.float64)
+        if steps.shape != values.shape or steps.ndim != 1:
+            raise ValueError(
+                f"steps and values must be 1-D of one length: {steps.shape} {values.shape}"
+            )
+        if len(steps) and (steps.min() < 0 or steps.max() > 2**31 - 1):
+            raise ValueError("steps must be in [0, 2**31 - 1]")
+        try:
+            with self.engine.begin() as conn:
+                run_id = self._run_id(conn, run_key)
+                sid = self._series_ids(conn, run_id, branch, {metric})[metric]
+                order = np.argsort(steps, kind="stable")
+                sids = np.full(len(steps), sid, np.int64)
+                self._write_points(conn, sids, steps[order], values[order])
+        except BaseException:
+            self.forget()
+            raise
+        return len(steps)
+
     def _write(self, conn: Connection, records: Sequence[Record]) -> int:
         metrics = []
         for rec in records:

@@ -24,7 +24,7 @@ from sqlalchemy import Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from observatory.db import make_engine
-from observatory.downsample import END, Tree, branch_tree, downsample, lineage
+from observatory.downsample import END, MAX_BUCKETS, Tree, branch_tree, downsample, lineage
 from observatory.models import (
     Branch,
     Checkpoint,
@@ -327,6 +327,7 @@ def series(
     `branch`: None = the newest branch's history, an int = that branch's history, "all" = one
     SeriesData per branch with only that branch's own steps.
     """
+    _check_buckets(buckets)
     run = _run(session, run_id)
     tree = branch_tree(session, run.id)
     ids = _series_ids(session, run.id, parse_name(metric), metric)
@@ -341,13 +342,14 @@ def series(
         for br, lo, hi in parts
         if br in ids
     ]
-    width, cells = downsample(session, segs, buckets, start, end)
+    width, cells, read = downsample(session, segs, buckets, start, end)
+    branch_of = {sid: br for br, sid in ids.items()}
     return [
         SeriesData(
             run_id,
             metric,
             label,
-            [p for p in parts if p[0] in ids],
+            [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == label],
             width,
             [
                 _bucket(k, width, cells[(label, k)])
@@ -407,6 +409,7 @@ def _matrix(
     attr: str,
 ) -> Matrix:
     """Rows (layers or heads, picked by `keep`, labelled by `attr`) x buckets."""
+    _check_buckets(window[0])
     run = _run(session, run_id)
     tree = branch_tree(session, run.id)
     b = _pick_branch(tree, branch, run_id)
@@ -424,7 +427,7 @@ def _matrix(
     labels = sorted({getattr(r, attr) for r in found})
     segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
     buckets, start, end = window
-    width, cells = downsample(session, segs, buckets, start, end)
+    width, cells, _ = downsample(session, segs, buckets, start, end)
     ks = sorted({k for _, k in cells})
     col = {k: j for j, k in enumerate(ks)}
     row = {lab: i for i, lab in enumerate(labels)}
@@ -440,6 +443,11 @@ def _matrix(
     return Matrix(
         run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
     )
+
+
+def _check_buckets(buckets: int) -> None:
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or not 1 <= buckets <= MAX_BUCKETS:
+        raise ValueError(f"buckets must be an int in [1, {MAX_BUCKETS}], got {buckets!r}")
 
 
 def _pick_branch(tree: Tree, branch: int | None, run_id: str) -> int:
