@@ -69,20 +69,31 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str | None = None, *, writer: bool = False, **kwargs: Any) -> Engine:
+def make_engine(
+    url: str | None = None,
+    *,
+    writer: bool = False,
+    sqlite_busy_ms: int = SQLITE_BUSY_MS,
+    **kwargs: Any,
+) -> Engine:
     """An engine for `url` (resolved); SQLite gets WAL, a busy timeout and foreign keys."""
     url = resolve_url(url)
     if not is_sqlite(url):
         return create_engine(url, pool_pre_ping=True, **kwargs)
+    kwargs.setdefault("connect_args", {}).setdefault("timeout", busy_ms_to_s(sqlite_busy_ms))
     database = make_url(url).database
     if database and database != ":memory:" and not database.startswith("file:"):
         Path(database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, **kwargs)
-    _sqlite_pragmas(engine, writer=writer)
+    _sqlite_pragmas(engine, writer=writer, busy_ms=sqlite_busy_ms)
     return engine
 
 
-def _sqlite_pragmas(engine: Engine, *, writer: bool) -> None:
+def busy_ms_to_s(ms: int) -> float:
+    return ms / 1000.0
+
+
+def _sqlite_pragmas(engine: Engine, *, writer: bool, busy_ms: int) -> None:
     """WAL + busy timeout on every connection; we issue BEGIN ourselves (pysqlite's is lazy)."""
 
     @event.listens_for(engine, "connect")
@@ -90,7 +101,7 @@ def _sqlite_pragmas(engine: Engine, *, writer: bool) -> None:
         dbapi_conn.isolation_level = None  # autocommit at the driver; BEGIN comes from "begin"
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
         cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across app crashes
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA temp_store=MEMORY")

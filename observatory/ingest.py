@@ -41,7 +41,7 @@ from observatory.names import MetricKey, parse_name
 from observatory.records import Record
 from observatory.rollup import Summary, levels
 
-__all__ = ["UnknownRunError", "Writer"]
+__all__ = ["Writer", "pg_copy_payload"]
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,6 @@ _DEDUPE = {
 }
 
 
-class UnknownRunError(LookupError):
-    """Records for a run that was never started (its `start_run` record is missing)."""
-
-
 class Writer:
     """Writes batches of records to one database. Not thread-safe: one per writer thread.
 
@@ -152,7 +148,7 @@ class Writer:
     ) -> int:
         """Bulk-load one metric's points (an import, a benchmark) in one transaction.
 
-        The run must exist; the branch is created if needed. Same idempotence as `write`.
+        Run and branch are created if needed. Same idempotence as `write`.
         """
         steps = np.asarray(steps, np.int64)
         values = np.asarray(values, np.float64)
@@ -235,11 +231,22 @@ class Writer:
         return dialect_insert(model)
 
     def _run_id(self, conn: Connection, run_key: str) -> int:
+        """The run's id; a run first seen through its metrics is created bare.
+
+        That happens when records arrive out of order (a full queue spilled a step to the spool
+        before the run's own record was written); the run record fills the fields in later.
+        """
         if (rid := self._runs.get(run_key)) is not None:
             return rid
         rid = conn.execute(select(Run.id).where(Run.key == run_key)).scalar()
         if rid is None:
-            raise UnknownRunError(f"run {run_key!r} was never started (no start_run record)")
+            now = utcnow()
+            ins = self._insert(Run).values(
+                key=run_key, status="running", config={}, tags=[], created_at=now, updated_at=now
+            )
+            conn.execute(ins.on_conflict_do_nothing(index_elements=["key"]))
+            rid = conn.execute(select(Run.id).where(Run.key == run_key)).scalar_one()
+            self._ensure_branch(conn, rid, 0)
         self._runs[run_key] = rid
         return rid
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine
@@ -30,7 +31,7 @@ def pg_base_url() -> str:
 
 
 @pytest.fixture
-def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
+def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path}/spikewatch.db"
     db.upgrade(url)
     return url

@@ -31,6 +31,10 @@ class Proxy:
     def stop(self) -> None:
         """Refuse new connections and cut the open ones (the database 'goes away')."""
         if self._server is not None:
+            try:
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+            except OSError:
+                pass
             self._server.close()
             self._server = None
         with self._lock:

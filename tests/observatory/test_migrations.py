@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -51,7 +52,9 @@ def test_downgrade_drops_everything_and_upgrade_restores(db_url: str) -> None:
     assert _tables(db_url) == TABLES
 
 
-def test_cli_db_upgrade_fresh_sqlite_from_another_directory(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_cli_db_upgrade_fresh_sqlite_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # migrations/ must be found from the package, not the CWD
     monkeypatch.delenv(db.ENV_VAR, raising=False)
     assert main(["db", "upgrade"]) == 0
@@ -64,7 +67,7 @@ def test_cli_db_upgrade_postgresql(pg_schema_url: str) -> None:
     assert _tables(pg_schema_url) == TABLES
 
 
-def test_env_var_selects_the_database(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_env_var_selects_the_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"sqlite:///{tmp_path}/from_env.db"
     monkeypatch.setenv(db.ENV_VAR, url)
     assert main(["db", "upgrade"]) == 0
@@ -79,14 +82,16 @@ def test_env_var_selects_the_database(tmp_path, monkeypatch) -> None:  # type: i
         ("not a url", "not a database URL"),
     ],
 )
-def test_bad_urls_are_refused_with_a_reason(url: str, message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bad_urls_are_refused_with_a_reason(
+    url: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(db.DatabaseURLError, match=re.escape(message)):
         db.resolve_url(url)
     assert main(["db", "upgrade", "--db", url]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_unreachable_postgresql_is_a_clear_cli_error(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_postgresql_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "upgrade", "--db", "postgresql://postgres@127.0.0.1:9/x"]) == 2
     assert "cannot use postgresql+psycopg://postgres@127.0.0.1:9/x" in capsys.readouterr().err
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from observatory.sink import DbSink
 from .helpers import assert_blocks_consistent, count
 
 
-def _sink(url: str, tmp_path) -> DbSink:  # type: ignore[no-untyped-def]
+def _sink(url: str, tmp_path: Path) -> DbSink:
     return DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
 
 
@@ -25,7 +26,7 @@ def _writer(url: str, run: str = "r") -> Writer:
     return w
 
 
-def test_round_trip_run_metrics_events_checkpoints(db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_round_trip_run_metrics_events_checkpoints(db_url: str, tmp_path: Path) -> None:
     config = {"model": {"n_layer": 2, "qk_norm": True}, "optim": {"lr": 3e-3}}
     with _sink(db_url, tmp_path) as sink:
         sink.start_run(
@@ -108,7 +109,7 @@ def test_round_trip_run_metrics_events_checkpoints(db_url: str, tmp_path) -> Non
     session.close()
 
 
-def test_layer_and_head_matrices(db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_layer_and_head_matrices(db_url: str, tmp_path: Path) -> None:
     with _sink(db_url, tmp_path) as sink:
         sink.start_run("m")
         for step in range(64):
@@ -188,7 +189,7 @@ def test_one_step_spike_among_a_million_points_survives(db_url: str) -> None:
             assert any(b.max_value == 97.25 and b.max_step == 731_337 for b in part.buckets)
 
 
-def test_nan_and_inf_are_stored_and_reported_as_nonfinite(db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_nan_and_inf_are_stored_and_reported_as_nonfinite(db_url: str, tmp_path: Path) -> None:
     special = {10: math.nan, 11: math.inf, 12: -math.inf, 40: math.nan, 41: math.nan}
     with _sink(db_url, tmp_path) as sink:
         sink.start_run("nf")
@@ -215,7 +216,7 @@ def test_nan_and_inf_are_stored_and_reported_as_nonfinite(db_url: str, tmp_path)
     assert_blocks_consistent(db.make_engine(db_url))
 
 
-def test_branches_after_a_rollback_keep_both_histories(db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_branches_after_a_rollback_keep_both_histories(db_url: str, tmp_path: Path) -> None:
     with _sink(db_url, tmp_path) as sink:
         sink.start_run("rb")
         for step in range(1, 301):
