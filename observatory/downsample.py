@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from observatory.m4 import BLOCK_AS_SUMMARY, POINT_AS_SUMMARY, reduce_sql
+from observatory.m4 import BLOCK_AS_SUMMARY, POINT_AS_SUMMARY, reduce_rows
 from observatory.models import BLOCK_LEVELS, Branch
 
 __all__ = ["END", "MAX_BUCKETS", "Segment", "Tree", "branch_tree", "downsample", "grid", "lineage"]
@@ -51,7 +51,7 @@ def lineage(
 
 def downsample(
     session: Session, segs: list[Segment], buckets: int, start: int | None, end: int | None
-) -> tuple[int, dict[tuple[int, int], list[Any]], list[Segment]]:
+) -> tuple[int, dict[tuple[int, int], Any], list[Segment]]:
     """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
     max_step]} and the segments as read (clipped to [start, end] and to the stored steps)."""
     if not 1 <= buckets <= MAX_BUCKETS:
@@ -62,13 +62,19 @@ def downsample(
     lo, hi = min(s[2] for s in segs), max(s[3] for s in segs)
     width, level, size = grid(lo, hi, buckets)
     dialect = session.get_bind().dialect.name
-    sql = reduce_sql(dialect, _source(segs, level, size), f"pos / {width}")
+    cursor = session.connection().connection.cursor()  # raw rows: no per-row ORM work
+    try:
+        rows = reduce_rows(cursor, dialect, _source(segs, level, size), f"pos / {width}")
+    finally:
+        cursor.close()
     group_of = {sid: g for g, sid, _, _ in segs}
-    cells: dict[tuple[int, int], list[Any]] = {}
-    for sid, k, n, n_nan, nan_step, mn, mn_s, mx, mx_s in session.execute(text(sql)):
-        merge_cells(
-            cells, (group_of[sid], int(k)), [int(n), int(n_nan), nan_step, mn, mn_s, mx, mx_s]
-        )
+    cells: dict[tuple[int, int], Any] = {}
+    if len(set(group_of.values())) == len(group_of):  # one series per group: nothing to merge
+        for r in rows:
+            cells[group_of[r[0]], r[1]] = r[2:]
+    else:
+        for r in rows:
+            merge_cells(cells, (group_of[r[0]], r[1]), list(r[2:]))
     return width, cells, segs
 
 
@@ -112,16 +118,25 @@ def grid(lo: int, hi: int, buckets: int) -> tuple[int, int, int]:
 
 
 def _source(segs: list[Segment], level: int, size: int) -> str:
-    """UNION ALL of whole blocks inside each segment and raw points at the ragged edges."""
-    blocks, raw = [], []
+    """UNION ALL of whole blocks inside each segment and raw points at the ragged edges.
+
+    Segments with the same block range share one `series_id IN (...)` term (a heatmap's rows
+    usually all do), which SQLite and PostgreSQL answer with one index range per series.
+    """
+    by_range: dict[tuple[int, int], list[int]] = {}
+    raw = []
     for _, sid, lo, hi in segs:
         first, last = (-(-lo // size), (hi + 1) // size - 1) if level else (1, 0)
         if first <= last:
-            blocks.append(f"(series_id = {sid} AND block BETWEEN {first} AND {last})")
+            by_range.setdefault((first, last), []).append(sid)
             edges = [(lo, first * size - 1), ((last + 1) * size, hi)]
         else:
             edges = [(lo, hi)]
         raw += [f"(series_id = {sid} AND step BETWEEN {a} AND {b})" for a, b in edges if a <= b]
+    blocks = [
+        f"(series_id IN ({', '.join(map(str, sids))}) AND block BETWEEN {first} AND {last})"
+        for (first, last), sids in by_range.items()
+    ]
     parts = []
     if blocks:
         where = " OR ".join(blocks)
@@ -132,9 +147,7 @@ def _source(segs: list[Segment], level: int, size: int) -> str:
     return " UNION ALL ".join(parts)
 
 
-def merge_cells(
-    cells: dict[tuple[int, int], list[Any]], key: tuple[int, int], c: list[Any]
-) -> None:
+def merge_cells(cells: dict[tuple[int, int], Any], key: tuple[int, int], c: list[Any]) -> None:
     """Combine two partial buckets (a bucket can straddle a fork): smaller min, larger max."""
     old = cells.get(key)
     if old is None:

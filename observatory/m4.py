@@ -15,7 +15,9 @@ SQLite picks one of the tied steps).
 
 from __future__ import annotations
 
-__all__ = ["POINT_AS_SUMMARY", "reduce_sql"]
+from typing import Any
+
+__all__ = ["BLOCK_AS_SUMMARY", "POINT_AS_SUMMARY", "reduce_rows", "reduce_sql"]
 
 # a raw point written as a one-step summary row (columns in SUMMARY order)
 POINT_AS_SUMMARY = (
@@ -57,21 +59,61 @@ FROM (
 
 
 def _reduce_sqlite(source: str, group: str) -> str:
-    # three passes: min + its step (and the counts), max + its step, first NaN step
+    """One statement (used where a single SQL text is needed; `reduce_rows` is faster)."""
+    a, b, c = _sqlite_passes(source, group)
     return f"""
 SELECT a.series_id, a.g, a.n, a.n_nan, c.nan_step,
        a.min_value, CASE WHEN a.min_value IS NULL THEN NULL ELSE a.min_step END AS min_step,
        b.max_value, CASE WHEN b.max_value IS NULL THEN NULL ELSE b.max_step END AS max_step
-FROM (
-  SELECT series_id, {group} AS g, SUM(n) AS n, SUM(n_nan) AS n_nan,
-         MIN(min_value) AS min_value, min_step
-  FROM ({source}) GROUP BY series_id, g
-) AS a
-JOIN (
-  SELECT series_id, {group} AS g, MAX(max_value) AS max_value, max_step
-  FROM ({source}) GROUP BY series_id, g
-) AS b ON b.series_id = a.series_id AND b.g = a.g
-LEFT JOIN (
-  SELECT series_id, {group} AS g, MIN(nan_step) AS nan_step
-  FROM ({source}) WHERE nan_step IS NOT NULL GROUP BY series_id, g
-) AS c ON c.series_id = a.series_id AND c.g = a.g"""
+FROM ({a}) AS a
+JOIN ({b}) AS b ON b.series_id = a.series_id AND b.g = a.g
+LEFT JOIN ({c}) AS c ON c.series_id = a.series_id AND c.g = a.g"""
+
+
+def _sqlite_passes(source: str, group: str) -> tuple[str, str, str]:
+    """min + its step (and the counts), max + its step, first NaN step."""
+    return (
+        f"SELECT series_id, {group} AS g, SUM(n) AS n, SUM(n_nan) AS n_nan, "
+        f"MIN(min_value) AS min_value, min_step FROM ({source}) GROUP BY series_id, g",
+        f"SELECT series_id, {group} AS g, MAX(max_value) AS max_value, max_step "
+        f"FROM ({source}) GROUP BY series_id, g",
+        f"SELECT series_id, {group} AS g, MIN(nan_step) AS nan_step "
+        f"FROM ({source}) WHERE nan_step IS NOT NULL GROUP BY series_id, g",
+    )
+
+
+def reduce_rows(cursor: Any, dialect: str, source: str, group: str) -> list[tuple[Any, ...]]:
+    """Run the reduction on a DB-API cursor; rows as `reduce_sql` describes them.
+
+    On SQLite the passes run as separate statements joined here by key (cheaper than SQLite's
+    join of three grouped subqueries), and the NaN pass only when some group has a NaN.
+    """
+    if dialect != "sqlite":
+        cursor.execute(reduce_sql(dialect, source, group))
+        return list(cursor.fetchall())
+    pass_min, pass_max, pass_nan = _sqlite_passes(source, group)
+    cursor.execute(pass_max)
+    maxima = {(sid, g): (mx, ms) for sid, g, mx, ms in cursor.fetchall()}
+    cursor.execute(pass_min)
+    mins = cursor.fetchall()
+    nan_steps: dict[tuple[int, int], int] = {}
+    if any(row[3] for row in mins):
+        cursor.execute(pass_nan)
+        nan_steps = {(sid, g): step for sid, g, step in cursor.fetchall()}
+    out = []
+    for sid, g, n, n_nan, mn, mn_s in mins:
+        mx, mx_s = maxima[sid, g]
+        out.append(
+            (
+                sid,
+                g,
+                n,
+                n_nan,
+                nan_steps.get((sid, g)),
+                mn,
+                None if mn is None else mn_s,
+                mx,
+                None if mx is None else mx_s,
+            )
+        )
+    return out

@@ -102,15 +102,22 @@ class MetricsChecker:
             raise RecordError(
                 f"metrics must be a mapping name -> number, got {type(metrics).__name__}"
             )
-        out: dict[str, float] = {}
-        for name, value in metrics.items():
+        out = dict(metrics)  # a copy: the caller may reuse its dict
+        # the hot path, in C loops: known names and plain floats (a training step's usual dict)
+        if self._names.issuperset(out) and set(map(type, out.values())) <= {float}:
+            return out
+        return self._slow(out)
+
+    def _slow(self, out: dict[str, float]) -> dict[str, float]:
+        for name, value in out.items():
             if name not in self._names:
                 try:
                     parse_name(name)
                 except ValueError as e:
                     raise RecordError(str(e)) from e
                 self._names.add(name)
-            out[name] = value if type(value) is float else self._number(name, value)
+            if type(value) is not float:
+                out[name] = self._number(name, value)
         return out
 
     @staticmethod

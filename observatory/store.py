@@ -429,20 +429,20 @@ def _matrix(
     buckets, start, end = window
     width, cells, _ = downsample(session, segs, buckets, start, end)
     ks = sorted({k for _, k in cells})
-    col = {k: j for j, k in enumerate(ks)}
-    row = {lab: i for i, lab in enumerate(labels)}
-    out: list[list[list[Any]]] = [[[None] * len(ks) for _ in labels] for _ in range(6)]
-    for c in out[:2]:  # n and n_nan default to 0
-        for r in c:
-            r[:] = [0] * len(ks)
-    for (lab, k), cell in cells.items():
-        i, j = row[lab], col[k]
-        for f, v in enumerate((cell[0], cell[1], cell[3], cell[4], cell[5], cell[6])):
-            out[f][i][j] = v
-    n, n_nan, mn, mn_s, mx, mx_s = out
+    n, n_nan, mn, mn_s, mx, mx_s = (_grid_of(cells, labels, ks, f) for f in (0, 1, 3, 4, 5, 6))
     return Matrix(
         run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
     )
+
+
+def _grid_of(
+    cells: dict[tuple[int, int], Any], labels: list[int], ks: list[int], f: int
+) -> list[list[Any]]:
+    """Field `f` of every cell as rows x columns; 0 (counts) or None where a cell is empty."""
+    empty = 0 if f < 2 else None
+    return [
+        [c[f] if (c := cells.get((lab, k))) is not None else empty for k in ks] for lab in labels
+    ]
 
 
 def _check_buckets(buckets: int) -> None:
