@@ -1,10 +1,11 @@
-"""Min/max reduction in SQL, shared by the writer (block rollups) and the queries (buckets).
+"""Min/max reduction in SQL: the queries' buckets from stored blocks and raw points.
 
-Both sides reduce rows of one shape, "summary rows":
+It reduces rows of one shape, "summary rows":
 `(series_id, pos, n, n_nan, nan_step, min_value, min_step, max_value, max_step)`, where a raw
 point is the summary of one step (`pos = step`, `n = 1`) and a stored block is the summary of
-its steps. Grouping summary rows by `pos / width` and reducing them gives summaries again, so
-the same SQL builds level L+1 blocks from level L, and query buckets from blocks.
+its steps (observatory/rollup.py builds those at write time). Grouping summary rows by
+`pos / width` and reducing them gives summaries again, so blocks and the ragged raw edges of a
+range reduce together into buckets.
 
 The extreme's step must come from the row that holds the extreme. PostgreSQL does it in one pass
 with `min(ARRAY[value, step])` (arrays compare element-wise: ties go to the earliest step).

@@ -8,7 +8,6 @@ known to be storable, and it survives the spool file as one JSON line.
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import uuid
 from collections.abc import Iterable, Mapping
@@ -129,10 +128,6 @@ class MetricsChecker:
 
 def new_uid() -> str:
     return uuid.uuid4().hex
-
-
-def is_nonfinite(value: float) -> bool:
-    return not math.isfinite(value)
 
 
 RUN_FIELDS = {

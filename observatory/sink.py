@@ -32,7 +32,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from observatory.db import make_engine, redact, resolve_url
@@ -270,7 +269,7 @@ class DbSink(BaseSink):
         self._q.put(None)  # blocks only while the queue is full; the writer is draining it
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.error("sink: writer still busy after %.1fs; its records are being spooled", timeout)
+            log.error("sink: writer still busy after %ss; its records are being spooled", timeout)
             return
         self._writer.engine.dispose()
         if self._spool.pending():
@@ -288,10 +287,15 @@ class DbSink(BaseSink):
         self._replay()  # segments left by an earlier process
         while not stop:
             batch, flushes, stop = self._collect()
-            if batch:
-                self._deliver(batch)
-            elif self._spool.pending() and time.monotonic() >= self._retry_at:
-                self._replay()
+            try:
+                if batch:
+                    self._deliver(batch)
+                elif self._spool.pending() and time.monotonic() >= self._retry_at:
+                    self._replay()
+            except Exception:  # the spool itself failed (disk full?): say what is lost, go on
+                log.exception(
+                    "sink: could not write or spool %d records; they are lost", len(batch)
+                )
             self._settle(flushes)
         if self._spool.pending():
             self._retry_at = 0.0
@@ -380,7 +384,3 @@ class DbSink(BaseSink):
             for ev in self._waiting:
                 ev.set()
             self._waiting.clear()
-
-
-def default_spool_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / "spool"

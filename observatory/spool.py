@@ -35,7 +35,6 @@ class Spool:
         self._file: IO[str] | None = None
         self._path: Path | None = None
         self._closed: list[Path] = []
-        self._records = 0
         self._adopt()
 
     def _adopt(self) -> None:
@@ -52,10 +51,6 @@ class Spool:
             log.warning("spool: adopting %s left by an earlier process", path)
             self._closed.append(path)
 
-    def __len__(self) -> int:
-        """Records appended by this process and not yet replayed (adopted ones not counted)."""
-        return self._records
-
     def pending(self) -> bool:
         with self._lock:
             return bool(self._closed) or self._file is not None
@@ -68,7 +63,6 @@ class Spool:
             assert self._file is not None
             self._file.write(lines)
             self._file.flush()  # in the OS: survives a crash of this process
-            self._records += len(records)
 
     def _open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -86,11 +80,10 @@ class Spool:
                 self._file, self._path = None, None
             return list(self._closed)
 
-    def done(self, path: Path, count: int = 0) -> None:
+    def done(self, path: Path) -> None:
         """A segment is in the database: delete it."""
         with self._lock:
             self._closed.remove(path)
-            self._records = max(0, self._records - count)
         path.unlink(missing_ok=True)
 
     def reject(self, path: Path, why: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from sqlalchemy import Engine, delete, func, select, text
@@ -183,12 +183,18 @@ def list_runs(
     if sweep_group is not None:
         q = q.where(Run.sweep_group == sweep_group)
     runs = list(session.scalars(q))
-    return [_summary(session, r, _event_counts(session, [r.id for r in runs])) for r in runs]
+    counts = _event_counts(session, [r.id for r in runs])
+    return [_summary(session, r, counts) for r in runs]
 
 
 def get_run(session: Session, *, run_id: str) -> RunSummary:
     run = _run(session, run_id)
     return _summary(session, run, _event_counts(session, [run.id]))
+
+
+def _utc(dt: datetime) -> datetime:
+    """Timezone-aware UTC everywhere (SQLite hands stored UTC times back naive)."""
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
 
 
 def _run(session: Session, run_id: str) -> Run:
@@ -219,9 +225,9 @@ def _summary(session: Session, run: Run, counts: dict[tuple[int, str], int]) -> 
         hypothesis=run.hypothesis,
         config=dict(run.config or {}),
         run_dir=run.run_dir,
-        created_at=run.created_at,
-        updated_at=run.updated_at,
-        ended_at=run.ended_at,
+        created_at=_utc(run.created_at),
+        updated_at=_utc(run.updated_at),
+        ended_at=_utc(run.ended_at) if run.ended_at else None,
         branches=len(numbers),
         last_step=last_step,
         last_loss=last_loss,
@@ -248,7 +254,7 @@ def branches(session: Session, *, run_id: str) -> list[BranchRow]:
     run = _run(session, run_id)
     q = select(Branch).where(Branch.run_id == run.id).order_by(Branch.number)
     return [
-        BranchRow(b.number, b.parent, b.fork_step, b.reason, b.created_at)
+        BranchRow(b.number, b.parent, b.fork_step, b.reason, _utc(b.created_at))
         for b in session.scalars(q)
     ]
 
@@ -290,7 +296,14 @@ def events(
     q = q.order_by(Event.step.is_(None), Event.step, Event.id).limit(limit)
     return [
         EventRow(
-            e.uid, e.branch, e.step, e.kind, e.source, e.message, dict(e.data or {}), e.created_at
+            e.uid,
+            e.branch,
+            e.step,
+            e.kind,
+            e.source,
+            e.message,
+            dict(e.data or {}),
+            _utc(e.created_at),
         )
         for e in session.scalars(q)
     ]
@@ -304,7 +317,7 @@ def checkpoints(session: Session, *, run_id: str) -> list[CheckpointRow]:
         .order_by(Checkpoint.step, Checkpoint.id)
     )
     return [
-        CheckpointRow(c.branch, c.step, c.path, c.pinned, c.checksum_status, c.created_at)
+        CheckpointRow(c.branch, c.step, c.path, c.pinned, c.checksum_status, _utc(c.created_at))
         for c in session.scalars(q)
     ]
 

@@ -79,7 +79,7 @@ def test_round_trip_run_metrics_events_checkpoints(db_url: str, tmp_path: Path) 
         0,
         1,
     )
-    assert run.ended_at is not None
+    assert run.ended_at is not None and run.created_at.tzinfo is not None  # UTC on both
     assert store.get_run(session, run_id="run-1") == run
     assert store.list_runs(session, status="running") == []
     assert store.metric_names(session, run_id="run-1") == [
