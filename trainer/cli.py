@@ -97,6 +97,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_train(args)
 
 
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
+    from observatory.db import DatabaseURLError, redact, resolve_url, upgrade
+
+    try:
+        url = upgrade(args.db)
+    except (DatabaseURLError, OperationalError) as e:
+        where = (
+            ""
+            if isinstance(e, DatabaseURLError)
+            else f"cannot use {redact(resolve_url(args.db))}: "
+        )
+        print(f"spikewatch: {where}{str(e).splitlines()[0]}", file=sys.stderr)  # noqa: T201
+        return 2
+    log.info("database %s is at the newest schema", redact(url))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spikewatch", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -128,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
     advise.add_argument("--json", action="store_true", help="also print a JSON line")
     advise.set_defaults(func=cmd_advise)
+
+    db = sub.add_parser("db", help="the observatory database")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_upgrade = db_sub.add_parser("upgrade", help="apply Alembic migrations up to the newest")
+    db_upgrade.add_argument(
+        "--db",
+        default=None,
+        help="database URL (default $SPIKEWATCH_DB_URL, else sqlite:///runs/spikewatch.db)",
+    )
+    db_upgrade.set_defaults(func=cmd_db_upgrade)
     return parser
 
 

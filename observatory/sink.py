@@ -1,0 +1,386 @@
+"""The trainer-side writer: the training step never waits on the database.
+
+API (the same on `DbSink` and on `NullSink`, which stores nothing)::
+
+    sink = DbSink(url, spool_dir=run_dir / "spool")   # or NullSink()
+    sink.start_run(run_id, name=..., config=cfg_dict, tags=[...], sweep_group=..., hypothesis=...,
+                   run_dir=...)                          # branch 0 comes with the run
+    sink.log_metrics(run_id, branch, step, {"train/loss": 2.3, "layer/0/grad_norm": 0.1, ...})
+    sink.start_branch(run_id, 1, parent=0, fork_step=120, reason="rollback after spike at 131")
+    sink.log_event(run_id, "rollback", step=131, branch=0, message=..., data={...})
+    sink.log_checkpoint(run_id, step=120, path=..., pinned=True, checksum_status="ok")
+    sink.set_status(run_id, "completed")
+    sink.flush(timeout=10)   # optional: wait until everything so far is in the database
+    sink.close()
+
+Every public method validates on the caller's thread (a bad value raises `RecordError` naming
+it, and nothing of that call is queued), then enqueues one record: a `put_nowait` on a bounded
+queue. A writer thread drains the queue in batches (up to `batch_values` metric values, or
+whatever arrived within `linger_s`) and writes each batch in one transaction
+(observatory/ingest.py). When the queue is full the record goes to the spool file instead of
+blocking. When the database is unreachable, batches go to the spool in the run directory; the
+writer retries with backoff and replays the spool, oldest first, before writing anything new.
+Writes are idempotent, so a replay never duplicates a row. NaN and +-inf are valid values.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from observatory.db import make_engine, redact, resolve_url
+from observatory.ingest import Writer
+from observatory.records import (
+    MetricsChecker,
+    Record,
+    RecordError,
+    check_branch,
+    check_run_key,
+    check_step,
+    check_text,
+    checkpoint_record,
+    event_record,
+    run_record,
+    status_record,
+)
+from observatory.spool import Spool
+
+__all__ = ["BaseSink", "DbSink", "NullSink", "RecordError"]
+
+log = logging.getLogger(__name__)
+
+
+class BaseSink:
+    """Public methods validate and build records; `_put` (per sink) does the work."""
+
+    def __init__(self) -> None:
+        self._check_metrics = MetricsChecker()
+        self._branches: dict[str, set[int]] = {}
+
+    def start_run(
+        self,
+        run_id: str,
+        *,
+        name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        tags: Iterable[str] = (),
+        sweep_group: str | None = None,
+        hypothesis: str | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Create the run (or mark a resumed one running again) with its branch 0."""
+        rec = run_record(
+            run_id,
+            config=config or {},
+            tags=list(tags) if not isinstance(tags, str) else tags,
+            name=name,
+            sweep_group=sweep_group,
+            hypothesis=hypothesis,
+            run_dir=None if run_dir is None else str(run_dir),
+        )
+        self._branches.setdefault(run_id, set()).add(0)
+        self._put(rec)
+
+    def start_branch(
+        self, run_id: str, branch: int, *, parent: int, fork_step: int, reason: str = ""
+    ) -> None:
+        """A rollback: `branch` continues after `fork_step`, the last step shared with `parent`."""
+        known = self._known_branches(run_id)
+        branch, parent = check_branch(branch), check_branch(parent, "parent")
+        if parent not in known:
+            raise RecordError(f"parent branch {parent} of run {run_id!r} was never started")
+        if branch == parent:
+            raise RecordError(f"branch {branch} cannot be its own parent")
+        data = {
+            "number": branch,
+            "parent": parent,
+            "fork_step": check_step(fork_step, "fork_step"),
+            "reason": check_text("reason", reason) or "",
+        }
+        known.add(branch)
+        self._put(Record("branch", run_id, data))
+
+    def log_metrics(
+        self, run_id: str, branch: int, step: int, metrics: Mapping[str, float]
+    ) -> None:
+        """One step's values, `{metric name: number}`; the hot path (microseconds)."""
+        if branch not in self._known_branches(run_id):
+            raise RecordError(f"branch {branch!r} of run {run_id!r} was never started")
+        if type(step) is not int or not 0 <= step < 2**31:
+            check_step(step)
+        values = self._check_metrics(metrics)
+        self._put(Record("metrics", run_id, {"branch": branch, "step": step, "values": values}))
+
+    def log_event(
+        self,
+        run_id: str,
+        kind: str,
+        *,
+        step: int | None = None,
+        branch: int = 0,
+        message: str = "",
+        data: Mapping[str, Any] | None = None,
+        source: str = "trainer",
+        uid: str | None = None,
+    ) -> str:
+        """A spike verdict, an intervention or an annotation; returns its uid (the replay key)."""
+        self._known_branches(run_id)
+        rec = event_record(
+            run_id,
+            kind,
+            step=step,
+            branch=branch,
+            message=message,
+            data=data,
+            source=source,
+            uid=uid,
+        )
+        self._put(rec)
+        return str(rec.data["uid"])
+
+    def log_checkpoint(
+        self,
+        run_id: str,
+        *,
+        step: int,
+        path: str | os.PathLike[str],
+        branch: int = 0,
+        pinned: bool = False,
+        checksum_status: str = "unverified",
+    ) -> None:
+        """A checkpoint written (or re-pinned, or re-verified: the path is the key)."""
+        self._known_branches(run_id)
+        rec = checkpoint_record(
+            run_id,
+            step=step,
+            path=str(path),
+            branch=branch,
+            pinned=pinned,
+            checksum_status=checksum_status,
+        )
+        self._put(rec)
+
+    def set_status(self, run_id: str, status: str) -> None:
+        """running | completed | failed | halted | stopped."""
+        self._known_branches(run_id)
+        self._put(status_record(run_id, status))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything logged so far is in the database; False on timeout."""
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write (or spool) what is queued and stop."""
+
+    def __enter__(self) -> BaseSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _known_branches(self, run_id: str) -> set[int]:
+        check_run_key(run_id)
+        known = self._branches.get(run_id)
+        if known is None:
+            raise RecordError(f"run {run_id!r} was not started in this sink: call start_run first")
+        return known
+
+    def _put(self, rec: Record) -> None:
+        raise NotImplementedError
+
+
+class NullSink(BaseSink):
+    """No database: validates like DbSink, then drops the record."""
+
+    def _put(self, rec: Record) -> None:
+        pass
+
+
+class DbSink(BaseSink):
+    """Queue + writer thread + spool. See the module docstring."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        spool_dir: str | os.PathLike[str],
+        queue_size: int = 4096,
+        batch_values: int = 50_000,
+        linger_s: float = 0.2,
+        retry_s: tuple[float, float] = (0.5, 10.0),
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.url = resolve_url(url)
+        self.batch_values = batch_values
+        self.linger_s = linger_s
+        self.retry_s = retry_s
+        self.stats = {
+            "records": 0,
+            "values": 0,
+            "batches": 0,
+            "spooled": 0,
+            "overflow": 0,
+            "replayed": 0,
+        }
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._spool = Spool(spool_dir)
+        self._writer = Writer(make_engine(self.url, writer=True, **(engine_kwargs or {})))
+        self._retry_at = 0.0
+        self._backoff = retry_s[0]
+        self._waiting: list[threading.Event] = []  # flushes waiting for the spool to drain
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="spikewatch-sink", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # -- caller side ----------------------------------------------------------------------
+
+    def _put(self, rec: Record) -> None:
+        if self._closed:
+            raise RuntimeError("sink is closed")
+        try:
+            self._q.put_nowait(rec)
+        except queue.Full:  # never block the training step: spill to disk
+            self._spool.append([rec])
+            self.stats["overflow"] += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        if self._closed:
+            return not self._spool.pending()
+        done = threading.Event()
+        try:
+            self._q.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._q.put(None)  # blocks only while the queue is full; the writer is draining it
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("sink: writer still busy after %ss; its records are being spooled", timeout)
+            return
+        self._writer.engine.dispose()
+        if self._spool.pending():
+            log.warning(
+                "sink: database %s still unreachable; records kept in %s (replayed by "
+                "the next sink on this spool directory)",
+                redact(self.url),
+                self._spool.dir,
+            )
+
+    # -- writer thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        self._replay()  # segments left by an earlier process
+        while not stop:
+            batch, flushes, stop = self._collect()
+            try:
+                if batch:
+                    self._deliver(batch)
+                elif self._spool.pending() and time.monotonic() >= self._retry_at:
+                    self._replay()
+            except Exception:  # the spool itself failed (disk full?): say what is lost, go on
+                log.exception(
+                    "sink: could not write or spool %d records; they are lost", len(batch)
+                )
+            self._settle(flushes)
+        if self._spool.pending():
+            self._retry_at = 0.0
+            self._replay()
+        self._settle([])
+
+    def _collect(self) -> tuple[list[Record], list[threading.Event], bool]:
+        """Block for the first record, then take what arrives within linger_s (or a full batch)."""
+        batch: list[Record] = []
+        flushes: list[threading.Event] = []
+        size = 0
+        deadline = None
+        while size < self.batch_values:
+            timeout = 0.5 if deadline is None else deadline - time.monotonic()
+            try:
+                item = (
+                    self._q.get(timeout=max(timeout, 0.0)) if timeout > 0 else self._q.get_nowait()
+                )
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, flushes, True
+            if isinstance(item, threading.Event):
+                flushes.append(item)
+                break  # a flush wants what came before it written now
+            batch.append(item)
+            size += len(item.data.get("values", ())) + 1
+            deadline = deadline or time.monotonic() + self.linger_s
+        return batch, flushes, False
+
+    def _deliver(self, batch: list[Record]) -> None:
+        if self._spool.pending():  # keep order: older spooled records go in first
+            if time.monotonic() < self._retry_at or not self._replay():
+                self._spill(batch)
+                return
+        try:
+            n = self._writer.write(batch)
+        except Exception as e:  # unreachable, locked, schema missing: keep the data, retry
+            self._failed(e)
+            self._spill(batch)
+            return
+        self._ok(len(batch), n)
+
+    def _replay(self) -> bool:
+        """Write every spool segment, oldest first; True when the spool is empty."""
+        for path in self._spool.rotate():
+            try:
+                for chunk in Spool.read(path, self.batch_values):
+                    n = self._writer.write(chunk)
+                    self.stats["replayed"] += len(chunk)
+                    self._ok(0, n)
+            except RecordError as e:
+                self._spool.reject(path, str(e))
+                continue
+            except Exception as e:
+                self._failed(e)
+                return False
+            self._spool.done(path)
+            log.info("sink: replayed %s into the database", path.name)
+        return True
+
+    def _spill(self, batch: list[Record]) -> None:
+        self._spool.append(batch)
+        self.stats["spooled"] += len(batch)
+
+    def _ok(self, records: int, values: int) -> None:
+        self.stats["records"] += records
+        self.stats["values"] += values
+        self.stats["batches"] += 1
+        self._backoff = self.retry_s[0]
+
+    def _failed(self, e: Exception) -> None:
+        log.warning(
+            "sink: database write failed (%s: %s); spooling, retry in %.1fs",
+            type(e).__name__,
+            str(e).splitlines()[0][:200],
+            self._backoff,
+        )
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.retry_s[1])
+
+    def _settle(self, flushes: list[threading.Event]) -> None:
+        """Release flush waiters once nothing is left in the spool."""
+        self._waiting.extend(flushes)
+        if self._waiting and not self._spool.pending():
+            for ev in self._waiting:
+                ev.set()
+            self._waiting.clear()

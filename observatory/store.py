@@ -1,0 +1,499 @@
+"""Every query the dashboard and tools need: keyword-only, typed, returning plain dataclasses.
+
+Series are downsampled in SQL to at most N buckets by minimum and maximum (M4-style, without
+first/last), each bucket keeping its exact extremes and the steps they occurred at, so a one-step
+spike survives any zoom level. Bucket widths are whole multiples of a rollup block size
+(`BLOCK_LEVELS`), chosen as the largest block not wider than the asked width: the query reads
+whole blocks from `point_blocks` (at most ~2N x 8 rows) and raw points only at the ragged edges of
+the range and of branch segments. NaN is counted per bucket (`n_nan`, first `nan_step`); +-inf
+appear as the bucket's exact min or max.
+
+"History of branch b" is its lineage: the parent's steps up to the fork step, then b's own.
+`branch="all"` returns every branch's own steps separately, abandoned ones included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import Engine, delete, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from observatory.db import make_engine
+from observatory.downsample import END, MAX_BUCKETS, Tree, branch_tree, downsample, lineage
+from observatory.models import (
+    Branch,
+    Checkpoint,
+    Event,
+    MetricName,
+    Point,
+    PointBlock,
+    Run,
+    Series,
+)
+from observatory.names import NO_INDEX, MetricKey, parse_name
+
+__all__ = [
+    "LOSS_METRIC",
+    "Bucket",
+    "CheckpointRow",
+    "EventRow",
+    "Matrix",
+    "NotFoundError",
+    "RunSummary",
+    "SeriesData",
+    "branches",
+    "checkpoints",
+    "delete_run",
+    "events",
+    "get_run",
+    "head_matrix",
+    "layer_matrix",
+    "list_runs",
+    "metric_names",
+    "series",
+    "session_factory",
+]
+
+LOSS_METRIC = "train/loss"  # the trainer's trainer.metric_names.LOSS (observatory cannot import it)
+
+
+class NotFoundError(LookupError):
+    """No such run / metric / branch; the message lists what exists."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    name: str | None
+    status: str
+    tags: list[str]
+    sweep_group: str | None
+    hypothesis: str | None
+    config: dict[str, Any]
+    run_dir: str | None
+    created_at: datetime
+    updated_at: datetime
+    ended_at: datetime | None
+    branches: int
+    last_step: int | None
+    last_loss: float | None
+    spikes: int
+    rollbacks: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # first step of the bucket (inclusive)
+    end: int  # last step (inclusive)
+    n: int  # values stored in it, NaN included
+    n_nan: int
+    nan_step: int | None  # first NaN
+    min_value: float | None  # exact; None when every value is NaN; may be -inf
+    min_step: int | None
+    max_value: float | None  # exact; may be +inf
+    max_step: int | None
+
+    @property
+    def nonfinite(self) -> bool:
+        vals = (self.min_value, self.max_value)
+        return self.n_nan > 0 or any(v is not None and math.isinf(v) for v in vals)
+
+
+@dataclass(frozen=True)
+class SeriesData:
+    run_id: str
+    metric: str
+    branch: int  # the branch whose history (or, for branch="all", own steps) this is
+    segments: list[tuple[int, int, int]]  # (branch, first step, last step) read
+    bucket_width: int
+    buckets: list[Bucket]
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """rows x buckets; cells with no value are None (n = 0)."""
+
+    run_id: str
+    metric: str
+    branch: int
+    rows: list[int]  # layer (layer_matrix) or head (head_matrix) numbers
+    starts: list[int]  # first step of each bucket
+    bucket_width: int
+    min_value: list[list[float | None]]
+    min_step: list[list[int | None]]
+    max_value: list[list[float | None]]
+    max_step: list[list[int | None]]
+    n: list[list[int]]
+    n_nan: list[list[int]]
+
+
+@dataclass(frozen=True)
+class EventRow:
+    uid: str
+    branch: int
+    step: int | None
+    kind: str
+    source: str
+    message: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    branch: int
+    step: int
+    path: str
+    pinned: bool
+    checksum_status: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class BranchRow:
+    number: int
+    parent: int | None
+    fork_step: int | None
+    reason: str | None
+    created_at: datetime
+
+
+def session_factory(
+    url: str | None = None, *, engine: Engine | None = None
+) -> sessionmaker[Session]:
+    """Sessions on `url` (resolved like everywhere else: --db, $SPIKEWATCH_DB_URL, default)."""
+    return sessionmaker(engine or make_engine(url), expire_on_commit=False)
+
+
+# -- runs -----------------------------------------------------------------------------------
+
+
+def list_runs(
+    session: Session, *, status: str | None = None, sweep_group: str | None = None, limit: int = 200
+) -> list[RunSummary]:
+    """Newest first, with last step / loss of the newest branch and spike / rollback counts."""
+    q = select(Run).order_by(Run.created_at.desc(), Run.id.desc()).limit(limit)
+    if status is not None:
+        q = q.where(Run.status == status)
+    if sweep_group is not None:
+        q = q.where(Run.sweep_group == sweep_group)
+    runs = list(session.scalars(q))
+    counts = _event_counts(session, [r.id for r in runs])
+    return [_summary(session, r, counts) for r in runs]
+
+
+def get_run(session: Session, *, run_id: str) -> RunSummary:
+    run = _run(session, run_id)
+    return _summary(session, run, _event_counts(session, [run.id]))
+
+
+def _utc(dt: datetime) -> datetime:
+    """Timezone-aware UTC everywhere (SQLite hands stored UTC times back naive)."""
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def _run(session: Session, run_id: str) -> Run:
+    run = session.scalars(select(Run).where(Run.key == run_id)).first()
+    if run is None:
+        raise NotFoundError(f"no run {run_id!r}")
+    return run
+
+
+def _event_counts(session: Session, run_ids: list[int]) -> dict[tuple[int, str], int]:
+    q = (
+        select(Event.run_id, Event.kind, func.count())
+        .where(Event.run_id.in_(run_ids), Event.kind.in_(("spike", "rollback")))
+        .group_by(Event.run_id, Event.kind)
+    )
+    return {(rid, kind): n for rid, kind, n in session.execute(q)}
+
+
+def _summary(session: Session, run: Run, counts: dict[tuple[int, str], int]) -> RunSummary:
+    numbers = list(session.scalars(select(Branch.number).where(Branch.run_id == run.id)))
+    last_step, last_loss = _last_loss(session, run.id)
+    return RunSummary(
+        run_id=run.key,
+        name=run.name,
+        status=run.status,
+        tags=list(run.tags or []),
+        sweep_group=run.sweep_group,
+        hypothesis=run.hypothesis,
+        config=dict(run.config or {}),
+        run_dir=run.run_dir,
+        created_at=_utc(run.created_at),
+        updated_at=_utc(run.updated_at),
+        ended_at=_utc(run.ended_at) if run.ended_at else None,
+        branches=len(numbers),
+        last_step=last_step,
+        last_loss=last_loss,
+        spikes=counts.get((run.id, "spike"), 0),
+        rollbacks=counts.get((run.id, "rollback"), 0),
+    )
+
+
+def _last_loss(session: Session, run_pk: int) -> tuple[int | None, float | None]:
+    """The newest branch's last loss point (branches without points yet are skipped)."""
+    q = text(
+        "SELECT p.step, p.value FROM series s JOIN metric_names m ON m.id = s.metric_id "
+        "JOIN points p ON p.series_id = s.id WHERE s.run_id = :run AND m.name = :name "
+        "AND p.step = (SELECT MAX(step) FROM points WHERE series_id = s.id) "
+        "ORDER BY s.branch DESC LIMIT 1"
+    )
+    row = session.execute(q, {"run": run_pk, "name": LOSS_METRIC}).first()
+    if row is None:
+        return None, None
+    return row[0], (math.nan if row[1] is None else row[1])
+
+
+def branches(session: Session, *, run_id: str) -> list[BranchRow]:
+    run = _run(session, run_id)
+    q = select(Branch).where(Branch.run_id == run.id).order_by(Branch.number)
+    return [
+        BranchRow(b.number, b.parent, b.fork_step, b.reason, _utc(b.created_at))
+        for b in session.scalars(q)
+    ]
+
+
+def metric_names(session: Session, *, run_id: str) -> list[str]:
+    """Metric templates of a run (`train/loss`, `layer/*/grad_norm`, ...), sorted."""
+    run = _run(session, run_id)
+    q = (
+        select(MetricName.name)
+        .join(Series, Series.metric_id == MetricName.id)
+        .where(Series.run_id == run.id)
+        .distinct()
+        .order_by(MetricName.name)
+    )
+    return list(session.scalars(q))
+
+
+def events(
+    session: Session,
+    *,
+    run_id: str,
+    kinds: Sequence[str] | None = None,
+    branch: int | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    limit: int = 10_000,
+) -> list[EventRow]:
+    """Events in step order (step-less ones last), optionally filtered."""
+    run = _run(session, run_id)
+    q = select(Event).where(Event.run_id == run.id)
+    if kinds is not None:
+        q = q.where(Event.kind.in_(list(kinds)))
+    if branch is not None:
+        q = q.where(Event.branch == branch)
+    if start is not None:
+        q = q.where(Event.step >= start)
+    if end is not None:
+        q = q.where(Event.step <= end)
+    q = q.order_by(Event.step.is_(None), Event.step, Event.id).limit(limit)
+    return [
+        EventRow(
+            e.uid,
+            e.branch,
+            e.step,
+            e.kind,
+            e.source,
+            e.message,
+            dict(e.data or {}),
+            _utc(e.created_at),
+        )
+        for e in session.scalars(q)
+    ]
+
+
+def checkpoints(session: Session, *, run_id: str) -> list[CheckpointRow]:
+    run = _run(session, run_id)
+    q = (
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run.id)
+        .order_by(Checkpoint.step, Checkpoint.id)
+    )
+    return [
+        CheckpointRow(c.branch, c.step, c.path, c.pinned, c.checksum_status, _utc(c.created_at))
+        for c in session.scalars(q)
+    ]
+
+
+# -- series and matrices --------------------------------------------------------------------
+
+
+def series(
+    session: Session,
+    *,
+    run_id: str,
+    metric: str,
+    branch: int | Literal["all"] | None = None,
+    buckets: int = 2000,
+    start: int | None = None,
+    end: int | None = None,
+) -> list[SeriesData]:
+    """One metric downsampled to at most `buckets` buckets over [start, end].
+
+    `branch`: None = the newest branch's history, an int = that branch's history, "all" = one
+    SeriesData per branch with only that branch's own steps.
+    """
+    _check_buckets(buckets)
+    run = _run(session, run_id)
+    tree = branch_tree(session, run.id)
+    ids = _series_ids(session, run.id, parse_name(metric), metric)
+    if branch == "all":
+        plan = {b: [(b, 0, END)] for b in sorted(ids)}
+    else:
+        b = _pick_branch(tree, branch, run_id)
+        plan = {b: lineage(tree, b)}
+    segs = [
+        (label, ids[br], lo, hi)
+        for label, parts in plan.items()
+        for br, lo, hi in parts
+        if br in ids
+    ]
+    width, cells, read = downsample(session, segs, buckets, start, end)
+    branch_of = {sid: br for br, sid in ids.items()}
+    return [
+        SeriesData(
+            run_id,
+            metric,
+            label,
+            [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == label],
+            width,
+            [
+                _bucket(k, width, cells[(label, k)])
+                for k in sorted(k for g, k in cells if g == label)
+            ],
+        )
+        for label, parts in plan.items()
+    ]
+
+
+def layer_matrix(
+    session: Session,
+    *,
+    run_id: str,
+    metric: str,
+    branch: int | None = None,
+    buckets: int = 1000,
+    start: int | None = None,
+    end: int | None = None,
+) -> Matrix:
+    """layer x step for a per-layer metric template such as `layer/*/grad_norm`."""
+    key = _template(metric, "layer/*/", per_head=False)
+    keep = lambda s: s.layer >= 0 and s.head == NO_INDEX  # noqa: E731
+    return _matrix(session, run_id, key, branch, (buckets, start, end), keep, "layer")
+
+
+def head_matrix(
+    session: Session,
+    *,
+    run_id: str,
+    metric: str,
+    layer: int,
+    branch: int | None = None,
+    buckets: int = 1000,
+    start: int | None = None,
+    end: int | None = None,
+) -> Matrix:
+    """head x step of one layer for a per-head template such as `layer/*/head/*/attn_max`."""
+    key = _template(metric, "layer/*/head/*/", per_head=True)
+    keep = lambda s: s.layer == layer and s.head >= 0  # noqa: E731
+    return _matrix(session, run_id, key, branch, (buckets, start, end), keep, "head")
+
+
+def _template(metric: str, prefix: str, *, per_head: bool) -> str:
+    if not metric.startswith(prefix) or ("/head/*/" in metric) != per_head:
+        raise ValueError(f"expected a metric template starting with {prefix!r}, got {metric!r}")
+    return metric
+
+
+def _matrix(
+    session: Session,
+    run_id: str,
+    template: str,
+    branch: int | None,
+    window: tuple[int, int | None, int | None],
+    keep: Callable[[Any], bool],
+    attr: str,
+) -> Matrix:
+    """Rows (layers or heads, picked by `keep`, labelled by `attr`) x buckets."""
+    _check_buckets(window[0])
+    run = _run(session, run_id)
+    tree = branch_tree(session, run.id)
+    b = _pick_branch(tree, branch, run_id)
+    parts = lineage(tree, b)
+    q = (
+        select(Series.id, Series.branch, Series.layer, Series.head)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id == run.id, MetricName.name == template)
+        .where(Series.branch.in_({br for br, _, _ in parts}))
+    )
+    found = [r for r in session.execute(q) if keep(r)]
+    if not found:
+        raise NotFoundError(f"run {run_id!r} has no values of {template!r} on branch {b}'s history")
+    by = {(getattr(r, attr), r.branch): r.id for r in found}
+    labels = sorted({getattr(r, attr) for r in found})
+    segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
+    buckets, start, end = window
+    width, cells, _ = downsample(session, segs, buckets, start, end)
+    ks = sorted({k for _, k in cells})
+    n, n_nan, mn, mn_s, mx, mx_s = (_grid_of(cells, labels, ks, f) for f in (0, 1, 3, 4, 5, 6))
+    return Matrix(
+        run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
+    )
+
+
+def _grid_of(
+    cells: dict[tuple[int, int], Any], labels: list[int], ks: list[int], f: int
+) -> list[list[Any]]:
+    """Field `f` of every cell as rows x columns; 0 (counts) or None where a cell is empty."""
+    empty = 0 if f < 2 else None
+    return [
+        [c[f] if (c := cells.get((lab, k))) is not None else empty for k in ks] for lab in labels
+    ]
+
+
+def _check_buckets(buckets: int) -> None:
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or not 1 <= buckets <= MAX_BUCKETS:
+        raise ValueError(f"buckets must be an int in [1, {MAX_BUCKETS}], got {buckets!r}")
+
+
+def _pick_branch(tree: Tree, branch: int | None, run_id: str) -> int:
+    if branch is None:
+        return max(tree) if tree else 0
+    if branch not in tree:
+        raise NotFoundError(f"run {run_id!r} has no branch {branch}; it has {sorted(tree)}")
+    return branch
+
+
+def _series_ids(session: Session, run_pk: int, key: MetricKey, metric: str) -> dict[int, int]:
+    q = (
+        select(Series.branch, Series.id)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id == run_pk, MetricName.name == key.template)
+        .where(Series.layer == key.layer, Series.head == key.head)
+    )
+    ids = {b: sid for b, sid in session.execute(q)}
+    if not ids:
+        raise NotFoundError(f"no metric {metric!r} in this run")
+    return ids
+
+
+def _bucket(k: int, width: int, c: list[Any]) -> Bucket:
+    return Bucket(k * width, k * width + width - 1, c[0], c[1], c[2], c[3], c[4], c[5], c[6])
+
+
+def delete_run(session: Session, *, run_id: str) -> None:
+    """Delete a run and everything stored for it (points and blocks have no FK to cascade)."""
+    run = _run(session, run_id)
+    ids = select(Series.id).where(Series.run_id == run.id).scalar_subquery()
+    session.execute(delete(PointBlock).where(PointBlock.series_id.in_(ids)))
+    session.execute(delete(Point).where(Point.series_id.in_(ids)))
+    for model in (Series, Event, Checkpoint, Branch):
+        session.execute(delete(model).where(model.run_id == run.id))
+    session.execute(delete(Run).where(Run.id == run.id))

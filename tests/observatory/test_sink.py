@@ -1,0 +1,221 @@
+"""The sink: never blocks, never loses, never duplicates; bad input is refused up front."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from observatory import db, store
+from observatory.records import Record, RecordError
+from observatory.sink import DbSink, NullSink
+
+from . import workers
+from .helpers import Proxy, assert_blocks_consistent, count
+
+METRICS = ("train/loss", "layer/0/grad_norm", "layer/1/head/2/attn_max")
+
+
+def _log_steps(sink: DbSink, steps: range, run: str = "r") -> None:
+    for step in steps:
+        sink.log_metrics(run, 0, step, {m: step + i / 10 for i, m in enumerate(METRICS)})
+        if step % 50 == 0:
+            sink.log_event(run, "note", step=step, message=f"at {step}")
+
+
+def _assert_exactly_once(url: str, steps: int) -> None:
+    engine = db.make_engine(url)
+    assert count(engine, "SELECT COUNT(*) FROM points") == steps * len(METRICS)
+    assert count(engine, "SELECT COUNT(DISTINCT step) FROM points") == steps
+    assert count(engine, "SELECT COUNT(*) FROM events") == len(range(0, steps, 50))
+    assert count(engine, "SELECT COUNT(*) FROM points WHERE step = 123 AND value = 123.1") == 1
+    assert_blocks_consistent(engine)
+    engine.dispose()
+
+
+def test_postgresql_unreachable_mid_run_loses_and_duplicates_nothing(
+    pg_url: str, tmp_path: Path
+) -> None:
+    real = make_url(pg_url)
+    proxy = Proxy((real.host or "127.0.0.1", real.port or 5432))
+    proxy.start()
+    via_proxy = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    sink = DbSink(
+        via_proxy,
+        spool_dir=tmp_path / "spool",
+        linger_s=0.01,
+        retry_s=(0.05, 0.2),
+        engine_kwargs={"connect_args": {"connect_timeout": 2}},
+    )
+    sink.start_run("r")
+    _log_steps(sink, range(0, 300))
+    assert sink.flush(30)
+    proxy.stop()  # the database goes away mid-run
+    _log_steps(sink, range(300, 700))  # logging goes on: enqueue only
+    assert not sink.flush(1.0)  # cannot be in the database yet
+    assert sink.stats["spooled"] > 0 and any((tmp_path / "spool").glob("spool-*.jsonl"))
+    proxy.start()  # and comes back
+    _log_steps(sink, range(700, 1000))
+    assert sink.flush(60)
+    sink.close()
+    proxy.stop()
+    assert not list((tmp_path / "spool").glob("spool-*"))  # replayed and deleted
+    _assert_exactly_once(pg_url, 1000)
+
+
+def test_sqlite_locked_mid_run_loses_and_duplicates_nothing(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    sink = DbSink(
+        sqlite_url,
+        spool_dir=tmp_path / "spool",
+        linger_s=0.01,
+        retry_s=(0.05, 0.2),
+        engine_kwargs={"sqlite_busy_ms": 100},
+    )
+    sink.start_run("r")
+    _log_steps(sink, range(0, 300))
+    assert sink.flush(30)
+    blocker = sqlite3.connect(make_url(sqlite_url).database, isolation_level=None)
+    blocker.execute("PRAGMA busy_timeout=0")
+    blocker.execute("BEGIN EXCLUSIVE")  # nobody else may write: the database 'stops accepting'
+    _log_steps(sink, range(300, 700))
+    assert not sink.flush(1.0)
+    assert sink.stats["spooled"] > 0
+    blocker.execute("COMMIT")
+    blocker.close()
+    _log_steps(sink, range(700, 1000))
+    assert sink.flush(60)
+    sink.close()
+    _assert_exactly_once(sqlite_url, 1000)
+
+
+def test_full_queue_spills_to_the_spool_without_blocking(sqlite_url: str, tmp_path: Path) -> None:
+    sink = DbSink(sqlite_url, spool_dir=tmp_path / "spool", queue_size=2, linger_s=0.01)
+    sink.start_run("r")
+    _log_steps(sink, range(0, 500))
+    assert sink.stats["overflow"] > 0
+    assert sink.flush(60)
+    sink.close()
+    _assert_exactly_once(sqlite_url, 500)
+
+
+def test_a_new_sink_replays_the_spool_a_dead_process_left(sqlite_url: str, tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    records = [Record("run", "r", {"status": "running", "config": {}, "tags": []})]
+    records += [
+        Record(
+            "metrics",
+            "r",
+            {"branch": 0, "step": s, "values": {m: s + i / 10 for i, m in enumerate(METRICS)}},
+        )
+        for s in range(200)
+    ]
+    records += [
+        Record(
+            "event",
+            "r",
+            {
+                "uid": f"u{s}",
+                "kind": "note",
+                "branch": 0,
+                "step": s,
+                "source": "t",
+                "message": f"at {s}",
+                "data": {},
+            },
+        )
+        for s in range(0, 200, 50)
+    ]
+    lines = "".join(r.to_json() + "\n" for r in records)
+    (spool / "spool-1-999999.jsonl").write_text(lines + '["metrics","r",{"bran')  # torn last line
+    sink = DbSink(sqlite_url, spool_dir=spool, linger_s=0.01)
+    assert sink.flush(30)
+    sink.close()
+    assert not list(spool.glob("spool-*"))
+    _assert_exactly_once(sqlite_url, 200)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_four_processes_writing_concurrently_lose_nothing(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 3.0  # after every child has imported and connected
+    with ctx.Pool(4) as pool:
+        args = [(url, str(tmp_path), w, start_at) for w in range(4)]
+        results = pool.starmap(workers.write_steps, args)
+    assert all(r["flushed"] for r in results), results
+    engine = db.make_engine(url)
+    per = workers.STEPS_PER_WORKER
+    n_metrics = len(workers.METRICS)
+    assert count(engine, "SELECT COUNT(*) FROM points") == 4 * per * n_metrics
+    assert count(engine, "SELECT COUNT(*) FROM series") == n_metrics
+    assert count(engine, "SELECT COUNT(*) FROM runs") == 1
+    assert count(engine, "SELECT COUNT(*) FROM events") == 4 * len(range(0, per, 100))
+    step = 3 * per + 17
+    where = f"step = {step} AND value = {workers.value(3, step, 1)}"
+    assert count(engine, f"SELECT COUNT(*) FROM points WHERE {where}") == 1
+    assert_blocks_consistent(engine)
+    with store.session_factory(engine=engine)() as session:
+        (s,) = store.series(session, run_id="shared", metric="train/loss", buckets=4)
+        assert len(s.buckets) <= 4 and sum(b.n for b in s.buckets) == 4 * per
+        assert s.buckets[-1].max_value == workers.value(3, 4 * per - 1, 0)
+
+
+@pytest.mark.parametrize("sink_factory", [NullSink, "db"])
+def test_bad_input_is_refused_with_a_clear_error_and_nothing_is_lost(
+    sink_factory, sqlite_url: str, tmp_path
+) -> None:
+    sink = NullSink() if sink_factory is NullSink else DbSink(sqlite_url, spool_dir=tmp_path / "s")
+    with pytest.raises(RecordError, match="start_run first"):
+        sink.log_metrics("r", 0, 1, {"train/loss": 1.0})
+    sink.start_run("r", config={"lr": 1e-3})
+    sink.log_metrics("r", 0, 1, {"train/loss": 1.0})
+    cases = [
+        (lambda: sink.log_metrics("r", 0, 2, {"train/loss": "1.0"}), "must be a real number"),
+        (lambda: sink.log_metrics("r", 0, -1, {"train/loss": 1.0}), r"step must be in \[0"),
+        (lambda: sink.log_metrics("r", 0, 2.0, {"train/loss": 1.0}), "step must be an int"),
+        (lambda: sink.log_metrics("r", 3, 2, {"train/loss": 1.0}), "branch 3 .* never started"),
+        (lambda: sink.log_metrics("r", 0, 2, {"": 1.0}), "non-empty"),
+        (lambda: sink.log_metrics("r", 0, 2, {"a*b": 1.0}), "may not contain"),
+        (lambda: sink.log_metrics("r", 0, 2, [("train/loss", 1.0)]), "mapping"),
+        (lambda: sink.log_metrics("r", 0, 2, {"layer/99999/x": 1.0}), "index above"),
+        (lambda: sink.start_run("x" * 65), "run id"),
+        (lambda: sink.start_run("r2", config={"lr": math.inf}), "without NaN"),
+        (lambda: sink.start_run("r2", tags="abc"), "tags"),
+        (lambda: sink.start_branch("r", 1, parent=4, fork_step=1), "parent branch 4"),
+        (lambda: sink.log_event("r", "explosion", step=1), "event kind must be one of"),
+        (lambda: sink.log_event("r", "spike", data={"x": object()}), "JSON"),
+        (lambda: sink.log_checkpoint("r", step=1, path=""), "non-empty"),
+        (
+            lambda: sink.log_checkpoint("r", step=1, path="p", checksum_status="good"),
+            "checksum_status",
+        ),
+        (lambda: sink.set_status("r", "exploded"), "status must be one of"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RecordError, match=message):
+            call()
+    sink.log_metrics("r", 0, 2, {"train/loss": 2.0, "layer/0/grad_norm": 0.5})
+    assert sink.flush(30)
+    sink.close()
+    if sink_factory == "db":
+        engine = db.make_engine(sqlite_url)
+        assert count(engine, "SELECT COUNT(*) FROM points") == 3  # the good calls, all of them
+        assert count(engine, "SELECT COUNT(*) FROM runs") == 1
+
+
+def test_a_closed_sink_refuses_new_records(sqlite_url: str, tmp_path: Path) -> None:
+    sink = DbSink(sqlite_url, spool_dir=tmp_path / "s")
+    sink.start_run("r")
+    sink.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.log_metrics("r", 0, 1, {"x": 1.0})
