@@ -109,6 +109,7 @@ class Detector:
         self.grad = _Robust(self.cfg.window, self.cfg.level_window)
         self.recent: deque[tuple[int, float]] = deque(maxlen=32)  # (step, z) of normal points
         self.excursion: list[tuple[int, float]] = []
+        self.calm = 0
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
         self.ema_min = math.inf
@@ -142,12 +143,17 @@ class Detector:
         score = self.loss.score(z, cfg.noise_floor) if self._armed(step, self.loss) else 0.0
         if score > cfg.threshold:
             self.excursion.append((step, score))
+            self.calm = 0
             if len(self.excursion) == cfg.persistence:
                 return self._spike(step)
             if len(self.excursion) >= cfg.window:  # not a spike but a new level: accept it
                 self.rebase(step)
             return None
-        self.excursion = []
+        if self.excursion:  # an excursion ends only after `persistence` calm steps in a row
+            self.calm += 1
+            if self.calm < cfg.persistence:
+                return None
+            self.excursion, self.calm = [], 0
         self.loss.add(z)
         self.recent.append((step, score))
         return self._trend(step, z)
@@ -243,6 +249,11 @@ class Detector:
                 )
         return out
 
+    def level(self) -> float | None:
+        """The current loss level (exp of the median recent log-loss), once there is one."""
+        vals = list(self.loss.values)[-self.cfg.level_window :]
+        return math.exp(statistics.median(vals)) if vals else None
+
     # -- regime changes, rollbacks, checkpoints ---------------------------------------------
     def rebase(self, step: int) -> None:
         """A known regime change at `step` (mixture stage, WSD decay): restart the baseline."""
@@ -254,7 +265,7 @@ class Detector:
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the spike's points are gone; forget the excursion."""
-        self.excursion = []
+        self.excursion, self.calm = [], 0
         self.last_step = step
 
     def state_dict(self) -> dict[str, Any]:
@@ -264,6 +275,7 @@ class Detector:
             "grad": list(self.grad.values),
             "recent": [list(r) for r in self.recent],
             "excursion": [list(e) for e in self.excursion],
+            "calm": self.calm,
             "updates": {k: list(v) for k, v in self.updates.items()},
             "ema": self.ema,
             "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
@@ -278,6 +290,7 @@ class Detector:
         self.grad = _Robust(self.cfg.window, self.cfg.level_window, deque(d["grad"]))
         self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
         self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
+        self.calm = d["calm"]
         self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
         self.ema = d["ema"]
         self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf

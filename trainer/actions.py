@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Action", "Continue", "Rollback", "SkipUpdate", "strongest"]
+__all__ = ["Action", "Continue", "Halt", "Rollback", "SkipUpdate", "strongest"]
 
 
 @dataclass(frozen=True)
 class Continue:
-    """Apply the update and go on."""
+    """Apply the update and go on; `pin` asks to pin the newest checkpoint with that reason
+    (a pre-spike anchor that retention must keep)."""
+
+    pin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,15 @@ class SkipUpdate:
     """Refuse this step's update: the weights and optimizer state stay as they were."""
 
     reason: str = ""
+    info: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Halt:
+    """Refuse this update and end the run cleanly (with a checkpoint), saying why."""
+
+    reason: str
+    info: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,8 @@ class Rollback:
     skip_ranges: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     lr_scale: float = 1.0
     reason: str = ""
+    # Stored as the intervention record; the asking callback may add the outcome to it later.
+    info: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.to_step < 0:
@@ -38,13 +52,14 @@ class Rollback:
                 raise ValueError(f"empty skip range [{start}, {end})")
 
 
-Action = Continue | SkipUpdate | Rollback
+Action = Continue | SkipUpdate | Rollback | Halt
 
-_RANK = {Continue: 0, SkipUpdate: 1, Rollback: 2}
+_RANK = {Continue: 0, SkipUpdate: 1, Rollback: 2, Halt: 3}
 
 
 def strongest(actions: list[Action]) -> Action:
-    """Rollback beats SkipUpdate beats Continue; among equals the first (highest priority) wins."""
+    """Halt beats Rollback beats SkipUpdate beats Continue; among equals the first (highest
+    priority) wins."""
     best: Action = Continue()
     for a in actions:
         if _RANK[type(a)] > _RANK[type(best)]:

@@ -66,11 +66,18 @@ class Callback:
         """The update statistics of `step` (update norms, optimizer state), which exist only
         after its update and so arrive with the next step's host transfer (or at the end)."""
 
+    def on_rollback(self, step: int) -> None:
+        """After the loop restored the checkpoint of `step` (the run continues from there)."""
+
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""
 
     def on_fit_end(self, state: FitState) -> None:
         """After the last step, also on a clean early stop."""
+
+    def summary(self) -> dict[str, Any]:
+        """Keys this callback adds to the run's summary JSON."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -20,6 +20,9 @@ from pydantic import (
     model_validator,
 )
 
+from observatory.detect import DetectorConfig
+from observatory.policy import PolicyConfig
+
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
@@ -33,6 +36,7 @@ __all__ = [
     "ProbesConfig",
     "ScheduleConfig",
     "TrainConfig",
+    "WatchConfig",
     "apply_overrides",
     "load_config",
 ]
@@ -267,6 +271,21 @@ class LoopConfig(_Section):
     progress: bool = Field(True, description="Show a live progress bar.")
 
 
+class WatchConfig(_Section):
+    enabled: bool = Field(True, description="Run the spike detector on every step.")
+    rollback: bool = Field(
+        True,
+        description="Act on spikes: roll back and skip (needs checkpoint.interval); false = "
+        "detect and record only.",
+    )
+    detector: DetectorConfig = Field(
+        default_factory=DetectorConfig, description="observatory/detect.py; its docstring."
+    )
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="observatory/policy.py; its docstring."
+    )
+
+
 class FaultConfig(_Section):
     kind: Literal["shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss"] = (
         Field(description="What goes wrong (trainer/faults.py describes each).")
@@ -288,6 +307,9 @@ class TrainConfig(_Section):
     )
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
     train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
+    watch: WatchConfig = Field(
+        default_factory=WatchConfig, description="Spike detection and automatic rollback."
+    )
     faults: list[FaultConfig] = Field(
         default_factory=list, description="Injected faults (tests, demos); empty = none."
     )

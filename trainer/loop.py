@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from trainer import metric_names as M
-from trainer.actions import Action, Continue, Rollback, SkipUpdate, strongest
+from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import CheckpointError, read_checkpoint
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
 from trainer.faults import apply_faults
+from trainer.guard import SpikeGuard
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
@@ -61,6 +62,8 @@ class FitResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     elapsed_s: float = 0.0
     metric_names: list[str] = field(default_factory=list)
+    halted: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # from the callbacks' summary()
 
     def summary(self) -> dict[str, Any]:
         """The summary JSON (`spikewatch train --summary-json`)."""
@@ -75,8 +78,10 @@ class FitResult:
             "elapsed_s": self.elapsed_s,
             "val_losses": [{"step": s, "loss": v} for s, v in self.val_losses],
             "interventions": self.interventions,
+            "halted": self.halted,
             "metric_names": self.metric_names,
             "config": self.config,
+            **self.extra,
         }
 
 
@@ -100,7 +105,9 @@ def seed_everything(seed: int) -> None:
 
 
 def _action_name(action: Action) -> str:
-    return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback"}[type(action)]
+    return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback", Halt: "halt"}[
+        type(action)
+    ]
 
 
 class _Transfer:
@@ -160,6 +167,7 @@ class Trainer:
         self.interventions: list[dict[str, Any]] = []
         self.history: list[tuple[int, float]] = []  # (step, ce) of the live branch
         self.stop_requested = False
+        self.halted: str | None = None
         self.seconds_per_step = 0.0
         self.val_losses: list[tuple[int, float]] = []
         self.metric_names: set[str] = set()
@@ -185,7 +193,7 @@ class Trainer:
                     if self.checkpointer.due(self.step, self.seconds_per_step):
                         self._save()
                 if self.stop_requested:
-                    log.warning("stopping at step %d on request", self.step)
+                    log.warning("stopping at step %d: %s", self.step, self.halted or "on request")
                     if not self.val_losses or self.val_losses[-1][0] != self.step:
                         self._evaluate()
                 if self.checkpointer.enabled and self.checkpointer.last_saved != self.step:
@@ -315,21 +323,31 @@ class Trainer:
         if state.nonfinite:
             proposed.append(SkipUpdate(reason="non-finite loss or gradient"))
         proposed += [cb.pre_update(state) for cb in self.callbacks]
+        for a in proposed:
+            if isinstance(a, Continue) and a.pin is not None:
+                self._pin_newest(a.pin)
         action = strongest(proposed)
         if not isinstance(action, Continue):
             kind = _action_name(action)
             log.warning("step %d: %s (%s)", state.step, kind, action.reason)
-            self.interventions.append(
-                {
-                    "step": state.step,
-                    "batch_index": state.batch_index,
-                    "kind": kind,
-                    "reason": action.reason,
-                    "loss": state.loss,
-                    "grad_norm": state.grad_norm,
-                }
+            record = action.info  # the asking callback may complete it later (the outcome)
+            record.update(
+                step=state.step,
+                batch_index=state.batch_index,
+                kind=kind,
+                reason=action.reason,
+                loss=state.loss,
+                grad_norm=state.grad_norm,
             )
+            self.interventions.append(record)
+            if isinstance(action, Halt):
+                self.stop_requested = True
+                self.halted = action.reason
         return action
+
+    def _pin_newest(self, reason: str) -> None:
+        if self.checkpointer.enabled and self.checkpointer.last_saved is not None:
+            self.checkpointer.pin(self.checkpointer.last_saved, reason)
 
     def _rollback(self, action: Rollback) -> None:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip."""
@@ -357,6 +375,8 @@ class Trainer:
             dropped_checkpoints=dropped,
         )
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
+        for cb in self.callbacks:
+            cb.on_rollback(step)
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
@@ -405,6 +425,8 @@ class Trainer:
             val_losses=list(self.val_losses),
             elapsed_s=elapsed,
             metric_names=sorted(self.metric_names),
+            halted=self.halted,
+            extra={k: v for cb in self.callbacks for k, v in cb.summary().items()},
         )
 
 
@@ -431,6 +453,8 @@ def build_trainer(
     optimizer = build_optimizer(model, cfg.optim)
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
     checkpointer.open()
+    if cfg.watch.enabled:
+        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer.root)]
     trainer = Trainer(
         cfg=cfg,
         model=model,

@@ -1,0 +1,135 @@
+"""The trainer's side of the observatory: the one callback that detects spikes and acts.
+
+Every step, before the update, it feeds the detector (loss, grad norm, probes' leading
+signals) and turns a verdict into an action through the policy: `Rollback` to a retained
+checkpoint from before the onset with the offending batches skipped, `Halt` when spikes keep
+coming back, `Continue(pin=...)` to keep a pre-spike anchor when a leading signal warns. It
+restarts the detector's baseline at known regime changes (mixture stages, the WSD decay), which
+the trainer's config tells it, and records every verdict and the outcome of each rollback: the
+loss when the new branch passes the detection step, against the pre-spike level.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from observatory.detect import Detector, Verdict
+from observatory.policy import Policy
+from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate
+from trainer.callbacks import Callback, StepState
+from trainer.checkpoint import list_checkpoints
+from trainer.config import TrainConfig
+
+__all__ = ["SpikeGuard", "regime_steps"]
+
+log = logging.getLogger(__name__)
+
+
+def regime_steps(cfg: TrainConfig) -> list[int]:
+    """Steps where the loss may legitimately change level: stage switches, the WSD decay."""
+    steps = [s.until_step for s in cfg.data.stages if s.until_step is not None]
+    if cfg.schedule.name == "wsd":
+        decay = max(1, round(cfg.schedule.decay_fraction * cfg.train.max_steps))
+        steps.append(max(cfg.schedule.warmup_steps, cfg.train.max_steps - decay) + 1)
+    return sorted(set(steps))
+
+
+class SpikeGuard(Callback):
+    priority = 50  # after sinks that only record, before the progress bar
+
+    def __init__(self, cfg: TrainConfig, checkpoints: Path) -> None:
+        w = cfg.watch
+        warm = max(w.detector.ignore_before, cfg.schedule.warmup_steps)
+        self.detector = Detector(w.detector.model_copy(update={"ignore_before": warm}))
+        self.policy = Policy(w.policy)
+        self.act = w.rollback and cfg.checkpoint.interval is not None
+        self.checkpoints = checkpoints
+        self.regimes = set(regime_steps(cfg))
+        self.batch_of: dict[int, int] = {}
+        self.verdicts: list[dict[str, Any]] = []
+        self.watching: list[tuple[dict[str, Any], float]] = []  # (record, pre-spike loss)
+        self._pin: str | None = None
+        self._keep = 4 * (w.detector.window + w.policy.skip_extra) + 64
+
+    def pre_update(self, state: StepState) -> Action:
+        if state.step in self.regimes:
+            self.detector.rebase(state.step)
+        self.batch_of[state.step] = state.batch_index
+        for s in [s for s in self.batch_of if s < state.step - self._keep]:
+            del self.batch_of[s]
+        self._outcomes(state)
+        level = self.detector.level()
+        verdicts = self.detector.update(state.step, state.loss, state.grad_norm)
+        verdicts += self.detector.observe(state.step, state.metrics)
+        if not state.nonfinite:
+            self.policy.finite()
+        action: Action = Continue(pin=self._pin)
+        self._pin = None
+        for v in verdicts:
+            self.verdicts.append(v.to_dict())
+            log.info("step %d: %s verdict (%s)", state.step, v.kind, v.message)
+            if v.kind == "warning":
+                action = Continue(pin=f"pre-spike anchor: {v.message}")
+            elif v.kind in ("spike", "nonfinite") and self.act:
+                action = self._act(v, level)
+        return action
+
+    def _act(self, v: Verdict, level: float | None) -> Action:
+        plan = self.policy.decide(
+            v, checkpoints=list_checkpoints(self.checkpoints), batch_of=self.batch_of
+        )
+        if plan.action == "halt":
+            return Halt(plan.reason, info=dict(plan.info))
+        if plan.action == "skip":
+            return SkipUpdate(plan.reason)
+        if plan.action != "rollback" or plan.to_step is None:
+            return Continue()
+        record = dict(plan.info, pre_spike_loss=level)
+        if level is not None:
+            self.watching.append((record, level))
+        return Rollback(
+            to_step=plan.to_step,
+            skip_ranges=plan.skip_ranges,
+            lr_scale=plan.lr_scale,
+            reason=plan.reason,
+            info=record,
+        )
+
+    def _outcomes(self, state: StepState) -> None:
+        for record, level in list(self.watching):
+            if state.step > record["detect_step"]:
+                record.update(
+                    recovered_at_step=state.step,
+                    loss_delta=state.loss - level,
+                    outcome="recovered" if state.loss <= level * 1.05 else "degraded",
+                )
+                self.watching.remove((record, level))
+
+    def on_update_metrics(self, step: int, metrics) -> None:
+        for v in self.detector.observe(step, metrics):
+            self.verdicts.append(v.to_dict())
+            self._pin = f"pre-spike anchor: {v.message}"
+
+    def on_rollback(self, step: int) -> None:
+        self.detector.rewind(step)
+        for s in [s for s in self.batch_of if s > step]:
+            del self.batch_of[s]
+
+    def summary(self) -> dict[str, Any]:
+        return {"verdicts": self.verdicts}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detector": self.detector.state_dict(),
+            "policy": self.policy.state_dict(),
+            "batch_of": [[s, b] for s, b in self.batch_of.items()],
+            "verdicts": self.verdicts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.policy.load_state_dict(state["policy"])
+        self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
+        self.verdicts = list(state["verdicts"])
