@@ -1,0 +1,109 @@
+"""End to end on CPU: a poisoned region makes a real spike; the guard rolls back and skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import checkpoint as ck
+from trainer.config import load_config
+from trainer.guard import regime_steps
+from trainer.loop import build_trainer, fit
+
+BASE = [
+    "train.progress=false",
+    "checkpoint.interval=10",
+    "train.max_steps=220",
+    "eval.interval=none",
+    "eval.batches=8",
+]
+FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("guard")
+    guarded = build_trainer(load_config("tiny_cpu", [*BASE, FAULT]), run_dir=tmp / "guarded")
+    weights_after: dict = {}
+
+    orig = guarded._rollback
+
+    def spy(action):
+        orig(action)
+        weights_after.update({k: v.clone() for k, v in guarded.model.state_dict().items()})
+
+    guarded._rollback = spy
+    return {
+        "guarded": guarded.fit(),
+        "weights_after": weights_after,
+        "ckpt_dir": tmp / "guarded" / "checkpoints",
+        "off": fit(
+            load_config("tiny_cpu", [*BASE, FAULT, "watch.rollback=false"]), run_dir=tmp / "off"
+        ),
+        "clean": fit(load_config("tiny_cpu", BASE), run_dir=tmp / "clean"),
+        "tmp": tmp,
+    }
+
+
+def test_detector_fires_and_rolls_back_to_before_the_onset(runs) -> None:
+    (iv,) = runs["guarded"].interventions
+    assert iv["kind"] == "rollback"
+    assert iv["onset_step"] == 151  # batch 150 is trained at step 151
+    assert iv["to_step"] < iv["onset_step"] <= iv["detect_step"] <= 155
+    start, end = iv["skip_ranges"][0]
+    assert start <= 150 and end >= 160  # the whole poisoned region is skipped
+    assert iv["outcome"] == "recovered"
+    kinds = [v["kind"] for v in runs["guarded"].extra["verdicts"]]
+    assert "spike" in kinds
+
+
+def test_weights_after_rollback_equal_the_restored_checkpoint(runs) -> None:
+    iv = runs["guarded"].interventions[0]
+    path = ck.step_dir(runs["ckpt_dir"], iv["to_step"])
+    saved = ck.read_checkpoint(path)["model.pt"]
+    for k, v in saved.items():
+        assert torch.equal(runs["weights_after"][k], v), k
+    assert "rollback target" in ck.read_meta(path)["pins"]
+
+
+def test_continued_losses_equal_a_run_that_skipped_from_the_start(runs) -> None:
+    start, end = runs["guarded"].interventions[0]["skip_ranges"][0]
+    tr = build_trainer(load_config("tiny_cpu", [*BASE, FAULT]), run_dir=runs["tmp"] / "skip")
+    tr.data_state.add_skip(start, end)
+    skipped = tr.fit()
+    assert skipped.train_losses == runs["guarded"].train_losses
+    assert skipped.final_val_loss == runs["guarded"].final_val_loss
+
+
+def test_the_fault_is_real_and_the_rollback_repairs_it(runs) -> None:
+    clean, guarded, off = (runs[k].final_val_loss for k in ("clean", "guarded", "off"))
+    assert off > clean * 1.02  # without rollback the harm lasts
+    assert guarded < clean * 1.02
+    assert runs["clean"].interventions == []
+
+
+def test_repeated_faults_escalate_then_halt(tmp_path) -> None:
+    faults = ", ".join(
+        f'{{kind="shifted_labels", start={s}, length=12}}' for s in (100, 140, 180, 215)
+    )
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            *BASE,
+            f"faults=[{faults}]",
+            "train.max_steps=250",
+            "watch.policy.max_rollbacks=2",
+            "watch.policy.skip_extra=2",
+        ],
+    )
+    r = fit(cfg, run_dir=tmp_path)
+    kinds = [i["kind"] for i in r.interventions]
+    assert kinds[:2] == ["rollback", "rollback"] and kinds[-1] == "halt"
+    assert r.interventions[1]["lr_scale"] == 0.5
+    assert r.halted and "rollbacks within" in r.halted and r.steps < 250
+    assert r.summary()["halted"] == r.halted
+
+
+def test_regime_steps_come_from_the_config() -> None:
+    cfg = load_config("demo", ["schedule.name=wsd", "schedule.decay_fraction=0.25"])
+    assert regime_steps(cfg) == [200, 301]
