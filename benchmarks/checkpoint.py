@@ -2,9 +2,11 @@
 stall with async saving, and resume time. Interleaved, medians.
 
 A bare `torch.save` writes one file and neither fsyncs nor checksums; spikewatch's save writes
-five files with inline CRC-32, fsyncs them, renames atomically and prunes. Last line: a JSON
-object with `sync_vs_torch_save` (throughput ratio, >= 0.9 wanted), `async_stall_ratio` (stall /
-sync save time, <= 0.15 wanted), `resume_s` and the raw times.
+five files with CRC-32s computed while the next file is written, fsyncs them, renames
+atomically and prunes. Before each timed save, earlier outputs are deleted and flushed.
+Last line: a JSON object with `sync_vs_torch_save` (throughput ratio, >= 0.9 wanted),
+`async_stall_ratio` (the loop's stall: save() plus any wait before its next update, over the
+sync save time; <= 0.15 wanted), `resume_s` and the raw times.
 
     python benchmarks/checkpoint.py [--d-model 512] [--layers 8] [--reps 5]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -67,17 +70,24 @@ def main() -> None:
         }
         # Async saving is measured in steady state, as in training: one checkpointer whose host
         # buffers were mapped by an earlier save.
+        # Async saving in steady state, as in training: one checkpointer (its host buffers
+        # mapped by an earlier save); after save() the loop runs the next forward and backward,
+        # then must wait (before_mutation) if the tensors are still being copied.
         async_cp = _checkpointer(tr, root / "async", "async")
         async_cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
         async_cp.wait()
+        x, y = tr.sampler.batch(0, 1)
         for rep in range(args.reps):
             order = list(times)[:3] if rep % 2 == 0 else list(times)[:3][::-1]
             for kind in order:
                 _measure(kind, tr, root / f"{kind}-{rep}", times)
+            os.sync()
             t0 = time.perf_counter()
-            times["async_stall"].append(
-                async_cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
-            )
+            stall = async_cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
+            tr.model(x, y).loss.backward()  # the loop's next step, up to its update
+            stall += async_cp.before_mutation()
+            tr.optimizer.zero_grad(set_to_none=True)
+            times["async_stall"].append(stall)
             async_cp.wait()
             times["async_total"].append(time.perf_counter() - t0)
         resume = []
@@ -104,7 +114,17 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _quiesce(root: Path) -> None:
+    """Same starting state for every variant: earlier outputs deleted and flushed, so no
+    variant pays for another's dirty pages (the kernel throttles writers above a threshold)."""
+    for p in root.iterdir():
+        if p.name != "run":
+            shutil.rmtree(p, ignore_errors=True)
+    os.sync()
+
+
 def _measure(kind: str, tr, where: Path, times: dict[str, list[float]]) -> None:
+    _quiesce(where.parent)
     where.mkdir(parents=True)
     if kind == "torch_save":
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ in each checkpoint's meta.json, so they survive a restart.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from trainer import checkpoint as ck
 from trainer.config import CheckpointConfig
 from trainer.retention import keep
-from trainer.snapshot import Stager
+from trainer.snapshot import Live, Stager, stage_tensors
 from trainer.young_daly import daly
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
@@ -37,6 +38,7 @@ class Checkpointer:
         self.auto_interval: int | None = None
         self._stager = Stager()
         self._thread: threading.Thread | None = None
+        self._copied: threading.Event | None = None
         self._error: BaseException | None = None
 
     @property
@@ -75,18 +77,24 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------
     def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
-        """Save the state of `step`; returns how long the loop was blocked (seconds).
+        """Save the state of `step`; returns how long this call blocked the loop (seconds).
 
-        `build(stage)` makes the snapshot; with a stager every tensor is a host copy, so the
-        loop may go on mutating its own while a background thread writes.
+        Synchronous: written before returning. Asynchronous: the snapshot holds the live
+        tensors; a background thread first copies them into reused host buffers, then writes.
+        The loop only waits (`before_mutation`) if it is about to change the weights or the
+        optimizer state while that copy is still running, so the copy overlaps the next
+        forward and backward, and the write overlaps everything.
         """
         t0 = time.perf_counter()
         self.wait()
         pins = {s: set(p) for s, p in self.pins.items()}
         if self.cfg.async_save:
-            snap = build(self._stager)
+            snap = build(Live())
+            snap.json_files = copy.deepcopy(snap.json_files)  # small, and mutable in the loop
+            snap.meta = copy.deepcopy(snap.meta)
+            self._copied = threading.Event()
             self._thread = threading.Thread(
-                target=self._write_guarded, args=(snap, pins), name=f"ckpt-{step}", daemon=False
+                target=self._stage_and_write, args=(snap, pins), name=f"ckpt-{step}"
             )
             self._thread.start()
         else:
@@ -95,6 +103,29 @@ class Checkpointer:
         self.save_seconds = stall
         self.last_saved = step
         return stall
+
+    def before_mutation(self) -> float:
+        """Block until an async save has copied the tensors; returns the seconds waited."""
+        if self._copied is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        waited = time.perf_counter() - t0
+        if self.save_seconds is not None:
+            self.save_seconds += waited  # what the save cost the loop, for interval="auto"
+        return waited
+
+    def _stage_and_write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        try:
+            snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            if self._copied is not None:
+                self._copied.set()
+        self._write_guarded(snap, pins)
 
     def _write_guarded(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
         try:
@@ -120,6 +151,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._copied = None
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint save failed: {err}") from err

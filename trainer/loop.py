@@ -250,6 +250,7 @@ class Trainer:
         action = self._decide(state)
         applied = isinstance(action, Continue)
         if applied:
+            self.checkpointer.before_mutation()  # an async save may still be copying weights
             self.probes.before_update(step)
             apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
         self.probes.after_update(step, applied)

@@ -20,7 +20,7 @@ from trainer.data import DataState
 if TYPE_CHECKING:
     from trainer.loop import Trainer
 
-__all__ = ["Stager", "build_snapshot", "restore"]
+__all__ = ["Live", "Stager", "build_snapshot", "restore", "stage_tensors"]
 
 
 class Stager:
@@ -38,6 +38,13 @@ class Stager:
         return buf.copy_(t.detach())
 
 
+class Live(Stager):
+    """No copy at all: the live tensors, for a background thread to stage later."""
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+
 def _to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
     """Tensors to CPU: staged copies with a `stage` (the live ones may change meanwhile), else
     the tensors themselves (a synchronous save writes before training goes on)."""
@@ -48,6 +55,11 @@ def _to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
     return obj
+
+
+def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
+    """Every tensor of a snapshot's torch files copied into the stager's host buffers."""
+    return {name: _to_host(obj, stage, name) for name, obj in files.items()}
 
 
 def _rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -78,6 +90,21 @@ def callback_key(i: int, cb: object) -> str:
     return f"{i}:{type(cb).__name__}"
 
 
+def _split_optimizer(sd: dict[str, Any]) -> dict[str, Any]:
+    """Two files of about equal size (the state of alternate parameters), so the optimizer
+    state, twice the weights' size under Adam, is written by two threads at once."""
+    state = sd["state"]
+    odd = {k: v for i, (k, v) in enumerate(state.items()) if i % 2}
+    even = {k: v for k, v in state.items() if k not in odd}
+    return {"optimizer.pt": {**sd, "state": even}, "optimizer.1.pt": {"state": odd}}
+
+
+def _join_optimizer(loaded: dict[str, Any]) -> dict[str, Any]:
+    sd = dict(loaded["optimizer.pt"])
+    sd["state"] = {**sd["state"], **loaded.get("optimizer.1.pt", {"state": {}})["state"]}
+    return sd
+
+
 def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
     rng_tensors, rng_json = _rng_states()
     state = {
@@ -95,8 +122,7 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
     return Snapshot(
         step=tr.step,
         torch_files={
-            # the largest first: its checksum then overlaps the writing of the next
-            "optimizer.pt": _to_host(tr.optimizer.state_dict(), stage, "optimizer"),
+            **_split_optimizer(_to_host(tr.optimizer.state_dict(), stage, "optimizer")),
             "model.pt": _to_host(tr.model.state_dict(), stage, "model"),
             "rng.pt": rng_tensors,
         },
@@ -115,7 +141,7 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
     run has learned since (interventions, skip ranges, LR scale, callback states)."""
     state = loaded["trainer.json"]
     tr.model.load_state_dict(loaded["model.pt"])
-    tr.optimizer.load_state_dict(loaded["optimizer.pt"])
+    tr.optimizer.load_state_dict(_join_optimizer(loaded))
     _set_rng_states(loaded["rng.pt"], state["rng"])
     tr.step, tr.tokens = state["step"], state["tokens"]
     restored = DataState.from_dict(state["data_state"])

@@ -37,6 +37,7 @@ def test_checkpoint_directory_is_complete(tmp_path) -> None:
     assert set(meta["files"]) == {
         "model.pt",
         "optimizer.pt",
+        "optimizer.1.pt",
         "rng.pt",
         "trainer.json",
         "config.json",
@@ -52,7 +53,7 @@ def test_checkpoint_directory_is_complete(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["model.pt", "optimizer.pt", "rng.pt", "trainer.json", "config.json"]
+    "name", ["model.pt", "optimizer.pt", "optimizer.1.pt", "rng.pt", "trainer.json", "config.json"]
 )
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corruption_is_detected_and_resume_falls_back(tmp_path, name, damage) -> None:
