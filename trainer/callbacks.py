@@ -29,6 +29,7 @@ class StepState:
     nonfinite: bool  # loss or gradient not finite: the update is refused
     applied: bool = False  # set for post_step: whether the update was applied
     action: str = "continue"
+    reason: str = ""  # why, when the action is not "continue"
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -45,6 +46,7 @@ class FitState:
     step: int
     max_steps: int
     config: Mapping[str, Any]
+    status: str = "running"  # at the end: completed | stopped | halted
 
 
 class Callback:
@@ -66,8 +68,12 @@ class Callback:
         """The update statistics of `step` (update norms, optimizer state), which exist only
         after its update and so arrive with the next step's host transfer (or at the end)."""
 
-    def on_rollback(self, step: int) -> None:
-        """After the loop restored the checkpoint of `step` (the run continues from there)."""
+    def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
+        """After the loop restored the checkpoint of `step` (the run continues from there);
+        `record` is the intervention as stored in the run's summary."""
+
+    def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
+        """A checkpoint of `step` was handed to the writer (written, or being written)."""
 
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""

@@ -43,6 +43,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from trainer.config import ConfigError, load_config
     from trainer.loop import fit
     from trainer.progress import ProgressBar
+    from trainer.recorder import Recorder
 
     run_dir = args.run_dir
     if args.resume:
@@ -58,8 +59,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = Path(run_dir) / "config.json"
         args.set = ["train.stop_after=none", *args.set]  # the stop that ended it is no setting
     cfg = load_config(config, args.set)
-    callbacks = [ProgressBar()] if cfg.train.progress else []
-    result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
+    callbacks: list = [ProgressBar()] if cfg.train.progress else []
+    sink = _open_sink(args, run_dir or "runs/_")
+    if sink is not None:
+        callbacks.append(Recorder(sink, tags=args.tag))
+    try:
+        result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
+    finally:
+        if sink is not None:
+            sink.close(timeout=30)
     log.info(
         "done: %d steps, train loss %.4f, val loss %.4f, run dir %s",
         result.steps,
@@ -70,6 +78,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.summary_json:
         _write_json(args.summary_json, result.summary())
     return 0
+
+
+def _open_sink(args: argparse.Namespace, run_dir: str):
+    """The store the run writes to: --db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside
+    the run directory (migrated to the newest schema first); --no-db for none."""
+    if args.no_db:
+        return None
+    from observatory.db import ENV_VAR, upgrade
+    from observatory.sink import DbSink
+
+    url = args.db or os.environ.get(ENV_VAR)
+    if url is None:
+        parent = Path(run_dir).resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{parent / 'spikewatch.db'}"
+    upgrade(url)
+    return DbSink(url, spool_dir=Path(run_dir) / "spool")
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
@@ -139,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--run-dir", default=None, help="run directory (default runs/<run id>)")
         p.add_argument("--summary-json", default=None, help="write the run summary here")
+        p.add_argument(
+            "--db",
+            default=None,
+            help="store URL (default: $SPIKEWATCH_DB_URL, "
+            "else sqlite:///<run dir's parent>/spikewatch.db)",
+        )
+        p.add_argument("--no-db", action="store_true", help="record nothing in a database")
+        p.add_argument("--tag", action="append", default=[], help="a tag for the run (repeatable)")
     train.set_defaults(func=cmd_train)
     demo.set_defaults(func=cmd_demo, resume=None)
 

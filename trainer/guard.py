@@ -12,6 +12,7 @@ loss when the new branch passes the detection step, against the pre-spike level.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from trainer.callbacks import Callback, StepState
 from trainer.checkpoint import list_checkpoints
 from trainer.config import TrainConfig
+from trainer.recorder import Recorder
 
 __all__ = ["SpikeGuard", "regime_steps"]
 
@@ -39,13 +41,16 @@ def regime_steps(cfg: TrainConfig) -> list[int]:
 class SpikeGuard(Callback):
     priority = 50  # after sinks that only record, before the progress bar
 
-    def __init__(self, cfg: TrainConfig, checkpoints: Path) -> None:
+    def __init__(
+        self, cfg: TrainConfig, checkpoints: Path, recorder: Recorder | None = None
+    ) -> None:
         w = cfg.watch
         warm = max(w.detector.ignore_before, cfg.schedule.warmup_steps)
         self.detector = Detector(w.detector.model_copy(update={"ignore_before": warm}))
         self.policy = Policy(w.policy)
         self.act = w.rollback and cfg.checkpoint.interval is not None
         self.checkpoints = checkpoints
+        self.recorder = recorder
         self.regimes = set(regime_steps(cfg))
         self.batch_of: dict[int, int] = {}
         self.verdicts: list[dict[str, Any]] = []
@@ -68,7 +73,7 @@ class SpikeGuard(Callback):
         action: Action = Continue(pin=self._pin)
         self._pin = None
         for v in verdicts:
-            self.verdicts.append(v.to_dict())
+            self._record(v)
             log.info("step %d: %s verdict (%s)", state.step, v.kind, v.message)
             if v.kind == "warning":
                 action = Continue(pin=f"pre-spike anchor: {v.message}")
@@ -109,10 +114,15 @@ class SpikeGuard(Callback):
 
     def on_update_metrics(self, step: int, metrics) -> None:
         for v in self.detector.observe(step, metrics):
-            self.verdicts.append(v.to_dict())
+            self._record(v)
             self._pin = f"pre-spike anchor: {v.message}"
 
-    def on_rollback(self, step: int) -> None:
+    def _record(self, v: Verdict) -> None:
+        self.verdicts.append(v.to_dict())
+        if self.recorder is not None:
+            self.recorder.log_verdict(v.to_dict())
+
+    def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
         for s in [s for s in self.batch_of if s > step]:
             del self.batch_of[s]

@@ -36,6 +36,7 @@ from trainer.guard import SpikeGuard
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
+from trainer.recorder import Recorder
 from trainer.schedule import lr_multiplier
 from trainer.snapshot import build_snapshot, restore
 from trainer.step import StepTensors, apply_update, forward_backward
@@ -202,13 +203,17 @@ class Trainer:
                 self._flush_probes()
                 self.checkpointer.wait()
         elapsed = time.perf_counter() - t0
+        status = "halted" if self.halted else "stopped" if self.stop_requested else "completed"
         for cb in self.callbacks:
-            cb.on_fit_end(self._fit_state())
+            cb.on_fit_end(self._fit_state(status))
         return self._result(elapsed)
 
     def _save(self) -> None:
         stall = self.checkpointer.save(self.step, lambda stage: build_snapshot(self, stage))
         log.debug("checkpoint at step %d (loop blocked %.3fs)", self.step, stall)
+        path = str(self.checkpointer.root / f"step{self.step:08d}")
+        for cb in self.callbacks:
+            cb.on_checkpoint(self.step, path, self.step in self.checkpointer.pins)
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint in the run directory; returns its step."""
@@ -257,7 +262,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step, self.tokens = step, state.tokens
         self.history.append((step, state.ce))
-        done = replace(state, applied=applied, action=_action_name(action))
+        reason = "" if isinstance(action, Continue) else action.reason
+        done = replace(state, applied=applied, action=_action_name(action), reason=reason)
         for cb in self.callbacks:
             cb.post_step(done)
         if isinstance(action, Rollback):
@@ -377,7 +383,7 @@ class Trainer:
         )
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
-            cb.on_rollback(step)
+            cb.on_rollback(step, self.interventions[-1])
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
@@ -403,13 +409,14 @@ class Trainer:
         return val
 
     # -- bookkeeping ----------------------------------------------------------------------
-    def _fit_state(self) -> FitState:
+    def _fit_state(self, status: str = "running") -> FitState:
         return FitState(
             run_id=self.run_id,
             run_dir=str(self.run_dir),
             step=self.step,
             max_steps=self.cfg.train.max_steps,
             config=self.cfg.to_dict(),
+            status=status,
         )
 
     def _result(self, elapsed: float) -> FitResult:
@@ -455,7 +462,8 @@ def build_trainer(
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
     checkpointer.open()
     if cfg.watch.enabled:
-        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer.root)]
+        recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
+        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer.root, recorder)]
     trainer = Trainer(
         cfg=cfg,
         model=model,

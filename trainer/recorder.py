@@ -1,0 +1,117 @@
+"""Everything the run does, into the observatory's store, through the sink (never blocking).
+
+Per step: the step's metrics on the live branch; one step late, its update statistics; every
+evaluation; every checkpoint written; every intervention as an event. A rollback starts a new
+branch forked at the restored step, so the abandoned steps stay stored with their branch.
+The spike guard logs its verdicts through the same sink.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from observatory.sink import BaseSink
+from trainer import metric_names as M
+from trainer.callbacks import Callback, EvalState, FitState, StepState
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger(__name__)
+
+_EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
+
+
+class Recorder(Callback):
+    priority = 100  # first: record before anything else reacts
+
+    def __init__(self, sink: BaseSink, tags: list[str] | None = None) -> None:
+        self.sink = sink
+        self.tags = tags or []
+        self.run_id = ""
+        self.branch = 0
+
+    def on_fit_start(self, state: FitState) -> None:
+        self.run_id = state.run_id
+        self.sink.start_run(
+            state.run_id,
+            name=state.config.get("name"),
+            config=state.config,
+            tags=self.tags,
+            run_dir=state.run_dir,
+        )
+        # A resumed run's branches are in the store already (the first record of a key is kept);
+        # the sink only needs to know them again.
+        for b in range(1, self.branch + 1):
+            self.sink.start_branch(state.run_id, b, parent=b - 1, fork_step=0, reason="resume")
+
+    def post_step(self, state: StepState) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, state.step, state.metrics)
+        if state.action in _EVENT and state.action != "rollback":
+            self.sink.log_event(
+                self.run_id,
+                _EVENT[state.action],
+                step=state.step,
+                branch=self.branch,
+                message=state.reason,
+            )
+
+    def on_update_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, step, metrics)
+
+    def on_eval(self, state: EvalState) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, state.step, {M.VAL_LOSS: state.val_loss})
+
+    def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
+        old, self.branch = self.branch, self.branch + 1
+        self.sink.log_event(
+            self.run_id,
+            "rollback",
+            step=record.get("step"),
+            branch=old,
+            message=str(record.get("reason", "")),
+            data=dict(record),
+        )
+        self.sink.start_branch(
+            self.run_id,
+            self.branch,
+            parent=old,
+            fork_step=step,
+            reason=str(record.get("reason", "")),
+        )
+
+    def log_verdict(self, verdict: Mapping[str, Any]) -> None:
+        """A detector verdict: spikes and non-finite values as such, the rest as notes."""
+        kind = verdict["kind"] if verdict["kind"] in ("spike", "nonfinite") else "note"
+        self.sink.log_event(
+            self.run_id,
+            kind,
+            step=verdict["step"],
+            branch=self.branch,
+            message=str(verdict.get("message", "")),
+            data=dict(verdict),
+            source="detector",
+        )
+
+    def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
+        self.sink.log_checkpoint(
+            self.run_id,
+            step=step,
+            path=path,
+            branch=self.branch,
+            pinned=pinned,
+            checksum_status="ok",
+        )
+
+    def on_fit_end(self, state: FitState) -> None:
+        status = {"halted": "halted", "stopped": "stopped"}.get(state.status, "completed")
+        self.sink.set_status(self.run_id, status)
+        if not self.sink.flush(timeout=30):
+            log.warning("the store has not taken every record yet; the rest is spooled")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"branch": self.branch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.branch = int(state["branch"])
