@@ -97,6 +97,28 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
     return DbSink(url, spool_dir=Path(run_dir) / "spool")
 
 
+def cmd_logbook(args: argparse.Namespace) -> int:
+    from observatory.logbook import logbook
+    from observatory.store import session_factory
+    from trainer.config import ConfigError
+
+    with session_factory(args.db or _default_db(args.run))() as session:
+        try:
+            text = logbook(session, run_id=Path(args.run).name)
+        except LookupError as e:
+            raise ConfigError(str(e)) from None
+    print(text, end="")  # noqa: T201 - the command's output
+    return 0
+
+
+def _default_db(run: str) -> str | None:
+    """The database beside a run directory given as a path, else the usual default."""
+    p = Path(run)
+    if (p.parent / "spikewatch.db").is_file() and not os.environ.get("SPIKEWATCH_DB_URL"):
+        return f"sqlite:///{(p.parent / 'spikewatch.db').resolve()}"
+    return None
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     from trainer.young_daly import daly, overhead, parse_duration, young
 
@@ -180,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
     advise.add_argument("--json", action="store_true", help="also print a JSON line")
     advise.set_defaults(func=cmd_advise)
+
+    book = sub.add_parser("logbook", help="a run's dated logbook (Markdown)")
+    book.add_argument("run", help="run id, or its run directory (runs/<id>)")
+    book.add_argument("--db", default=None, help="store URL (default as for train)")
+    book.set_defaults(func=cmd_logbook)
 
     db = sub.add_parser("db", help="the observatory database")
     db_sub = db.add_subparsers(dest="db_command", required=True)

@@ -111,6 +111,9 @@ class SpikeGuard(Callback):
                     outcome="recovered" if state.loss <= level * 1.05 else "degraded",
                 )
                 self.watching.remove((record, level))
+                if self.recorder is not None:
+                    note = f"rollback outcome: {record['outcome']}"
+                    self.recorder.log_note(state.step, note, {**record, "kind": "outcome"})
 
     def on_update_metrics(self, step: int, metrics) -> None:
         for v in self.detector.observe(step, metrics):

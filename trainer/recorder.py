@@ -94,6 +94,17 @@ class Recorder(Callback):
             source="detector",
         )
 
+    def log_note(self, step: int, message: str, data: Mapping[str, Any]) -> None:
+        self.sink.log_event(
+            self.run_id,
+            "note",
+            step=step,
+            branch=self.branch,
+            message=message,
+            data=dict(data),
+            source="detector",
+        )
+
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         self.sink.log_checkpoint(
             self.run_id,

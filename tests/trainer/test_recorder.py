@@ -1,0 +1,88 @@
+"""The CLI's run lands in the store: metrics per branch, verdicts, the rollback, the logbook."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from observatory import store
+from observatory.store import session_factory
+from trainer.cli import main
+
+FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rec")
+    db = f"sqlite:///{tmp / 'sw.db'}"
+    args = [
+        "train",
+        "tiny_cpu",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.max_steps=200",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        FAULT,
+        "--run-dir",
+        str(tmp / "runs" / "r1"),
+        "--db",
+        db,
+        "--tag",
+        "test",
+        "--summary-json",
+        str(tmp / "s.json"),
+    ]
+    assert main(args) == 0
+    return {"db": db, "tmp": tmp, "summary": json.loads((tmp / "s.json").read_text())}
+
+
+def test_run_branches_and_events_are_stored(run) -> None:
+    with session_factory(run["db"])() as s:
+        summary = store.get_run(s, run_id="r1")
+        assert summary.status == "completed" and summary.tags == ["test"]
+        assert summary.spikes == 1 and summary.rollbacks == 1 and summary.branches == 2
+        (b0, b1) = store.branches(s, run_id="r1")
+        iv = run["summary"]["interventions"][0]
+        assert b1.parent == 0 and b1.fork_step == iv["to_step"]
+        kinds = [e.kind for e in store.events(s, run_id="r1")]
+        assert "spike" in kinds and "rollback" in kinds
+        assert len(store.checkpoints(s, run_id="r1")) >= 10
+
+
+def test_both_branches_keep_their_history(run) -> None:
+    iv = run["summary"]["interventions"][0]
+    with session_factory(run["db"])() as s:
+        data = store.series(s, run_id="r1", metric="train/loss", branch="all", buckets=4000)
+        by_branch = {d.branch: d for d in data}
+        assert set(by_branch) == {0, 1}
+        steps0 = [b.end for b in by_branch[0].buckets]
+        assert max(steps0) == iv["detect_step"]  # the abandoned branch ends at the detection
+        names = set(store.metric_names(s, run_id="r1"))
+        assert {
+            "train/loss",
+            "val/loss",
+            "layer/*/attn/grad_norm",  # per-layer series, stored under their template
+            "layer/*/head/*/attn_max",
+            "layer/embed/update_ratio",
+        } <= names, names
+
+
+def test_logbook_tells_the_story(run, capsys) -> None:
+    assert main(["logbook", "r1", "--db", run["db"]]) == 0
+    out = capsys.readouterr().out
+    iv = run["summary"]["interventions"][0]
+    assert out.startswith("# Logbook of run `r1`")
+    assert f"**Spike** detected at step {iv['detect_step']}" in out
+    assert f"to the checkpoint of step {iv['to_step']}" in out
+    assert "Outcome of the rollback" in out and "recovered" in out
+    assert out.rstrip().endswith("2 branch(es).")
+
+
+def test_logbook_of_an_unknown_run(run, capsys) -> None:
+    assert main(["logbook", "nope", "--db", run["db"]]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
