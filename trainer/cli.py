@@ -97,6 +97,33 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
     return DbSink(url, spool_dir=Path(run_dir) / "spool")
 
 
+def cmd_scan(args: argparse.Namespace) -> int:
+    from observatory.scan import ScanError, scan_path
+    from trainer.config import ConfigError
+
+    try:
+        result = scan_path(args.path, args.metric)
+    except ScanError as e:
+        raise ConfigError(str(e)) from None
+    if args.json:
+        print(json.dumps(result))  # noqa: T201 - the command's output
+        return 0
+    lines = [
+        f"{args.path}: {result['points']} values of {result['metric']!r}, "
+        f"{len(result['spikes'])} spike(s)"
+    ]
+    lines += [
+        f"  {s['kind']:>9}: onset step {s['onset_step']}, peak step {s['peak_step']}, "
+        f"end step {s['end_step']}, score {s['score']}"
+        for s in result["spikes"]
+    ]
+    lines += [
+        f"  slow divergence from step {t['step']} (rise {t['score']:.3f})" for t in result["trends"]
+    ]
+    print("\n".join(lines))  # noqa: T201 - the command's output
+    return 0
+
+
 def cmd_logbook(args: argparse.Namespace) -> int:
     from observatory.logbook import logbook
     from observatory.store import session_factory
@@ -202,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
     advise.add_argument("--json", action="store_true", help="also print a JSON line")
     advise.set_defaults(func=cmd_advise)
+
+    scan = sub.add_parser("scan", help="offline spike detection on a loss log")
+    scan.add_argument("path", help="CSV (step,loss[,...]) or a TensorBoard log directory")
+    scan.add_argument("--metric", default=None, help="column or tag (default: loss)")
+    scan.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    scan.set_defaults(func=cmd_scan)
 
     book = sub.add_parser("logbook", help="a run's dated logbook (Markdown)")
     book.add_argument("run", help="run id, or its run directory (runs/<id>)")

@@ -1,0 +1,201 @@
+"""Offline detection over an existing loss log: the online detector, with the same defaults.
+
+Inputs: a CSV with a header row `step,loss[,...]` (choose the column with `metric`), or a
+TensorBoard log directory (every `events.out.tfevents.*` file below it; `metric` is the scalar's
+tag). TensorBoard files are read with a small TFRecord + protobuf reader of our own (scalars as
+`simple_value` or as a one-element tensor), so no TensorFlow or TensorBoard install is needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from observatory.detect import Detector, DetectorConfig
+
+__all__ = ["ScanError", "read_csv", "read_tensorboard", "scan", "scan_path"]
+
+
+class ScanError(ValueError):
+    """An input that cannot be scanned; the message says where and why."""
+
+
+def read_csv(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int, float]]]:
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = [h.strip() for h in next(reader, [])]
+        if "step" not in header or len(header) < 2:
+            raise ScanError(f"{path}: the first row must be a header 'step,<metric>[,...]'")
+        columns = [h for h in header if h != "step"]
+        name = metric or ("loss" if "loss" in columns else columns[0])
+        if name not in header:
+            raise ScanError(f"{path}: no column {name!r}; columns: {', '.join(columns)}")
+        si, vi = header.index("step"), header.index(name)
+        out = []
+        for line, row in enumerate(reader, start=2):
+            if not row or all(not c.strip() for c in row):
+                continue
+            try:
+                step = int(float(row[si]))
+                value = float(row[vi]) if row[vi].strip() else math.nan
+            except (ValueError, IndexError):
+                raise ScanError(f"{path}:{line}: not a number in {row!r}") from None
+            out.append((step, value))
+    return name, out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        if i >= len(buf):
+            raise ScanError("truncated protobuf varint")
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, i
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of a protobuf message, without a schema."""
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 1:
+            value, i = buf[i : i + 8], i + 8
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            value, i = buf[i : i + n], i + n
+        elif wire == 5:
+            value, i = buf[i : i + 4], i + 4
+        else:
+            raise ScanError(f"unsupported protobuf wire type {wire}")
+        yield field, wire, value
+
+
+def _tensor_scalar(buf: bytes) -> float | None:
+    dtype = None
+    for field, wire, value in _fields(buf):
+        if field == 1:
+            dtype = value
+        elif field == 5:  # float_val, packed or not
+            return struct.unpack("<f", value[:4])[0]
+        elif field == 6:
+            return struct.unpack("<d", value[:8])[0]
+        elif field == 4 and wire == 2 and value:  # tensor_content
+            return struct.unpack("<d" if dtype == 2 else "<f", value[: 8 if dtype == 2 else 4])[0]
+    return None
+
+
+def _scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
+    step, summary = 0, None
+    for field, _, value in _fields(event):
+        if field == 2:
+            step = value
+        elif field == 5:
+            summary = value
+    if summary is None:
+        return
+    for field, _, value in _fields(summary):
+        if field != 1:
+            continue
+        tag, number = None, None
+        for f, _, v in _fields(value):
+            if f == 1:
+                tag = v.decode("utf-8", "replace")
+            elif f == 2:
+                number = struct.unpack("<f", v)[0]
+            elif f == 8:
+                number = _tensor_scalar(v)
+        if tag is not None and number is not None:
+            yield step, tag, number
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    i = 0
+    while i + 12 <= len(data):
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        if i + 12 + n + 4 > len(data):
+            raise ScanError(f"{path}: truncated record at byte {i}")
+        yield data[i + 12 : i + 12 + n]
+        i += 12 + n + 4
+
+
+def read_tensorboard(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int, float]]]:
+    files = sorted(path.rglob("events.out.tfevents.*"))
+    if not files:
+        raise ScanError(f"{path}: no TensorBoard event files (events.out.tfevents.*) below it")
+    series: dict[str, dict[int, float]] = {}
+    for f in files:
+        for record in _records(f):
+            for step, tag, value in _scalars(record):
+                series.setdefault(tag, {})[step] = value  # a restart's re-logged step wins
+    name = metric or next((t for t in ("train/loss", "loss") if t in series), None)
+    if name is None or name not in series:
+        raise ScanError(
+            f"{path}: no scalar {metric or 'train/loss'!r}; tags: "
+            f"{', '.join(sorted(series)) or 'none'}"
+        )
+    return name, sorted(series[name].items())
+
+
+def scan(points: list[tuple[int, float]], cfg: DetectorConfig | None = None) -> dict[str, Any]:
+    """Run the detector over (step, value) points; the `spikewatch scan --json` object."""
+    det = Detector(cfg)
+    spikes: list[dict[str, Any]] = []
+    trends: list[dict[str, Any]] = []
+    open_spike: dict[str, Any] | None = None
+    for step, value in sorted(points):
+        if value <= 0 and math.isfinite(value):
+            raise ScanError(
+                f"step {step}: value {value} is not positive (the detector works on "
+                "log-loss; pass a loss-like metric)"
+            )
+        for v in det.update(step, value):
+            if v.kind in ("spike", "nonfinite"):
+                open_spike = {
+                    "onset_step": v.onset_step,
+                    "peak_step": v.peak_step,
+                    "end_step": None,
+                    "kind": v.kind,
+                    "score": v.score if math.isfinite(v.score) else None,
+                }
+                spikes.append(open_spike)
+            elif v.kind == "divergence":
+                trends.append({"step": v.step, "kind": v.kind, "score": v.score})
+        if open_spike is not None and open_spike["kind"] == "spike" and not det.excursion:
+            open_spike["end_step"] = step
+            open_spike = None
+        elif open_spike is not None and open_spike["kind"] == "nonfinite":
+            open_spike["end_step"] = step
+            open_spike = None
+    return {
+        "spikes": spikes,
+        "trends": trends,
+        "points": len(points),
+        "detector": det.cfg.model_dump(),
+    }
+
+
+def scan_path(
+    path: str | Path, metric: str | None = None, cfg: DetectorConfig | None = None
+) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        name, points = read_tensorboard(p, metric)
+    elif p.is_file():
+        name, points = read_csv(p, metric)
+    else:
+        raise ScanError(f"{path}: no such file or directory")
+    if not points:
+        raise ScanError(f"{path}: no values of {name!r}")
+    return {"metric": name, **scan(points, cfg)}
