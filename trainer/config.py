@@ -284,12 +284,17 @@ class WatchConfig(_Section):
     policy: PolicyConfig = Field(
         default_factory=PolicyConfig, description="observatory/policy.py; its docstring."
     )
+    classify_cause: bool = Field(
+        True,
+        description="After a rollback, replay the spike's steps once to tell a spike that "
+        "needs this data with this state from a transient one (costs those steps once more).",
+    )
 
 
 class FaultConfig(_Section):
-    kind: Literal["shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss"] = (
-        Field(description="What goes wrong (trainer/faults.py describes each).")
-    )
+    kind: Literal[
+        "shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss", "flaky_lr_scale"
+    ] = Field(description="What goes wrong (trainer/faults.py describes each).")
     start: int = Field(ge=0, description="First global batch index affected.")
     length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
     factor: float = Field(30.0, gt=0, description="LR multiplier, for kind = 'lr_scale'.")

@@ -7,7 +7,9 @@ does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small 
 - "repeated_bytes": one byte repeated (a dramatic but harmless spike);
 - "random_bytes": uniform random bytes (seeded by the index);
 - "lr_scale": the learning rate times `factor` on those batches (x30 for 3 steps: +26%);
-- "nan_loss": a non-finite loss (exercises the refusal of non-finite updates).
+- "nan_loss": a non-finite loss (exercises the refusal of non-finite updates);
+- "flaky_lr_scale": like "lr_scale", but only the first time a batch index is trained: a
+  transient fault (think of a flipped bit) that a replay does not reproduce.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ class FaultEffect:
 
 
 def apply_faults(
-    faults: list[FaultConfig], index: int, x: torch.Tensor, y: torch.Tensor
+    faults: list[FaultConfig],
+    index: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    first_time: bool = True,
 ) -> FaultEffect:
     """The batch `index` as the faults leave it (unchanged when none covers the index)."""
     lr, nan, kinds = 1.0, False, []
@@ -48,7 +54,7 @@ def apply_faults(
             g = torch.Generator().manual_seed(index)
             buf = torch.randint(0, 256, (x.size(0), x.size(1) + 1), generator=g)
             x, y = buf[:, :-1].to(x.device), buf[:, 1:].to(y.device)
-        elif f.kind == "lr_scale":
+        elif f.kind == "lr_scale" or (f.kind == "flaky_lr_scale" and first_time):
             lr *= f.factor
         elif f.kind == "nan_loss":
             nan = True

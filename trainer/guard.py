@@ -53,6 +53,8 @@ class SpikeGuard(Callback):
         self.recorder = recorder
         self.regimes = set(regime_steps(cfg))
         self.batch_of: dict[int, int] = {}
+        self.loss_of: dict[int, float] = {}
+        self.classify = w.classify_cause
         self.verdicts: list[dict[str, Any]] = []
         self.watching: list[tuple[dict[str, Any], float]] = []  # (record, pre-spike loss)
         self._pin: str | None = None
@@ -62,8 +64,10 @@ class SpikeGuard(Callback):
         if state.step in self.regimes:
             self.detector.rebase(state.step)
         self.batch_of[state.step] = state.batch_index
+        self.loss_of[state.step] = state.loss
         for s in [s for s in self.batch_of if s < state.step - self._keep]:
             del self.batch_of[s]
+            self.loss_of.pop(s, None)
         self._outcomes(state)
         level = self.detector.level()
         verdicts = self.detector.update(state.step, state.loss, state.grad_norm)
@@ -91,7 +95,15 @@ class SpikeGuard(Callback):
             return SkipUpdate(plan.reason)
         if plan.action != "rollback" or plan.to_step is None:
             return Continue()
-        record = dict(plan.info, pre_spike_loss=level)
+        record = dict(
+            plan.info,
+            pre_spike_loss=level,
+            peak_loss=self.loss_of.get(v.peak_step, self.loss_of.get(v.step)),
+        )
+        if self.classify:
+            record["replay"] = [
+                [s, self.batch_of[s]] for s in sorted(self.batch_of) if plan.to_step < s <= v.step
+            ]
         if level is not None:
             self.watching.append((record, level))
         return Rollback(
@@ -129,6 +141,7 @@ class SpikeGuard(Callback):
         self.detector.rewind(step)
         for s in [s for s in self.batch_of if s > step]:
             del self.batch_of[s]
+            self.loss_of.pop(s, None)
 
     def summary(self) -> dict[str, Any]:
         return {"verdicts": self.verdicts}
@@ -138,6 +151,7 @@ class SpikeGuard(Callback):
             "detector": self.detector.state_dict(),
             "policy": self.policy.state_dict(),
             "batch_of": [[s, b] for s, b in self.batch_of.items()],
+            "loss_of": [[s, v] for s, v in self.loss_of.items()],
             "verdicts": self.verdicts,
         }
 
@@ -145,4 +159,5 @@ class SpikeGuard(Callback):
         self.detector.load_state_dict(state["detector"])
         self.policy.load_state_dict(state["policy"])
         self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
+        self.loss_of = {int(s): float(v) for s, v in state["loss_of"]}
         self.verdicts = list(state["verdicts"])

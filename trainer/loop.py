@@ -169,6 +169,7 @@ class Trainer:
         self.history: list[tuple[int, float]] = []  # (step, ce) of the live branch
         self.stop_requested = False
         self.halted: str | None = None
+        self._seen: set[int] = set()  # batch indices trained on (for transient faults)
         self.seconds_per_step = 0.0
         self.val_losses: list[tuple[int, float]] = []
         self.metric_names: set[str] = set()
@@ -228,28 +229,36 @@ class Trainer:
         log.info("resumed from %s", path)
         return step
 
-    def _train_step(self) -> None:
-        cfg, step = self.cfg, self.step + 1
-        index = self.data_state.take()
+    def _compute(self, step: int, index: int, probing: bool) -> tuple[StepTensors, float, int]:
+        """Forward and backward of batch `index` as step `step`: (tensors, LR multiplier,
+        tokens). Nothing is applied yet."""
+        cfg = self.cfg
         x, y = self.sampler.batch(index, step)
-        fault = apply_faults(cfg.faults, index, x, y)
+        fault = apply_faults(cfg.faults, index, x, y, first_time=index not in self._seen)
+        self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
-        tau = cfg.optim.qk_clip_tau
         t = forward_backward(
             self.model,
             x,
             y,
             micro_batch=cfg.data.micro_batch_size or cfg.data.batch_size,
             dtype=cfg.train.dtype,
-            need_attn_max=tau is not None or self.probes.wants_attn_max(step),
-            need_logit_stats=self.probes.wants_logit_stats(step),
+            need_attn_max=cfg.optim.qk_clip_tau is not None
+            or (probing and self.probes.wants_attn_max(step)),
+            need_logit_stats=probing and self.probes.wants_logit_stats(step),
             grad_clip=cfg.optim.grad_clip,
             poison_nan=fault.nan_loss,
         )
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.lr_scale
-        lr_mult *= fault.lr_factor
-        state, late = self._step_state(step, index, x.numel(), t, lr_mult)
+        return t, lr_mult * fault.lr_factor, x.numel()
+
+    def _train_step(self) -> None:
+        step = self.step + 1
+        index = self.data_state.take()
+        tau = self.cfg.optim.qk_clip_tau
+        t, lr_mult, ntok = self._compute(step, index, probing=True)
+        state, late = self._step_state(step, index, ntok, t, lr_mult)
         if late is not None:
             self._emit_update_metrics(*late)
         action = self._decide(state)
@@ -368,6 +377,9 @@ class Trainer:
         step, path = found
         from_step = self.step
         restore(self, read_checkpoint(path, map_location=self.device), resume=False)
+        if action.info.get("replay"):
+            self._classify(action.info, step)
+            restore(self, read_checkpoint(path, map_location=self.device), resume=False)
         dropped = self.checkpointer.drop_after(step)
         self.checkpointer.pin(step, "rollback target")
         self.checkpointer.last_saved = step
@@ -384,6 +396,40 @@ class Trainer:
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
             cb.on_rollback(step, self.interventions[-1])
+
+    def _classify(self, record: dict[str, Any], from_step: int) -> None:
+        """Replay the spike's steps once from the restored state, on the same batches: a spike
+        that comes back needs this data with this state (PaLM); one that does not was
+        transient (a flaky update, possibly a hardware fault: Megatron's question)."""
+        losses = {}
+        for step, index in record["replay"]:
+            if step <= from_step:
+                continue
+            t, lr_mult, _ = self._compute(step, index, probing=False)
+            apply_update(
+                self.model, self.optimizer, lr_mult, t.attn_max, self.cfg.optim.qk_clip_tau
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            losses[step] = t.loss.item()  # a rare path: one sync per replayed step is fine
+        onset, level = record.get("onset_step", 0), record.get("pre_spike_loss")
+        peak = record.get("peak_loss")
+        after = [v for s, v in losses.items() if s >= onset]
+        replay_peak = max(after, default=math.nan)
+        if level is None or peak is None or not after:
+            record["cause"] = "unknown"
+        elif not math.isfinite(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
+            record["cause"] = "data_x_state"  # it reproduces
+        else:
+            record["cause"] = "transient"
+        record["replay_peak_loss"] = replay_peak
+        log.warning(
+            "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)",
+            from_step + 1,
+            max(losses, default=from_step),
+            "reproduces" if record["cause"] == "data_x_state" else "does not reproduce",
+            replay_peak,
+            peak if peak is not None else math.nan,
+        )
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:

@@ -86,8 +86,16 @@ def _set_rng_states(tensors: dict[str, Any], states: dict[str, Any]) -> None:
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def callback_key(i: int, cb: object) -> str:
-    return f"{i}:{type(cb).__name__}"
+def callback_keys(callbacks: list[Any]) -> list[str]:
+    """Stable keys for callback states: the class name, numbered only among its own kind, so
+    adding or dropping another callback (the progress bar) on resume changes nothing."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        keys.append(f"{name}:{seen.get(name, 0)}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
 
 
 def _split_optimizer(sd: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +124,10 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
         "interventions": tr.interventions,
         "val_losses": tr.val_losses,
         "rng": rng_json,
-        "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(tr.callbacks)},
+        "callbacks": {
+            key: cb.state_dict()
+            for key, cb in zip(callback_keys(tr.callbacks), tr.callbacks, strict=True)
+        },
     }
     last = tr.history[-1][1] if tr.history else None
     return Snapshot(
@@ -150,8 +161,8 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
         tr.lr_scale = state["lr_scale"]
         tr.interventions = list(state["interventions"])
         tr.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
-        for i, cb in enumerate(tr.callbacks):
-            if (key := callback_key(i, cb)) in state["callbacks"]:
+        for key, cb in zip(callback_keys(tr.callbacks), tr.callbacks, strict=True):
+            if key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][key])
     else:
         ranges = sorted(set(restored.skip_ranges) | set(tr.data_state.skip_ranges))

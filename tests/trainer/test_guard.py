@@ -107,3 +107,24 @@ def test_repeated_faults_escalate_then_halt(tmp_path) -> None:
 def test_regime_steps_come_from_the_config() -> None:
     cfg = load_config("demo", ["schedule.name=wsd", "schedule.decay_fraction=0.25"])
     assert regime_steps(cfg) == [200, 301]
+
+
+def test_replay_tells_data_spikes_from_transient_ones(runs, tmp_path) -> None:
+    assert runs["guarded"].interventions[0]["cause"] == "data_x_state"
+    flaky = 'faults=[{kind="flaky_lr_scale", start=150, length=3}]'
+    r = fit(load_config("tiny_cpu", [*BASE, flaky]), run_dir=tmp_path)
+    (iv,) = r.interventions
+    assert iv["cause"] == "transient"
+    assert iv["replay_peak_loss"] < iv["peak_loss"]
+
+
+def test_detector_state_survives_a_resume(tmp_path) -> None:
+    cfg = [*BASE, FAULT]
+    straight = fit(load_config("tiny_cpu", cfg), run_dir=tmp_path / "a")
+    fit(load_config("tiny_cpu", [*cfg, "train.stop_after=100"]), run_dir=tmp_path / "b")
+    resumed = fit(load_config("tiny_cpu", cfg), run_dir=tmp_path / "b", resume=True)
+    assert resumed.train_losses == straight.train_losses[100:]
+    keys = ("onset_step", "detect_step", "to_step", "skip_ranges")
+    assert [{k: i[k] for k in keys} for i in resumed.interventions] == [
+        {k: i[k] for k in keys} for i in straight.interventions
+    ]
