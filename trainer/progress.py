@@ -23,6 +23,7 @@ class ProgressBar(Callback):
         self._t = 0.0
         self._tps = 0.0
         self._tokens: int | None = None
+        self.events: dict[str, int] = {}
 
     def on_fit_start(self, state: FitState) -> None:
         self.progress = Progress(
@@ -45,9 +46,12 @@ class ProgressBar(Callback):
             tps = (state.tokens - self._tokens) / max(now - self._t, 1e-9)
             self._tps = tps if self._tps == 0 else 0.9 * self._tps + 0.1 * tps
         self._t, self._tokens = now, state.tokens
-        info = f"loss {state.ce:.4f}  val {self.val:.4f}  {self._tps:,.0f} tok/s"
         if state.action != "continue":
-            self.console.print(f"[yellow]step {state.step}: {state.action}[/]")
+            self.events[state.action] = self.events.get(state.action, 0) + 1
+            self.console.print(f"[yellow]step {state.step}: {state.action}[/] {state.reason}")
+        info = f"loss {state.ce:.4f}  val {self.val:.4f}  {self._tps:,.0f} tok/s"
+        if self.events:
+            info += "  " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in self.events.items())
         if self.progress is not None and self.task is not None:
             self.progress.update(self.task, completed=state.step, info=info)
 

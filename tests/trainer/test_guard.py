@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,3 +130,14 @@ def test_detector_state_survives_a_resume(tmp_path) -> None:
     assert [{k: i[k] for k in keys} for i in resumed.interventions] == [
         {k: i[k] for k in keys} for i in straight.interventions
     ]
+
+
+def test_repeated_nonfinite_steps_are_refused_then_rolled_back(tmp_path) -> None:
+    nan = 'faults=[{kind="nan_loss", start=100, length=3}]'
+    r = fit(load_config("tiny_cpu", [*BASE, nan]), run_dir=tmp_path)
+    kinds = [(i["kind"], i["step"]) for i in r.interventions]
+    assert kinds[0] == ("skip_update", 101)
+    assert kinds[1] == ("rollback", 102)
+    start, end = r.interventions[1]["skip_ranges"][0]
+    assert start <= 100 and end >= 103  # the non-finite batches are skipped
+    assert all(math.isfinite(v) for v in r.train_losses) and r.steps == 220
