@@ -74,12 +74,13 @@ def bench(name: str, base: list[str], steps: int, reps: int) -> dict:
     order = list(VARIANTS)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(reps):
-            for v in order[r % 3 :] + order[: r % 3]:
+            for v in order[r % len(order) :] + order[: r % len(order)]:
                 times[v] += _step_times([*base, *VARIANTS[v]], steps, tmp)
     m = {v: median(ts) for v, ts in times.items()}
     out = {
         "ratio_no_attn": m["no_attn"] / m["off"],
         "ratio_all": m["all"] / m["off"],
+        "ratio_all_state_every_step": m["all_state_every_step"] / m["off"],
         "step_ms_off": 1e3 * m["off"],
         "step_ms_no_attn": 1e3 * m["no_attn"],
         "step_ms_all": 1e3 * m["all"],

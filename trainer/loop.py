@@ -12,8 +12,6 @@ import logging
 import math
 import os
 import random
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,10 +27,11 @@ from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strong
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import CheckpointError, read_checkpoint
 from trainer.checkpointer import Checkpointer
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
+from trainer.lifecycle import check_resumable, stop_on_signals
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
@@ -43,8 +42,6 @@ from trainer.step import StepTensors, apply_update, forward_backward
 
 __all__ = ["FitResult", "Trainer", "build_trainer", "fit"]
 
-# Settings a resume may change: they do not touch the arithmetic of the run.
-RESUMABLE_KEYS = {"train.stop_after", "train.progress", "checkpoint.async_save"}
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +178,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_fit_start(self._fit_state())
         t0, start_step = time.perf_counter(), self.step
-        with _stop_on_signals(self):
+        with stop_on_signals(self):
             try:
                 if self.checkpointer.enabled and self.checkpointer.latest() is None:
                     self._save()  # the step-0 anchor: an early spike can roll back to it
@@ -223,7 +220,7 @@ class Trainer:
             raise CheckpointError(f"no intact checkpoint under {self.checkpointer.root}")
         step, path = found
         loaded = read_checkpoint(path, map_location=self.device)
-        _check_resumable(self.cfg, loaded["config.json"], path)
+        check_resumable(self.cfg, loaded["config.json"], path)
         restore(self, loaded, resume=True)
         self.checkpointer.last_saved = step
         log.info("resumed from %s", path)
@@ -536,45 +533,3 @@ def fit(
     resume: bool = False,
 ) -> FitResult:
     return build_trainer(cfg, run_dir=run_dir, callbacks=callbacks, resume=resume).fit()
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and not (k == "weights"):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
-    now, then = _flatten(cfg.to_dict()), _flatten(saved)
-    diff = sorted(
-        k for k in now.keys() | then.keys() if k not in RESUMABLE_KEYS and now.get(k) != then.get(k)
-    )
-    if diff:
-        shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
-        raise ConfigError(f"cannot resume {path}: the config differs in {shown}")
-
-
-class _stop_on_signals:
-    """SIGTERM / SIGINT end the run cleanly after the current step, with a checkpoint."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.saved: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.trainer.stop_requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.trainer.stop_requested = True
-
-    def __enter__(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.saved[sig] = signal.signal(sig, self._handler)
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self.saved.items():
-            signal.signal(sig, old)
