@@ -9,6 +9,7 @@ The spike guard logs its verdicts through the same sink.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,17 @@ __all__ = ["Recorder"]
 log = logging.getLogger(__name__)
 
 _EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
+
+
+def _jsonable(obj: Any) -> Any:
+    """Event data without NaN or infinity (JSON and PostgreSQL have neither): as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
 
 
 class Recorder(Callback):
@@ -71,7 +83,7 @@ class Recorder(Callback):
             step=record.get("step"),
             branch=old,
             message=str(record.get("reason", "")),
-            data=dict(record),
+            data=_jsonable(record),
         )
         self.sink.start_branch(
             self.run_id,
@@ -90,7 +102,7 @@ class Recorder(Callback):
             step=verdict["step"],
             branch=self.branch,
             message=str(verdict.get("message", "")),
-            data=dict(verdict),
+            data=_jsonable(verdict),
             source="detector",
         )
 
@@ -101,7 +113,7 @@ class Recorder(Callback):
             step=step,
             branch=self.branch,
             message=message,
-            data=dict(data),
+            data=_jsonable(data),
             source="detector",
         )
 

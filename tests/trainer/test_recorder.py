@@ -86,3 +86,31 @@ def test_logbook_tells_the_story(run, capsys) -> None:
 def test_logbook_of_an_unknown_run(run, capsys) -> None:
     assert main(["logbook", "nope", "--db", run["db"]]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_nonfinite_steps_are_recorded_without_breaking_the_run(tmp_path) -> None:
+    db = f"sqlite:///{tmp_path / 'nan.db'}"
+    nan = 'faults=[{kind="nan_loss", start=100, length=3}]'
+    args = [
+        "train",
+        "tiny_cpu",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.max_steps=130",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        nan,
+        "--run-dir",
+        str(tmp_path / "n1"),
+        "--db",
+        db,
+    ]
+    assert main(args) == 0
+    with session_factory(db)() as s:
+        events = store.events(s, run_id="n1")
+        kinds = [e.kind for e in events]
+        assert "nonfinite" in kinds and "skip" in kinds and "rollback" in kinds
+        rollback = next(e for e in events if e.kind == "rollback")
+        assert rollback.data["loss"] == "nan"  # non-finite values travel as strings
