@@ -146,6 +146,23 @@ def _default_db(run: str) -> str | None:
     return None
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The dashboard, by name through uvicorn: the trainer never imports web/."""
+    import uvicorn
+
+    if args.db:
+        os.environ["SPIKEWATCH_DB_URL"] = args.db
+    log.info("dashboard at http://%s:%d/ (API under /api, docs at /docs)", args.host, args.port)
+    uvicorn.run(
+        "web.app:create_default_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+    )
+    return 0
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     from trainer.young_daly import daly, overhead, parse_duration, young
 
@@ -229,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
     advise.add_argument("--json", action="store_true", help="also print a JSON line")
     advise.set_defaults(func=cmd_advise)
+
+    serve = sub.add_parser("serve", help="the dashboard and its JSON API")
+    serve.add_argument("--db", default=None, help="store URL (default as for train)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=cmd_serve)
 
     scan = sub.add_parser("scan", help="offline spike detection on a loss log")
     scan.add_argument("path", help="CSV (step,loss[,...]) or a TensorBoard log directory")

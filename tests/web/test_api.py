@@ -1,0 +1,93 @@
+"""The JSON API with TestClient over a store holding a run recorded by the rollback path."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainer.cli import main
+from web.app import create_app
+from web.settings import Settings
+
+FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("web")
+    db = f"sqlite:///{tmp / 'sw.db'}"
+    args = [
+        "train",
+        "tiny_cpu",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.max_steps=200",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        FAULT,
+        "--run-dir",
+        str(tmp / "r1"),
+        "--db",
+        db,
+    ]
+    assert main(args) == 0
+    with TestClient(create_app(Settings(db_url=db))) as c:
+        yield c
+
+
+def test_runs_and_one_run(client) -> None:
+    runs = client.get("/api/runs").json()
+    assert [r["run_id"] for r in runs] == ["r1"]
+    run = client.get("/api/runs/r1").json()
+    assert run["spikes"] == 1 and run["rollbacks"] == 1 and run["branches"] == 2
+    assert run["status"] == "completed" and run["last_step"] == 200
+
+
+def test_series_keep_the_spike_in_every_branch(client) -> None:
+    data = client.get(
+        "/api/runs/r1/series", params={"metric": "train/loss", "branch": "all", "buckets": 50}
+    ).json()
+    assert {d["branch"] for d in data} == {0, 1}
+    branch0 = next(d for d in data if d["branch"] == 0)
+    peak = max(b["max_value"] for b in branch0["buckets"])
+    assert peak > 5.0  # the poisoned batches' loss survives downsampling
+
+
+def test_heatmaps(client) -> None:
+    m = client.get("/api/runs/r1/matrix", params={"metric": "layer/*/attn/grad_norm"}).json()
+    assert m["rows"] == [0, 1] and len(m["max_value"]) == 2
+    h = client.get(
+        "/api/runs/r1/matrix", params={"metric": "layer/*/head/*/attn_max", "layer": 1}
+    ).json()
+    assert h["rows"] == [0, 1, 2, 3]
+
+
+def test_events_branches_checkpoints_logbook(client) -> None:
+    kinds = [e["kind"] for e in client.get("/api/runs/r1/events").json()]
+    assert "spike" in kinds and "rollback" in kinds
+    only = client.get("/api/runs/r1/events", params={"kind": "rollback"}).json()
+    assert [e["kind"] for e in only] == ["rollback"] and only[0]["data"]["to_step"] < 151
+    assert [b["number"] for b in client.get("/api/runs/r1/branches").json()] == [0, 1]
+    assert client.get("/api/runs/r1/checkpoints").json()
+    assert client.get("/api/runs/r1/logbook").text.startswith("# Logbook of run `r1`")
+
+
+def test_unknown_run_is_404_with_a_message(client) -> None:
+    r = client.get("/api/runs/nope")
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+    assert client.get("/api/runs/nope/series", params={"metric": "train/loss"}).status_code == 404
+
+
+def test_malformed_queries_are_422(client) -> None:
+    assert client.get("/api/runs/r1/series").status_code == 422  # metric missing
+    bad = client.get("/api/runs/r1/series", params={"metric": "train/loss", "buckets": 0})
+    assert bad.status_code == 422
+    assert client.get("/api/runs", params={"limit": -1}).status_code == 422
+
+
+def test_openapi_docs(client) -> None:
+    spec = client.get("/openapi.json").json()
+    assert "/api/runs/{run_id}/series" in spec["paths"]
+    assert client.get("/docs").status_code == 200

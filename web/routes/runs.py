@@ -1,0 +1,124 @@
+"""The JSON API over runs: summaries, series, heatmaps, events, branches, checkpoints, logbook."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse
+
+from observatory import store
+from observatory.logbook import logbook
+from web.deps import SessionDep
+from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+Buckets = Annotated[int, Query(ge=1, le=20000, description="Buckets (min/max kept in each).")]
+Branch = Annotated[
+    int | Literal["all"] | None,
+    Query(description="A branch number, 'all' (each branch's own steps) or none (the newest)."),
+]
+Step = Annotated[int | None, Query(ge=0, description="First / last step to include.")]
+
+
+@router.get("", response_model=list[RunOut])
+def list_runs(
+    session: SessionDep,
+    status: Annotated[str | None, Query(max_length=16)] = None,
+    sweep_group: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[store.RunSummary]:
+    return store.list_runs(session, status=status, sweep_group=sweep_group, limit=limit)
+
+
+@router.get("/{run_id}", response_model=RunOut)
+def get_run(session: SessionDep, run_id: str) -> store.RunSummary:
+    return store.get_run(session, run_id=run_id)
+
+
+@router.get("/{run_id}/metrics", response_model=list[str])
+def metric_names(session: SessionDep, run_id: str) -> list[str]:
+    return store.metric_names(session, run_id=run_id)
+
+
+@router.get("/{run_id}/series", response_model=list[SeriesOut])
+def series(
+    session: SessionDep,
+    run_id: str,
+    metric: Annotated[str, Query(min_length=1, max_length=200)],
+    branch: Branch = None,
+    buckets: Buckets = 2000,
+    start: Step = None,
+    end: Step = None,
+) -> list[store.SeriesData]:
+    return store.series(
+        session, run_id=run_id, metric=metric, branch=branch, buckets=buckets, start=start, end=end
+    )
+
+
+@router.get("/{run_id}/matrix", response_model=MatrixOut)
+def matrix(
+    session: SessionDep,
+    run_id: str,
+    metric: Annotated[str, Query(min_length=1, max_length=200, examples=["layer/*/grad_norm"])],
+    layer: Annotated[
+        int | None, Query(ge=0, description="Heads of this layer; none = layers.")
+    ] = None,
+    branch: Annotated[int | None, Query(ge=0)] = None,
+    buckets: Buckets = 1000,
+    start: Step = None,
+    end: Step = None,
+) -> store.Matrix:
+    if layer is None:
+        return store.layer_matrix(
+            session,
+            run_id=run_id,
+            metric=metric,
+            branch=branch,
+            buckets=buckets,
+            start=start,
+            end=end,
+        )
+    return store.head_matrix(
+        session,
+        run_id=run_id,
+        metric=metric,
+        layer=layer,
+        branch=branch,
+        buckets=buckets,
+        start=start,
+        end=end,
+    )
+
+
+@router.get("/{run_id}/events", response_model=list[EventOut])
+def events(
+    session: SessionDep,
+    run_id: str,
+    kind: Annotated[list[str] | None, Query(description="Only these kinds.")] = None,
+    branch: Annotated[int | None, Query(ge=0)] = None,
+    start: Step = None,
+    end: Step = None,
+    limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
+) -> list[store.EventRow]:
+    return store.events(
+        session, run_id=run_id, kinds=kind, branch=branch, start=start, end=end, limit=limit
+    )
+
+
+@router.get("/{run_id}/branches", response_model=list[BranchOut])
+def branches(session: SessionDep, run_id: str) -> list[store.BranchRow]:
+    return store.branches(session, run_id=run_id)
+
+
+@router.get("/{run_id}/checkpoints", response_model=list[CheckpointOut])
+def checkpoints(session: SessionDep, run_id: str) -> list[store.CheckpointRow]:
+    return store.checkpoints(session, run_id=run_id)
+
+
+@router.get("/{run_id}/logbook", response_class=PlainTextResponse)
+def run_logbook(session: SessionDep, run_id: str) -> str:
+    return logbook(session, run_id=run_id)

@@ -1,0 +1,119 @@
+"""Response shapes of the JSON API, apart from the store's rows.
+
+JSON has no NaN or infinity, and a spike that went non-finite must still reach the chart: such
+values travel as the strings "nan", "inf" and "-inf".
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+__all__ = [
+    "BranchOut",
+    "BucketOut",
+    "CheckpointOut",
+    "EventOut",
+    "MatrixOut",
+    "RunOut",
+    "SeriesOut",
+]
+
+
+def _json_number(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+Num = Annotated[float | str | None, BeforeValidator(_json_number)]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class RunOut(_Out):
+    run_id: str
+    name: str | None
+    status: str
+    tags: list[str]
+    sweep_group: str | None
+    hypothesis: str | None
+    config: dict[str, Any]
+    run_dir: str | None
+    created_at: datetime
+    updated_at: datetime
+    ended_at: datetime | None
+    branches: int
+    last_step: int | None
+    last_loss: Num
+    spikes: int
+    rollbacks: int
+
+
+class BucketOut(_Out):
+    start: int
+    end: int
+    n: int
+    n_nan: int
+    nan_step: int | None
+    min_value: Num
+    min_step: int | None
+    max_value: Num
+    max_step: int | None
+
+
+class SeriesOut(_Out):
+    run_id: str
+    metric: str
+    branch: int
+    segments: list[tuple[int, int, int]]
+    bucket_width: int
+    buckets: list[BucketOut]
+
+
+class MatrixOut(_Out):
+    run_id: str
+    metric: str
+    branch: int
+    rows: list[int]
+    starts: list[int]
+    bucket_width: int
+    min_value: list[list[Num]]
+    min_step: list[list[int | None]]
+    max_value: list[list[Num]]
+    max_step: list[list[int | None]]
+    n: list[list[int]]
+    n_nan: list[list[int]]
+
+
+class EventOut(_Out):
+    uid: str
+    branch: int
+    step: int | None
+    kind: str
+    source: str
+    message: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class BranchOut(_Out):
+    number: int
+    parent: int | None
+    fork_step: int | None
+    reason: str | None
+    created_at: datetime
+
+
+class CheckpointOut(_Out):
+    branch: int
+    step: int
+    path: str
+    pinned: bool
+    checksum_status: str
+    created_at: datetime
