@@ -1,4 +1,4 @@
-"""The dashboard's application factory (JSON API now; pages come next)."""
+"""The dashboard's application factory: the JSON API under /api, the pages, the SSE stream."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from observatory.store import NotFoundError, session_factory
-from web.routes import runs
+from web.routes import pages, runs
 from web.settings import Settings, get_settings
 
 __all__ = ["create_app", "create_default_app"]
@@ -21,6 +21,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.sessions = session_factory(settings.db_url)
     app.include_router(runs.router)
+    app.include_router(pages.router)
 
     @app.exception_handler(NotFoundError)
     def not_found(request: Request, exc: NotFoundError) -> JSONResponse:

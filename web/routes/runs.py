@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from observatory import store
 from observatory.logbook import logbook
@@ -122,3 +127,57 @@ def checkpoints(session: SessionDep, run_id: str) -> list[store.CheckpointRow]:
 @router.get("/{run_id}/logbook", response_class=PlainTextResponse)
 def run_logbook(session: SessionDep, run_id: str) -> str:
     return logbook(session, run_id=run_id)
+
+
+@router.get("/{run_id}/stream", include_in_schema=True)
+async def stream(
+    request: Request,
+    run_id: str,
+    metric: Annotated[str, Query(min_length=1, max_length=200)] = "train/loss",
+    after: Annotated[int, Query(ge=0)] = 0,
+) -> StreamingResponse:
+    """Server-Sent Events: each new point of `metric` after step `after`, about every second."""
+    sessions = request.app.state.sessions
+    with sessions() as session:
+        store.get_run(session, run_id=run_id)  # 404 before the stream starts
+
+    async def events() -> AsyncIterator[str]:
+        last = after
+        while not await request.is_disconnected():
+            data = await run_in_threadpool(_new_points, sessions, run_id, metric, last)
+            if data is not None:
+                last = data["steps"][-1]
+                yield f"event: points\ndata: {json.dumps(data)}\n\n"
+            else:
+                yield ": keep-alive\n\n"
+            await asyncio.sleep(STREAM_PERIOD_S)
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+STREAM_PERIOD_S = 1.0
+
+
+def _new_points(sessions, run_id: str, metric: str, after: int) -> dict | None:
+    with sessions() as session:
+        try:
+            series = store.series(
+                session, run_id=run_id, metric=metric, start=after + 1, buckets=20000
+            )
+        except store.NotFoundError:
+            return None
+    if not series:
+        return None
+    s = max(series, key=lambda s: s.branch)
+    pts = sorted(
+        {
+            (b.max_step, b.max_value)
+            for b in s.buckets
+            if b.max_step is not None and b.max_value is not None and math.isfinite(b.max_value)
+        }
+    )
+    if not pts:
+        return None
+    return {"branch": s.branch, "steps": [p[0] for p in pts], "values": [p[1] for p in pts]}

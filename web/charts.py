@@ -1,0 +1,196 @@
+"""Plotly figures as plain dicts, built by pure functions of the store's rows (no server).
+
+Series arrive downsampled by min and max per bucket; each bucket is drawn through both its
+extremes in step order, so a one-step spike is always drawn at its exact height. Non-finite
+values get red markers at the top of the plot. The y-axis is never clipped to hide outliers
+(`autorange` on the raw extremes); log scale is an option. The branch a rollback abandoned is
+drawn faded beside the one that continued; spike onsets and detections are markers, rollbacks
+are annotated vertical lines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from observatory.store import BranchRow, EventRow, Matrix, SeriesData
+
+__all__ = ["compare_figure", "heatmap_figure", "series_figure"]
+
+LIVE = "#1f77b4"
+FADED = "rgba(31, 119, 180, 0.35)"
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _points(s: SeriesData) -> tuple[list[int], list[float], list[int]]:
+    """x, y through every bucket's min and max (in step order), and the non-finite steps."""
+    xs, ys, bad = [], [], []
+    for b in s.buckets:
+        pts = sorted(
+            {(b.min_step, b.min_value), (b.max_step, b.max_value)} - {(None, None)},
+            key=lambda p: p[0],
+        )
+        for step, value in pts:
+            if _finite(value):
+                xs.append(step)
+                ys.append(value)
+            elif value is not None:
+                bad.append(step)
+        if b.n_nan and b.nan_step is not None:
+            bad.append(b.nan_step)
+    return xs, ys, bad
+
+
+def series_figure(
+    series: Sequence[SeriesData],
+    events: Sequence[EventRow] = (),
+    branches: Sequence[BranchRow] = (),
+    *,
+    title: str = "",
+    log_y: bool = False,
+) -> dict[str, Any]:
+    """One metric over all branches, with spike markers and rollback annotations."""
+    live = max((b.number for b in branches), default=max((s.branch for s in series), default=0))
+    traces: list[dict[str, Any]] = []
+    shapes: list[dict[str, Any]] = []
+    notes: list[dict[str, Any]] = []
+    top = max((y for s in series for y in _points(s)[1]), default=1.0)
+    for s in sorted(series, key=lambda s: s.branch):
+        xs, ys, bad = _points(s)
+        faded = s.branch != live
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": xs,
+                "y": ys,
+                "name": f"branch {s.branch}" + (" (abandoned)" if faded else ""),
+                "line": {
+                    "color": FADED if faded else LIVE,
+                    "width": 1.5,
+                    "dash": "dot" if faded else "solid",
+                },
+            }
+        )
+        if bad:
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "x": bad,
+                    "y": [top] * len(bad),
+                    "name": f"non-finite (branch {s.branch})",
+                    "marker": {"color": "red", "symbol": "x", "size": 10},
+                }
+            )
+    spikes = [e for e in events if e.kind == "spike"]
+    if spikes:
+        traces.append(
+            _markers(
+                "spike onset",
+                [e.data.get("onset_step", e.step) for e in spikes],
+                top,
+                "triangle-up",
+                "orange",
+            )
+        )
+        traces.append(_markers("spike detected", [e.step for e in spikes], top, "x", "orange"))
+    for e in events:
+        if e.kind in ("rollback", "halt"):
+            shapes.append(
+                {
+                    "type": "line",
+                    "xref": "x",
+                    "yref": "paper",
+                    "x0": e.step,
+                    "x1": e.step,
+                    "y0": 0,
+                    "y1": 1,
+                    "line": {"color": "crimson", "dash": "dash", "width": 1},
+                }
+            )
+            text = f"rollback → step {e.data.get('to_step')}" if e.kind == "rollback" else "halt"
+            notes.append(
+                {
+                    "x": e.step,
+                    "y": 1,
+                    "xref": "x",
+                    "yref": "paper",
+                    "text": text,
+                    "showarrow": False,
+                    "yanchor": "bottom",
+                    "font": {"color": "crimson"},
+                }
+            )
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": title},
+            "xaxis": {"title": {"text": "step"}},
+            "yaxis": {"type": "log" if log_y else "linear", "autorange": True},
+            "shapes": shapes,
+            "annotations": notes,
+            "hovermode": "x unified",
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
+            "legend": {"orientation": "h"},
+        },
+    }
+
+
+def _markers(name: str, xs: list[int], y: float, symbol: str, color: str) -> dict[str, Any]:
+    return {
+        "type": "scatter",
+        "mode": "markers",
+        "x": xs,
+        "y": [y] * len(xs),
+        "name": name,
+        "marker": {"symbol": symbol, "color": color, "size": 11},
+    }
+
+
+def heatmap_figure(m: Matrix, *, title: str = "", row_label: str = "layer") -> dict[str, Any]:
+    """rows × step buckets of the bucket maxima (the extreme a spike would raise)."""
+    z = [[v if _finite(v) else None for v in row] for row in m.max_value]
+    return {
+        "data": [
+            {
+                "type": "heatmap",
+                "x": m.starts,
+                "y": m.rows,
+                "z": z,
+                "colorscale": "Viridis",
+                "hoverongaps": False,
+            }
+        ],
+        "layout": {
+            "title": {"text": title},
+            "xaxis": {"title": {"text": "step"}},
+            "yaxis": {"title": {"text": row_label}, "dtick": 1},
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
+        },
+    }
+
+
+def compare_figure(runs: dict[str, Sequence[SeriesData]], *, title: str = "") -> dict[str, Any]:
+    """One metric for several runs, overlaid by step (each run's newest branch)."""
+    traces = []
+    for run_id, series in runs.items():
+        if not series:
+            continue
+        s = max(series, key=lambda s: s.branch)
+        xs, ys, _ = _points(s)
+        traces.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": run_id})
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": title},
+            "xaxis": {"title": {"text": "step"}},
+            "yaxis": {"autorange": True},
+            "hovermode": "x unified",
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
+        },
+    }

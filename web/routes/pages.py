@@ -1,0 +1,142 @@
+"""HTML pages: runs, one run, compare. Figures come from web/charts.py, data from the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import plotly
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.templating import Jinja2Templates
+from sqlalchemy.orm import Session
+
+from observatory import store
+from observatory.logbook import logbook
+from web import charts
+from web.deps import SessionDep
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["pages"])
+templates = Jinja2Templates(directory=Path(__file__).parents[1] / "templates")
+PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+LINES = [
+    ("chart-loss", "train/loss", "training loss"),
+    ("chart-val", "val/loss", "validation loss"),
+    ("chart-grad", "optim/grad_norm", "gradient norm"),
+    ("chart-lr", "optim/lr", "learning rate"),
+    ("chart-clip", "optim/clip_factor", "clip factor"),
+]
+HEATMAPS = [
+    ("heat-grad", "layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
+    ("heat-update", "layer/*/attn/update_ratio", "attention update/param (layer × step)"),
+    ("heat-attn", "layer/*/attn_max", "max attention logit (layer × step)"),
+]
+
+
+@router.get("/static/plotly.min.js", include_in_schema=False)
+def plotly_js() -> FileResponse:
+    """plotly.js from the installed plotly package: the dashboard works with no internet."""
+    return FileResponse(PLOTLY_JS, media_type="application/javascript")
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+def runs_page(request: Request, session: SessionDep) -> HTMLResponse:
+    return templates.TemplateResponse(request, "runs.html", {"runs": store.list_runs(session)})
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
+def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse:
+    run = store.get_run(session, run_id=run_id)
+    events = store.events(session, run_id=run_id)
+    figures = _run_figures(session, run_id, events)
+    context = {
+        "run": run,
+        "figures": figures,
+        "charts": list(figures),
+        "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
+        "checkpoints": store.checkpoints(session, run_id=run_id),
+        "logbook": logbook(session, run_id=run_id),
+    }
+    return templates.TemplateResponse(request, "run.html", context)
+
+
+def _run_figures(session: Session, run_id: str, events: list[Any]) -> dict[str, Any]:
+    branches = store.branches(session, run_id=run_id)
+    out: dict[str, Any] = {}
+    for chart_id, metric, title in LINES:
+        try:
+            series = store.series(session, run_id=run_id, metric=metric, branch="all")
+        except store.NotFoundError:
+            continue
+        marks = events if metric == "train/loss" else [e for e in events if e.kind != "spike"]
+        out[chart_id] = charts.series_figure(series, marks, branches, title=title)
+    for chart_id, metric, title in HEATMAPS:
+        try:
+            m = store.layer_matrix(session, run_id=run_id, metric=metric, buckets=300)
+        except store.NotFoundError:
+            continue
+        out[chart_id] = charts.heatmap_figure(m, title=title)
+    try:
+        m = store.head_matrix(
+            session, run_id=run_id, metric="layer/*/head/*/attn_max", layer=0, buckets=300
+        )
+        out["heat-heads"] = charts.heatmap_figure(
+            m, title="max logit, layer 0 (head × step)", row_label="head"
+        )
+    except store.NotFoundError:
+        pass
+    return out
+
+
+@router.get("/compare", response_class=HTMLResponse, include_in_schema=False)
+def compare_page(
+    request: Request,
+    session: SessionDep,
+    run: Annotated[list[str] | None, Query(max_length=50)] = None,
+    metric: Annotated[str, Query(max_length=200)] = "train/loss",
+) -> HTMLResponse:
+    all_runs = store.list_runs(session)
+    chosen = run or [r.run_id for r in all_runs[:3]]
+    series = {r: store.series(session, run_id=r, metric=metric, buckets=1000) for r in chosen}
+    context = {
+        "all_runs": all_runs,
+        "chosen": chosen,
+        "table": [_row(session, r) for r in chosen],
+        "figure": charts.compare_figure(series, title=metric),
+    }
+    return templates.TemplateResponse(request, "compare.html", context)
+
+
+def _row(session: Session, run_id: str) -> dict[str, Any]:
+    r = store.get_run(session, run_id=run_id)
+    spikes = store.events(session, run_id=run_id, kinds=["spike"], limit=1)
+    return {
+        "run_id": run_id,
+        "status": r.status,
+        "spikes": r.spikes,
+        "rollbacks": r.rollbacks,
+        "first_spike": spikes[0].step if spikes else None,
+        "final_val": _last(session, run_id, "val/loss"),
+        "peak_attn": _peak(session, run_id, "layer/*/attn_max"),
+    }
+
+
+def _last(session: Session, run_id: str, metric: str) -> float | None:
+    try:
+        s = store.series(session, run_id=run_id, metric=metric, buckets=1)
+    except store.NotFoundError:
+        return None
+    b = s[0].buckets[-1] if s and s[0].buckets else None
+    return None if b is None else (b.max_value if b.max_step == b.end else b.min_value)
+
+
+def _peak(session: Session, run_id: str, template: str) -> float | None:
+    try:
+        m = store.layer_matrix(session, run_id=run_id, metric=template, buckets=1)
+    except store.NotFoundError:
+        return None
+    vals = [v for row in m.max_value for v in row if v is not None]
+    return max(vals) if vals else None
