@@ -125,8 +125,8 @@ class Detector:
         self.last_step = step
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
             return [Verdict("nonfinite", step, step, step, math.inf, message="non-finite value")]
-        if loss <= 0:
-            raise ValueError(f"loss must be positive for log-space detection, got {loss}")
+        if loss <= 0:  # log-space detection cannot use it (a fully memorised batch): skip
+            return []
         out = []
         if grad_norm is not None and grad_norm > 0:
             out += self._grad(step, math.log(grad_norm))
@@ -266,6 +266,7 @@ class Detector:
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the spike's points are gone; forget the excursion."""
         self.excursion, self.calm = [], 0
+        self.recent = deque(((s, z) for s, z in self.recent if s <= step), maxlen=32)
         self.last_step = step
 
     def state_dict(self) -> dict[str, Any]:

@@ -154,7 +154,7 @@ def scan(points: list[tuple[int, float]], cfg: DetectorConfig | None = None) -> 
     spikes: list[dict[str, Any]] = []
     trends: list[dict[str, Any]] = []
     open_spike: dict[str, Any] | None = None
-    for step, value in sorted(points):
+    for step, value in sorted(dict(points).items()):  # a re-logged step: the last value
         if value <= 0 and math.isfinite(value):
             raise ScanError(
                 f"step {step}: value {value} is not positive (the detector works on "

@@ -63,8 +63,8 @@ class Checkpointer:
             return False
         if interval != "auto":
             return step % interval == 0
-        if self.save_seconds is None:
-            return step >= AUTO_FIRST_SAVE and self.last_saved in (None, 0)
+        if self.save_seconds is None:  # nothing measured yet (a new run, or just resumed)
+            return step - (self.last_saved or 0) >= AUTO_FIRST_SAVE
         self.auto_interval = self.interval_for(seconds_per_step)
         return step - (self.last_saved or 0) >= self.auto_interval
 
@@ -140,7 +140,7 @@ class Checkpointer:
         self._prune(snap.step, pins)
 
     def _prune(self, now: int, pins: dict[int, set[str]]) -> None:
-        existing = ck.list_checkpoints(self.root)
+        existing = {s: p for s, p in ck.list_checkpoints(self.root).items() if s <= now}
         kept = keep(existing, now, pins=pins, keep_last=self.cfg.keep_last)
         for step, path in existing.items():
             if step not in kept:
@@ -179,6 +179,11 @@ class Checkpointer:
                 self.pins.pop(s, None)
                 dropped.append(s)
         return dropped
+
+    def retained(self) -> list[int]:
+        """Steps of the checkpoints on disk, once the save in flight (and its pruning) is done."""
+        self.wait()
+        return list(ck.list_checkpoints(self.root))
 
     def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
         self.wait()

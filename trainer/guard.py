@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from observatory.detect import Detector, Verdict
 from observatory.policy import Policy
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from trainer.callbacks import Callback, StepState
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpointer import Checkpointer
 from trainer.config import TrainConfig
 from trainer.recorder import Recorder
 
@@ -42,7 +41,7 @@ class SpikeGuard(Callback):
     priority = 50  # after sinks that only record, before the progress bar
 
     def __init__(
-        self, cfg: TrainConfig, checkpoints: Path, recorder: Recorder | None = None
+        self, cfg: TrainConfig, checkpoints: Checkpointer, recorder: Recorder | None = None
     ) -> None:
         w = cfg.watch
         warm = max(w.detector.ignore_before, cfg.schedule.warmup_steps)
@@ -58,6 +57,7 @@ class SpikeGuard(Callback):
         self.verdicts: list[dict[str, Any]] = []
         self.watching: list[tuple[dict[str, Any], float]] = []  # (record, pre-spike loss)
         self._pin: str | None = None
+        self._warned: dict[str, int] = {}  # signal -> last step it warned
         self._keep = 4 * (w.detector.window + w.policy.skip_extra) + 64
 
     def pre_update(self, state: StepState) -> Action:
@@ -74,20 +74,34 @@ class SpikeGuard(Callback):
         verdicts += self.detector.observe(state.step, state.metrics)
         if not state.nonfinite:
             self.policy.finite()
-        action: Action = Continue(pin=self._pin)
-        self._pin = None
+        pin, self._pin = self._pin, None
+        action: Action | None = None
         for v in verdicts:
+            if v.kind == "warning":
+                if self._new_episode(v):
+                    self._record(v)
+                    pin = pin or f"pre-spike anchor: {v.message}"
+                continue
             self._record(v)
             log.info("step %d: %s verdict (%s)", state.step, v.kind, v.message)
-            if v.kind == "warning":
-                action = Continue(pin=f"pre-spike anchor: {v.message}")
-            elif v.kind in ("spike", "nonfinite") and self.act:
+            if v.kind in ("spike", "nonfinite") and self.act and action is None:
                 action = self._act(v, level)
-        return action
+        return action if action is not None else Continue(pin=pin)
+
+    def _new_episode(self, v: Verdict) -> bool:
+        """A warning that did not fire on the previous step too: only these are recorded and
+        pin an anchor (a logit that stays above the threshold would otherwise pin every
+        checkpoint and defeat retention)."""
+        last = self._warned.get(v.signal)
+        self._warned[v.signal] = v.step
+        if last is None or v.step - last > 1:
+            log.info("step %d: warning (%s)", v.step, v.message)
+            return True
+        return False
 
     def _act(self, v: Verdict, level: float | None) -> Action:
         plan = self.policy.decide(
-            v, checkpoints=list_checkpoints(self.checkpoints), batch_of=self.batch_of
+            v, checkpoints=self.checkpoints.retained(), batch_of=self.batch_of
         )
         if plan.action == "halt":
             return Halt(plan.reason, info=dict(plan.info))
@@ -129,8 +143,9 @@ class SpikeGuard(Callback):
 
     def on_update_metrics(self, step: int, metrics) -> None:
         for v in self.detector.observe(step, metrics):
-            self._record(v)
-            self._pin = f"pre-spike anchor: {v.message}"
+            if self._new_episode(v):
+                self._record(v)
+                self._pin = f"pre-spike anchor: {v.message}"
 
     def _record(self, v: Verdict) -> None:
         self.verdicts.append(v.to_dict())

@@ -26,8 +26,9 @@ from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import CheckpointError, read_checkpoint
+from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
@@ -177,18 +178,19 @@ class Trainer:
         last = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
         for cb in self.callbacks:
             cb.on_fit_start(self._fit_state())
-        t0, start_step = time.perf_counter(), self.step
+        t0, steps_done = time.perf_counter(), 0
         with stop_on_signals(self):
             try:
                 if self.checkpointer.enabled and self.checkpointer.latest() is None:
                     self._save()  # the step-0 anchor: an early spike can roll back to it
                 while self.step < last and not self.stop_requested:
-                    self._train_step()
+                    rolled_back = self._train_step()
+                    steps_done += 1
+                    self.seconds_per_step = (time.perf_counter() - t0) / steps_done
+                    if rolled_back:  # evaluated and saved already: this step is a restored one
+                        continue
                     if self._eval_due(last):
                         self._evaluate()
-                    self.seconds_per_step = (time.perf_counter() - t0) / max(
-                        1, self.step - start_step
-                    )
                     if self.checkpointer.due(self.step, self.seconds_per_step):
                         self._save()
                 if self.stop_requested:
@@ -222,6 +224,7 @@ class Trainer:
         loaded = read_checkpoint(path, map_location=self.device)
         check_resumable(self.cfg, loaded["config.json"], path)
         restore(self, loaded, resume=True)
+        self.checkpointer.drop_after(step)  # newer ones failed verification: not to be kept
         self.checkpointer.last_saved = step
         log.info("resumed from %s", path)
         return step
@@ -250,7 +253,8 @@ class Trainer:
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.lr_scale
         return t, lr_mult * fault.lr_factor, x.numel()
 
-    def _train_step(self) -> None:
+    def _train_step(self) -> bool:
+        """One step; True when it ended in a rollback (the run continues from a restored one)."""
         step = self.step + 1
         index = self.data_state.take()
         tau = self.cfg.optim.qk_clip_tau
@@ -274,6 +278,8 @@ class Trainer:
             cb.post_step(done)
         if isinstance(action, Rollback):
             self._rollback(action)
+            return True
+        return False
 
     def _step_state(
         self, step: int, index: int, ntok: int, t: StepTensors, lr_mult: float
@@ -373,13 +379,12 @@ class Trainer:
             raise CheckpointError(f"no intact checkpoint at or before step {action.to_step}")
         step, path = found
         from_step = self.step
+        dropped = self.checkpointer.drop_after(step)  # first: never resume onto that branch
         restore(self, read_checkpoint(path, map_location=self.device), resume=False)
         if action.info.get("replay"):
             self._classify(action.info, step)
             restore(self, read_checkpoint(path, map_location=self.device), resume=False)
-        dropped = self.checkpointer.drop_after(step)
         self.checkpointer.pin(step, "rollback target")
-        self.checkpointer.last_saved = step
         for start, end in action.skip_ranges:
             self.data_state.add_skip(start, end)
         self.lr_scale *= action.lr_scale
@@ -393,6 +398,9 @@ class Trainer:
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
             cb.on_rollback(step, self.interventions[-1])
+        # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
+        # scale, policy and detector states): a crash now must not train the bad batches again.
+        self._save()
 
     def _classify(self, record: dict[str, Any], from_step: int) -> None:
         """Replay the spike's steps once from the restored state, on the same batches: a spike
@@ -403,18 +411,21 @@ class Trainer:
             if step <= from_step:
                 continue
             t, lr_mult, _ = self._compute(step, index, probing=False)
-            apply_update(
-                self.model, self.optimizer, lr_mult, t.attn_max, self.cfg.optim.qk_clip_tau
-            )
+            loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
+            if math.isfinite(loss) and math.isfinite(gnorm):  # as the loop: never apply these
+                tau = self.cfg.optim.qk_clip_tau
+                apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
             self.optimizer.zero_grad(set_to_none=True)
-            losses[step] = t.loss.item()  # a rare path: one sync per replayed step is fine
+            losses[step] = loss if math.isfinite(loss) else math.inf
         onset, level = record.get("onset_step", 0), record.get("pre_spike_loss")
         peak = record.get("peak_loss")
         after = [v for s, v in losses.items() if s >= onset]
         replay_peak = max(after, default=math.nan)
         if level is None or peak is None or not after:
             record["cause"] = "unknown"
-        elif not math.isfinite(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
+        elif not math.isfinite(peak):  # a non-finite spike reproduces only as non-finite
+            record["cause"] = "data_x_state" if math.isinf(replay_peak) else "transient"
+        elif math.isinf(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
             record["cause"] = "data_x_state"  # it reproduces
         else:
             record["cause"] = "transient"
@@ -499,14 +510,13 @@ def build_trainer(
     run_id = Path(run_dir).name if run_dir else new_run_id(cfg.name)
     path = Path(run_dir) if run_dir else Path("runs") / run_id
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     model = build_model(cfg.model, cfg.train.seed, device)
     optimizer = build_optimizer(model, cfg.optim)
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
     checkpointer.open()
     if cfg.watch.enabled:
         recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
-        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer.root, recorder)]
+        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer, recorder)]
     trainer = Trainer(
         cfg=cfg,
         model=model,
@@ -522,6 +532,12 @@ def build_trainer(
     )
     if resume:
         trainer.resume()
+    elif ck_list(checkpointer.root):
+        raise ConfigError(
+            f"{path} already holds checkpoints of a run: resume it (--resume {path}) or choose "
+            "another run directory"
+        )
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return trainer
 
 

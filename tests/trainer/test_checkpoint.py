@@ -225,3 +225,21 @@ def test_rollback_without_checkpoints_is_a_clear_error(tmp_path) -> None:
     ref.append(tr)
     with pytest.raises(RuntimeError, match="needs checkpoints"):
         tr.fit()
+
+
+def test_auto_interval_keeps_saving_after_a_resume(tmp_path) -> None:
+    cfg = ("checkpoint.interval=auto", "checkpoint.mtbf_hours=0.00001", "train.max_steps=40")
+    fit(tiny_config(*cfg, "train.stop_after=20"), run_dir=tmp_path)
+    tr = build_trainer(tiny_config(*cfg), run_dir=tmp_path, resume=True)
+    tr.fit()
+    assert max(s for s in ck.list_checkpoints(tmp_path / "checkpoints") if s < 40) > 20
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path) -> None:
+    fit(tiny_config(*CK, "train.stop_after=4"), run_dir=tmp_path)
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        build_trainer(tiny_config(*CK), run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        build_trainer(tiny_config(*CK, "optim.lr=0.5"), run_dir=tmp_path, resume=True)
+    assert (tmp_path / "config.json").read_text() == before  # a refused resume changes nothing

@@ -141,3 +141,26 @@ def test_repeated_nonfinite_steps_are_refused_then_rolled_back(tmp_path) -> None
     start, end = r.interventions[1]["skip_ranges"][0]
     assert start <= 100 and end >= 103  # the non-finite batches are skipped
     assert all(math.isfinite(v) for v in r.train_losses) and r.steps == 220
+
+
+def test_a_warning_never_cancels_a_rollback(tmp_path) -> None:
+    """A high attention logit warns on every step; the spike's rollback must still happen."""
+    cfg = [*BASE, FAULT, "watch.detector.attn_warn=0.5"]
+    r = fit(load_config("tiny_cpu", cfg), run_dir=tmp_path)
+    assert [i["kind"] for i in r.interventions] == ["rollback"]
+    warnings = [v for v in r.extra["verdicts"] if v["kind"] == "warning"]
+    assert len(warnings) < 10  # one per episode, not one per step
+
+
+def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
+    from trainer import checkpoint as ck
+
+    cfg = [
+        "train.progress=false",
+        "checkpoint.interval=1",
+        "train.max_steps=60",
+        "eval.interval=none",
+        "watch.detector.attn_warn=0.01",
+    ]
+    fit(load_config("tiny_cpu", cfg), run_dir=tmp_path)
+    assert len(ck.list_checkpoints(tmp_path / "checkpoints")) <= 2 + 6 + 3
