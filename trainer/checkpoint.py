@@ -126,11 +126,14 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
     if fsync:
         _fsync_file(tmp / META)
         _fsync_dir(tmp)
-    if final.exists():
-        delete_checkpoint(final)
+    old = root / f".old-{final.name}"
+    if final.exists():  # replacing (a rollback target rewritten): never a moment without it
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
     os.replace(tmp, final)
     if fsync:
         _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -216,7 +219,14 @@ def write_pins(path: Path, pins: list[str]) -> None:
 
 
 def clean_temporaries(root: Path) -> None:
-    """Remove half-written checkpoints left by a killed process."""
+    """Remove half-written checkpoints left by a killed process; put back a replaced one whose
+    replacement never arrived."""
     if root.is_dir():
         for p in root.glob(".tmp-step*"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in root.glob(".old-step*"):
+            final = root / p.name.removeprefix(".old-")
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.rename(p, final)

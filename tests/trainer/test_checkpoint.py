@@ -243,3 +243,13 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"optim\.lr"):
         build_trainer(tiny_config(*CK, "optim.lr=0.5"), run_dir=tmp_path, resume=True)
     assert (tmp_path / "config.json").read_text() == before  # a refused resume changes nothing
+
+
+def test_a_replaced_checkpoint_is_never_missing(tmp_path) -> None:
+    fit(tiny_config(*CK, "train.stop_after=8"), run_dir=tmp_path)
+    root = tmp_path / "checkpoints"
+    # a crash between the two renames of a replacement leaves only the old copy aside
+    (root / "step00000008").rename(root / ".old-step00000008")
+    ck.clean_temporaries(root)
+    assert 8 in ck.list_checkpoints(root)
+    ck.verify_checkpoint(root / "step00000008")
