@@ -150,8 +150,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The dashboard, by name through uvicorn: the trainer never imports web/."""
     import uvicorn
 
+    from observatory.db import upgrade
+
     if args.db:
         os.environ["SPIKEWATCH_DB_URL"] = args.db
+    upgrade(args.db)  # a new or older database gets the newest schema first
     log.info("dashboard at http://%s:%d/ (API under /api, docs at /docs)", args.host, args.port)
     uvicorn.run(
         "web.app:create_default_app",

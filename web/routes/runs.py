@@ -157,7 +157,7 @@ async def stream(
     )
 
 
-STREAM_PERIOD_S = 1.0
+STREAM_PERIOD_S = 0.5
 
 
 def _new_points(sessions, run_id: str, metric: str, after: int) -> dict | None:
