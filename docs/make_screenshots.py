@@ -1,0 +1,64 @@
+"""Screenshots of the run page and the compare page for README.md (docs/*.png).
+
+    python docs/make_screenshots.py DB_URL RUN_ID [COMPARE_RUN ...]
+
+Serves the dashboard on a free local port and drives Debian's Chromium with Playwright.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+from playwright.sync_api import sync_playwright
+
+from web.app import create_app
+from web.settings import Settings
+
+ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+def main() -> None:
+    db, run, *others = sys.argv[1:]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(Settings(db_url=db)), port=port, log_level="warning")
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    out = Path(__file__).parent
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(f"http://127.0.0.1:{port}/runs/{run}")
+        page.wait_for_selector("#chart-loss .main-svg")
+        page.wait_for_timeout(800)
+        page.screenshot(path=str(out / "run_page.png"), full_page=False)
+        query = "&".join(f"run={r}" for r in [run, *others])
+        page.goto(f"http://127.0.0.1:{port}/compare?{query}")
+        page.wait_for_selector("#chart-compare .main-svg")
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(out / "compare_page.png"), full_page=False)
+        browser.close()
+    server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()
