@@ -1,5 +1,5 @@
 """A real server (uvicorn in a thread) over a store holding runs recorded by the CLI, and
-Chromium driven by Playwright (Debian's /usr/bin/chromium; never `playwright install`)."""
+Chromium driven by Playwright (Debian's /usr/bin/chromium; never a Playwright browser download)."""
 
 from __future__ import annotations
 
