@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["main"]
@@ -80,19 +81,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_sink(args: argparse.Namespace, run_dir: str):
-    """The store the run writes to: --db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside
-    the run directory (migrated to the newest schema first); --no-db for none."""
-    if args.no_db:
-        return None
-    from observatory.db import ENV_VAR, upgrade
-    from observatory.sink import DbSink
+def _db_url(args: argparse.Namespace, run_dir: str) -> str:
+    """--db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory."""
+    from observatory.db import ENV_VAR
 
     url = args.db or os.environ.get(ENV_VAR)
     if url is None:
         parent = Path(run_dir).resolve().parent
         parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{parent / 'spikewatch.db'}"
+    return url
+
+
+def _open_sink(args: argparse.Namespace, run_dir: str):
+    """The store the run writes to (migrated to the newest schema first); --no-db for none."""
+    if args.no_db:
+        return None
+    from observatory.db import upgrade
+    from observatory.sink import DbSink
+
+    url = _db_url(args, run_dir)
     upgrade(url)
     return DbSink(url, spool_dir=Path(run_dir) / "spool")
 
@@ -185,10 +193,56 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The dashboard and the demo training together: watch the spike and the rollback live."""
     from trainer.config import CONFIG_DIR
 
     args.config = str(CONFIG_DIR / "demo.toml")
-    return cmd_train(args)
+    server = None
+    if args.serve and not args.no_db:
+        from observatory.db import upgrade
+
+        args.db = _db_url(args, args.run_dir or "runs/_")
+        upgrade(args.db)
+        server = _start_dashboard(args.db, args.host, args.port)
+    try:
+        rc = cmd_train(args)
+        if server is not None and args.keep_serving:
+            log.info(
+                "training done; the dashboard stays at http://%s:%d/ (Ctrl-C to stop)",
+                args.host,
+                args.port,
+            )
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        rc = 0
+    finally:
+        if server is not None:
+            server.should_exit = True
+    return rc
+
+
+def _start_dashboard(db: str, host: str, port: int):
+    """`spikewatch serve` in a background thread (by name: the trainer never imports web/)."""
+    import threading
+
+    import uvicorn
+
+    os.environ["SPIKEWATCH_DB_URL"] = db
+    config = uvicorn.Config(
+        "web.app:create_default_app", factory=True, host=host, port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # the training loop owns SIGINT / SIGTERM
+    threading.Thread(target=server.run, name="dashboard", daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        log.error("the dashboard did not start on %s:%d (port taken?); training anyway", host, port)
+        return None
+    log.info("dashboard at http://%s:%d/ — the demo run appears there as it trains", host, port)
+    return server
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
@@ -243,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tag", action="append", default=[], help="a tag for the run (repeatable)")
     train.set_defaults(func=cmd_train)
     demo.set_defaults(func=cmd_demo, resume=None)
+    demo.add_argument(
+        "--no-serve", dest="serve", action="store_false", help="train only, without the dashboard"
+    )
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument(
+        "--keep-serving",
+        action=argparse.BooleanOptionalAction,
+        default=sys.stdin.isatty(),
+        help="keep the dashboard up after training (default: on a terminal)",
+    )
 
     advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
     advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")

@@ -82,3 +82,46 @@ def test_cli_resume_errors(tmp_path, capsys) -> None:
     assert "no checkpoints directory" in capsys.readouterr().err
     assert main(["train"]) == 2
     assert "CONFIG is required" in capsys.readouterr().err
+
+
+def test_demo_trains_with_the_dashboard_up(tmp_path) -> None:
+    import socket
+    import threading
+    import urllib.request
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    seen: list[str] = []
+
+    def poll() -> None:
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1) as r:
+                    body = r.read().decode()
+                if body != "[]":  # the run shows while it trains
+                    seen.append(body)
+                    return
+            except OSError:
+                pass
+            threading.Event().wait(0.1)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    args = [
+        "demo",
+        "--port",
+        str(port),
+        "--no-keep-serving",
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        "train.progress=false",
+        "--run-dir",
+        str(tmp_path / "runs" / "d1"),
+    ]
+    assert main(args) == 0
+    t.join()
+    assert seen and '"run_id"' in seen[0]
+    assert (tmp_path / "runs" / "spikewatch.db").exists()
