@@ -1,0 +1,157 @@
+"""Run-page data for a big run: API p95 per chart, and the page's render time in Chromium.
+
+A run with 1M points in each line series (train/loss, val/loss, grad norm, LR, clip factor)
+and 48 layers x 20k steps in each heatmap metric (plus 12 heads of layer 0), written straight
+through the store's writer. Then: each chart's API request timed (medians and p95 over
+repetitions), and the run page opened in Debian's Chromium, timed from navigation until every
+chart has drawn. Last line: {"api_p95_ms": worst chart p95, "render_s": ..., ...}.
+
+    python benchmarks/dashboard.py [--points 1000000] [--layers 48] [--reps 10]
+
+(Not benchmarks/web.py as issue 7 names it: run as a script, that file would shadow the `web`
+package it measures.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import numpy as np  # noqa: E402
+import uvicorn  # noqa: E402
+from _common import machine  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+from observatory import db  # noqa: E402
+from observatory.ingest import Writer  # noqa: E402
+from observatory.records import Record  # noqa: E402
+from web.app import create_app  # noqa: E402
+from web.settings import Settings  # noqa: E402
+
+ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+LINES = ["train/loss", "val/loss", "optim/grad_norm", "optim/lr", "optim/clip_factor"]
+HEATS = ["layer/{i}/attn/grad_norm", "layer/{i}/attn/update_ratio", "layer/{i}/attn_max"]
+
+
+def populate(url: str, points: int, layers: int, heat_steps: int) -> None:
+    db.upgrade(url)
+    w = Writer(db.make_engine(url, writer=True))
+    w.write([Record("run", "big", {"status": "running", "config": {}, "tags": []})])
+    rng = np.random.default_rng(0)
+    steps = np.arange(points)
+    for metric in LINES:
+        values = 2 + 0.1 * rng.standard_normal(points)
+        values[points // 3] = 50.0  # a one-step spike every chart must still draw
+        w.write_series("big", 0, metric, steps, values)
+    hsteps = np.arange(heat_steps)
+    for template in HEATS:
+        for i in range(layers):
+            w.write_series("big", 0, template.format(i=i), hsteps, rng.random(heat_steps) + i)
+    for h in range(12):
+        w.write_series("big", 0, f"layer/0/head/{h}/attn_max", hsteps, rng.random(heat_steps))
+
+
+def api_times(client: TestClient, reps: int) -> dict[str, float]:
+    requests = {
+        m: ("/api/runs/big/series", {"metric": m, "branch": "all", "buckets": 2000}) for m in LINES
+    }
+    requests |= {
+        t: ("/api/runs/big/matrix", {"metric": t.replace("{i}", "*"), "buckets": 300})
+        for t in HEATS
+    }
+    requests["heads"] = (
+        "/api/runs/big/matrix",
+        {"metric": "layer/*/head/*/attn_max", "layer": 0, "buckets": 300},
+    )
+    out = {}
+    for name, (path, params) in requests.items():
+        client.get(path, params=params).raise_for_status()  # warm
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.get(path, params=params).raise_for_status()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        out[name] = 1e3 * ts[min(len(ts) - 1, int(0.95 * len(ts)))]
+    return out
+
+
+def render_time(url: str, reps: int) -> float:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(Settings(db_url=url)), port=port, log_level="warning")
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    times = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+        for _ in range(reps):
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            t0 = time.perf_counter()
+            page.goto(f"http://127.0.0.1:{port}/runs/big")
+            page.wait_for_function(
+                "[...document.querySelectorAll('.chart')].every(d => d.querySelector('.main-svg'))",
+                timeout=60000,
+            )
+            times.append(time.perf_counter() - t0)
+            page.close()
+        browser.close()
+    server.should_exit = True
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", type=int, default=1_000_000)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--heat-steps", type=int, default=20_000)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    print("machine:", json.dumps(machine()))
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'web.db'}"
+        t0 = time.perf_counter()
+        populate(url, args.points, args.layers, args.heat_steps)
+        print(f"populated in {time.perf_counter() - t0:.0f} s")
+        with TestClient(create_app(Settings(db_url=url))) as client:
+            per_chart = api_times(client, args.reps)
+        for name, ms in per_chart.items():
+            print(f"{name:>32}: p95 {ms:.1f} ms")
+        render = render_time(url, max(3, args.reps // 3))
+        print(f"run page renders every chart in {render:.2f} s")
+        print(
+            json.dumps(
+                {
+                    "api_p95_ms": max(per_chart.values()),
+                    "render_s": render,
+                    "per_chart_p95_ms": per_chart,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
