@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from observatory.store import NotFoundError, session_factory
-from web.routes import pages, runs
+from web.routes import control, pages, runs
 from web.settings import Settings, get_settings
 
 __all__ = ["create_app", "create_default_app"]
@@ -22,6 +22,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.sessions = session_factory(settings.db_url)
     app.include_router(runs.router)
     app.include_router(pages.router)
+    app.include_router(control.router)
+    app.state.writer = control.make_writer(settings.db_url)
 
     @app.exception_handler(NotFoundError)
     def not_found(request: Request, exc: NotFoundError) -> JSONResponse:

@@ -1,0 +1,71 @@
+"""Control endpoints, behind a bearer token (`SPIKEWATCH_TOKEN`): without one configured they
+are off (403), without or with a wrong token they refuse (401 / 403) and do nothing.
+
+Now: annotations. Still to come: rollback and stop requests that the trainer picks up between
+steps through the store (they need a request table and a migration).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from pydantic import BaseModel, Field
+
+from observatory import store
+from observatory.ingest import Writer
+from observatory.records import RecordError, event_record
+from web.deps import SessionDep
+
+__all__ = ["router"]
+
+
+def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    expected = request.app.state.settings.token
+    if expected is None:
+        raise HTTPException(403, "control is off: set SPIKEWATCH_TOKEN to enable it")
+    if authorization is None or not authorization.startswith("Bearer "):
+        raise HTTPException(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(authorization.removeprefix("Bearer "), expected):
+        raise HTTPException(403, "wrong token")
+
+
+router = APIRouter(prefix="/api/runs", tags=["control"], dependencies=[Depends(require_token)])
+
+
+class AnnotationIn(BaseModel):
+    text: str = Field(min_length=1, max_length=2000, description="What happened, in words.")
+    step: int | None = Field(None, ge=0, description="The step it refers to; none = the run.")
+    branch: int = Field(0, ge=0, description="The branch of that step.")
+
+
+class AnnotationOut(BaseModel):
+    uid: str
+
+
+@router.post("/{run_id}/annotations", response_model=AnnotationOut, status_code=201)
+def annotate(request: Request, session: SessionDep, run_id: str, body: AnnotationIn) -> dict:
+    store.get_run(session, run_id=run_id)  # 404 for an unknown run
+    try:
+        rec = event_record(
+            run_id,
+            "annotation",
+            uid=None,
+            branch=body.branch,
+            step=body.step,
+            source="dashboard",
+            message=body.text,
+            data={},
+        )
+    except RecordError as e:
+        raise HTTPException(422, str(e)) from None
+    writer = request.app.state.writer
+    writer.write([rec])
+    return {"uid": rec.data["uid"]}
+
+
+def make_writer(url: str | None) -> Writer:
+    from observatory.db import make_engine, resolve_url
+
+    return Writer(make_engine(resolve_url(url), writer=True))
