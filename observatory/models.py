@@ -74,7 +74,15 @@ BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 256, 3: 4096}
 RUN_STATUSES = ("running", "completed", "failed", "halted", "stopped")
 CHECKSUM_STATUSES = ("unverified", "ok", "mismatch", "missing")
 INTERVENTION_KINDS = ("rollback", "skip", "lr_change", "halt")
-EVENT_KINDS = ("spike", "nonfinite", *INTERVENTION_KINDS, "annotation", "config_change", "note")
+EVENT_KINDS = (
+    "spike",
+    "nonfinite",
+    *INTERVENTION_KINDS,
+    "annotation",
+    "config_change",
+    "note",
+    "request",
+)
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

@@ -63,7 +63,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     callbacks: list = [ProgressBar()] if cfg.train.progress else []
     sink = _open_sink(args, run_dir or "runs/_")
     if sink is not None:
-        callbacks.append(Recorder(sink, tags=args.tag))
+        callbacks.append(Recorder(sink, tags=args.tag, requests_from=sink.url))
     try:
         result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
     finally:

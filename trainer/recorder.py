@@ -13,8 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from observatory.control import RequestPoller
 from observatory.sink import BaseSink
 from trainer import metric_names as M
+from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 
 __all__ = ["Recorder"]
@@ -38,9 +40,14 @@ def _jsonable(obj: Any) -> Any:
 class Recorder(Callback):
     priority = 100  # first: record before anything else reacts
 
-    def __init__(self, sink: BaseSink, tags: list[str] | None = None) -> None:
+    def __init__(
+        self, sink: BaseSink, tags: list[str] | None = None, requests_from: str | None = None
+    ) -> None:
         self.sink = sink
         self.tags = tags or []
+        self.requests_from = requests_from  # the store URL the dashboard writes requests to
+        self.poller: RequestPoller | None = None
+        self.handled: list[str] = []
         self.run_id = ""
         self.branch = 0
 
@@ -57,6 +64,42 @@ class Recorder(Callback):
         # the sink only needs to know them again.
         for b in range(1, self.branch + 1):
             self.sink.start_branch(state.run_id, b, parent=b - 1, fork_step=0, reason="resume")
+        if self.requests_from is not None:
+            self.poller = RequestPoller(self.requests_from, state.run_id)
+            self.poller.seen.update(self.handled)
+            self.poller.start()
+
+    def pre_update(self, state: StepState) -> Action:
+        """A request from the dashboard becomes the step's action (taken without waiting)."""
+        for req in self.poller.take() if self.poller is not None else []:
+            self.handled.append(req["uid"])
+            action = self._answer(req, state)
+            if action is not None:
+                return action
+        return Continue()
+
+    def _answer(self, req: Mapping[str, Any], state: StepState) -> Action | None:
+        what = req.get("action")
+        note = f"request {req['uid']} ({what}) taken at step {state.step}"
+        self.sink.log_event(
+            self.run_id,
+            "note",
+            step=state.step,
+            branch=self.branch,
+            message=note,
+            data={"request_uid": req["uid"], "action": what},
+            source="control",
+        )
+        if what == "stop":
+            return Halt("stop requested from the dashboard")
+        if what == "rollback":
+            to = req.get("to_step")
+            to = state.step - 1 if to is None else min(int(to), state.step - 1)
+            return Rollback(
+                to_step=max(0, to), reason=f"rollback to step {to} requested from the dashboard"
+            )
+        log.warning("ignoring request %s: unknown action %r", req["uid"], what)
+        return None
 
     def post_step(self, state: StepState) -> None:
         self.sink.log_metrics(self.run_id, self.branch, state.step, state.metrics)
@@ -128,13 +171,16 @@ class Recorder(Callback):
         )
 
     def on_fit_end(self, state: FitState) -> None:
+        if self.poller is not None:
+            self.poller.close()
         status = {"halted": "halted", "stopped": "stopped"}.get(state.status, "completed")
         self.sink.set_status(self.run_id, status)
         if not self.sink.flush(timeout=30):
             log.warning("the store has not taken every record yet; the rest is spooled")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"branch": self.branch}
+        return {"branch": self.branch, "handled": self.handled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.branch = int(state["branch"])
+        self.handled = list(state.get("handled", []))

@@ -46,3 +46,68 @@ def test_an_annotation_is_stored_and_shown(clients, recorded_db) -> None:
     assert BODY["text"] in _annotations(recorded_db)
     assert on.post("/api/runs/nope/annotations", json=BODY, headers=ok).status_code == 404
     assert on.post("/api/runs/spiky/annotations", json={"text": ""}, headers=ok).status_code == 422
+
+
+def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
+    import json
+    import threading
+    import time
+
+    from trainer.cli import main
+
+    from observatory.db import upgrade
+
+    db = f"sqlite:///{tmp_path / 'live.db'}"
+    upgrade(db)  # as `spikewatch serve` does before it serves
+    out = tmp_path / "s.json"
+    args = [
+        "train",
+        "tiny_cpu",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.max_steps=3000",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        "eval.interval=none",
+        "--db",
+        db,
+        "--run-dir",
+        str(tmp_path / "live"),
+        "--summary-json",
+        str(out),
+    ]
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(main(args)))
+    t.start()
+    ok = {"Authorization": "Bearer s3cret"}
+    with TestClient(create_app(Settings(db_url=db, token="s3cret"))) as client:
+
+        def last_step() -> int:
+            r = client.get("/api/runs/live")
+            return (r.json()["last_step"] or 0) if r.status_code == 200 else 0
+
+        deadline = time.monotonic() + 60
+        while last_step() < 60 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = client.post(
+            "/api/runs/live/requests", json={"action": "rollback", "to_step": 25}, headers=ok
+        )
+        assert r.status_code == 202
+        time.sleep(3)
+        assert (
+            client.post("/api/runs/live/requests", json={"action": "stop"}, headers=ok).status_code
+            == 202
+        )
+        t.join(timeout=120)
+        assert rc == [0]
+        summary = json.loads(out.read_text())
+        first, last = summary["interventions"][0], summary["interventions"][-1]
+        assert first["kind"] == "rollback" and "dashboard" in first["reason"]
+        assert first["to_step"] <= 25  # the newest checkpoint retained at or before step 25
+        assert first["from_step"] >= 60
+        assert last["kind"] == "halt" and "dashboard" in summary["halted"]
+        assert summary["steps"] < 3000
+        refused = client.post("/api/runs/live/requests", json={"action": "stop"}, headers=ok)
+        assert refused.status_code == 409  # the run is over

@@ -1,14 +1,15 @@
 """Control endpoints, behind a bearer token (`SPIKEWATCH_TOKEN`): without one configured they
 are off (403), without or with a wrong token they refuse (401 / 403) and do nothing.
 
-Now: annotations. Still to come: rollback and stop requests that the trainer picks up between
-steps through the store (they need a request table and a migration).
+Annotations, and requests for a running training: roll back to a retained checkpoint, or stop.
+A request is stored as an event of kind "request"; the trainer's recorder polls for them in a
+thread and carries them out between steps (observatory/control.py).
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from pydantic import BaseModel, Field
@@ -62,6 +63,33 @@ def annotate(request: Request, session: SessionDep, run_id: str, body: Annotatio
         raise HTTPException(422, str(e)) from None
     writer = request.app.state.writer
     writer.write([rec])
+    return {"uid": rec.data["uid"]}
+
+
+class RequestIn(BaseModel):
+    action: Literal["rollback", "stop"] = Field(description="What the trainer should do.")
+    to_step: int | None = Field(
+        None, ge=0, description="rollback: the newest retained checkpoint at or before this step."
+    )
+
+
+@router.post("/{run_id}/requests", response_model=AnnotationOut, status_code=202)
+def request_action(request: Request, session: SessionDep, run_id: str, body: RequestIn) -> dict:
+    run = store.get_run(session, run_id=run_id)
+    if run.status != "running":
+        raise HTTPException(409, f"run {run_id!r} is {run.status}: nothing to control")
+    data = {"action": body.action, "to_step": body.to_step}
+    rec = event_record(
+        run_id,
+        "request",
+        uid=None,
+        branch=0,
+        step=None,
+        source="dashboard",
+        message=f"{body.action} requested",
+        data=data,
+    )
+    request.app.state.writer.write([rec])
     return {"uid": rec.data["uid"]}
 
 
