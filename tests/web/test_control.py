@@ -53,9 +53,8 @@ def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
     import threading
     import time
 
-    from trainer.cli import main
-
     from observatory.db import upgrade
+    from trainer.cli import main
 
     db = f"sqlite:///{tmp_path / 'live.db'}"
     upgrade(db)  # as `spikewatch serve` does before it serves
