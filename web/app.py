@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from observatory.store import NotFoundError, session_factory
@@ -20,10 +20,20 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = session_factory(settings.db_url)
-    app.include_router(runs.router)
-    app.include_router(pages.router)
+    reader = [Depends(control.require_read_token)]
+    app.include_router(runs.router, dependencies=reader)
+    app.include_router(pages.router, dependencies=reader)
     app.include_router(control.router)
     app.state.writer = control.make_writer(settings.db_url)
+
+    @app.middleware("http")
+    async def remember_token(request: Request, call_next):  # type: ignore[no-untyped-def]
+        """`?token=` on a page sets the read cookie, so scripts and live streams carry it."""
+        response = await call_next(request)
+        token = request.query_params.get("token")
+        if token and settings.read_token and response.status_code < 400:
+            response.set_cookie(control.READ_COOKIE, token, httponly=True, samesite="strict")
+        return response
 
     @app.exception_handler(NotFoundError)
     def not_found(request: Request, exc: NotFoundError) -> JSONResponse:

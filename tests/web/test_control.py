@@ -110,3 +110,17 @@ def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
         assert summary["steps"] < 3000
         refused = client.post("/api/runs/live/requests", json={"action": "stop"}, headers=ok)
         assert refused.status_code == 409  # the run is over
+
+
+def test_a_read_token_closes_the_pages_and_the_api(recorded_db) -> None:
+    app = create_app(Settings(db_url=recorded_db, read_token="r3ad", token="s3cret"))
+    with TestClient(app) as c:
+        assert c.get("/api/runs").status_code == 401
+        assert c.get("/").status_code == 401
+        assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/api/runs", headers={"Authorization": "Bearer r3ad"}).status_code == 200
+        assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert (
+            c.get("/static/plotly.min.js", headers={"Authorization": "Bearer r3ad"}).status_code
+            == 200
+        )

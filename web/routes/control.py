@@ -32,6 +32,32 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
         raise HTTPException(403, "wrong token")
 
 
+READ_COOKIE = "spikewatch_token"
+
+
+def require_read_token(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> None:
+    """Reading is open unless `SPIKEWATCH_READ_TOKEN` is set. Then a bearer header, the
+    `spikewatch_token` cookie, or `?token=` (which sets the cookie, for browsers) must carry it
+    (or the control token)."""
+    settings = request.app.state.settings
+    if settings.read_token is None:
+        return
+    given = [
+        (authorization or "").removeprefix("Bearer "),
+        request.cookies.get(READ_COOKIE, ""),
+        request.query_params.get("token", ""),
+    ]
+    allowed = [t for t in (settings.read_token, settings.token) if t]
+    if not any(g and hmac.compare_digest(g, t) for g in given for t in allowed):
+        raise HTTPException(
+            401,
+            "a token is required to read (bearer header, or ?token=)",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+
 router = APIRouter(prefix="/api/runs", tags=["control"], dependencies=[Depends(require_token)])
 
 
