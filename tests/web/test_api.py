@@ -91,3 +91,8 @@ def test_openapi_docs(client) -> None:
     spec = client.get("/openapi.json").json()
     assert "/api/runs/{run_id}/series" in spec["paths"]
     assert client.get("/docs").status_code == 200
+
+
+def test_runs_page_filters_by_tag(client) -> None:
+    assert "r1" in client.get("/").text
+    assert "/runs/r1" not in client.get("/", params={"tag": "nope"}).text

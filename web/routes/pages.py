@@ -43,8 +43,17 @@ def plotly_js() -> FileResponse:
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-def runs_page(request: Request, session: SessionDep) -> HTMLResponse:
-    return templates.TemplateResponse(request, "runs.html", {"runs": store.list_runs(session)})
+def runs_page(
+    request: Request,
+    session: SessionDep,
+    tag: Annotated[str | None, Query(max_length=64)] = None,
+    group: Annotated[str | None, Query(max_length=128)] = None,
+) -> HTMLResponse:
+    runs = store.list_runs(session, sweep_group=group or None)
+    if tag:
+        runs = [r for r in runs if tag in r.tags]
+    context = {"runs": runs, "tag": tag or "", "group": group or ""}
+    return templates.TemplateResponse(request, "runs.html", context)
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
