@@ -55,3 +55,19 @@ def test_compare_page_renders_three_runs(server, browser) -> None:
     rows = page.inner_text("#compare-table")
     assert "spiky" in rows and "lr1e-3" in rows and "lr1e-2" in rows
     page.close()
+
+
+def test_run_page_options_log_scale_ema_and_head_layer(server, browser) -> None:
+    page = browser.new_page()
+    page.goto(server + "/runs/spiky")
+    page.wait_for_selector("#chart-loss .main-svg")
+    page.check("#opt-log")
+    assert page.evaluate("document.getElementById('chart-loss').layout.yaxis.type") == "log"
+    page.check("#opt-ema")
+    names = page.evaluate("document.getElementById('chart-loss').data.map(t => t.name)")
+    assert "branch 1 (EMA)" in names and "branch 1" in names  # the raw trace stays
+    page.select_option("#opt-layer", "1")
+    page.wait_for_function(
+        "document.getElementById('heat-heads').layout.title.text.includes('layer 1')"
+    )
+    page.close()
