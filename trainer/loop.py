@@ -7,6 +7,7 @@ non-finite loss or gradient is always refused (SkipUpdate) and reported; callbac
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -296,9 +297,9 @@ class Trainer:
         if t.logit_max is not None:
             xfer.add([M.LOGIT_MAX], t.logit_max)
         if t.attn_max is not None:
-            L, nh = t.attn_max.shape
-            xfer.add([M.attn_max(i, h) for i in range(L) for h in range(nh)], t.attn_max)
-            xfer.add([M.layer_attn_max(i) for i in range(L)], t.attn_max.amax(dim=1))
+            heads, layers = self._attn_names(*t.attn_max.shape)
+            xfer.add(heads, t.attn_max)
+            xfer.add(layers, t.attn_max.amax(dim=1))
         if self.probes.active(step):
             xfer.add(*self.probes.grad_norms(t.grad_norms))
         pending = self.probes.take_pending()
@@ -325,6 +326,12 @@ class Trainer:
             metrics=metrics,
         )
         return state, (None if pending is None else (pending[0], late_metrics))
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a handful of shapes per trainer
+    def _attn_names(self, n_layer: int, n_head: int) -> tuple[list[str], list[str]]:
+        """Per-head and per-layer max-logit names, built once rather than every step."""
+        heads = [M.attn_max(i, h) for i in range(n_layer) for h in range(n_head)]
+        return heads, [M.layer_attn_max(i) for i in range(n_layer)]
 
     def _emit_update_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.metric_names.update(metrics)
