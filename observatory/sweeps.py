@@ -248,9 +248,7 @@ def _variant(name: str, lrs: list[float], cells: list[Cell]) -> VariantSummary:
         if not at:
             vals.append(None)
         else:
-            losses = [
-                math.inf if c.diverged or c.final_val is None else c.final_val for c in at
-            ]
+            losses = [math.inf if c.diverged or c.final_val is None else c.final_val for c in at]
             vals.append(sum(losses) / len(losses))
         ps = [c.peak_attn for c in cells if c.lr == lr and c.peak_attn is not None]
         peaks.append(max(ps) if ps else None)
@@ -382,7 +380,8 @@ def report_markdown(report: SweepReport) -> str:
     """The report as Markdown tables (what `spikewatch sweep-report --markdown` prints)."""
     out = [f"# Sweep {report.group}" if report.group else "# Runs compared", ""]
     if report.hypothesis:
-        created = f" (registered {report.created_at:%Y-%m-%d %H:%M} UTC)" if report.created_at else ""
+        at = report.created_at
+        created = f" (registered {at:%Y-%m-%d %H:%M} UTC)" if at else ""
         out += [f"**Hypothesis**{created}: {report.hypothesis}", ""]
     head = "| variant | " + " | ".join(f"lr {_lr(lr)}" for lr in report.lrs)
     rule = "|---|" + "---:|" * len(report.lrs)

@@ -413,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--root", default="runs", help="run directories go to ROOT/GROUP/<cell>")
     sweep.add_argument(
-        "--db", default=None, help="store URL (default: $SPIKEWATCH_DB_URL, else ROOT/spikewatch.db)"
+        "--db",
+        default=None,
+        help="store URL (default: $SPIKEWATCH_DB_URL, else ROOT/spikewatch.db)",
     )
     sweep.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override for every cell"

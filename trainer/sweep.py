@@ -152,7 +152,8 @@ def run_sweep(
         info = register_sweep(session, name=group, spec=spec, hypothesis=hypothesis)
     log.info("sweep %s: %d cells, %d at a time, store %s", group, len(cells), jobs, url)
     if info.hypothesis:
-        log.info("hypothesis (registered %s): %s", f"{info.created_at:%Y-%m-%d %H:%M}", info.hypothesis)
+        at = f"{info.created_at:%Y-%m-%d %H:%M}"
+        log.info("hypothesis (registered %s): %s", at, info.hypothesis)
     runner = _Runner(cfg_path, list(overrides), Path(root) / group, group, url, jobs)
     return runner.run(cells, sessions, console or Console(stderr=True))
 
