@@ -85,13 +85,20 @@ def _run_figures(session: Session, run_id: str, events: list[Any]) -> dict[str, 
         out[chart_id] = charts.series_figure(series, marks, branches, title=title)
     for chart_id, metric, title in HEATMAPS:
         try:
-            m = store.layer_matrix(session, run_id=run_id, metric=metric, buckets=300)
+            m = store.layer_matrix(
+                session, run_id=run_id, metric=metric, buckets=300, extremes="max"
+            )
         except store.NotFoundError:
             continue
         out[chart_id] = charts.heatmap_figure(m, title=title)
     try:
         m = store.head_matrix(
-            session, run_id=run_id, metric="layer/*/head/*/attn_max", layer=0, buckets=300
+            session,
+            run_id=run_id,
+            metric="layer/*/head/*/attn_max",
+            layer=0,
+            buckets=300,
+            extremes="max",
         )
         out["heat-heads"] = charts.heatmap_figure(
             m, title="max logit, layer 0 (head × step)", row_label="head"
