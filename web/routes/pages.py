@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import plotly
 from fastapi import APIRouter, Query, Request
@@ -29,11 +29,15 @@ LINES = [
     ("chart-lr", "optim/lr", "learning rate"),
     ("chart-clip", "optim/clip_factor", "clip factor"),
 ]
-HEATMAPS = [
-    ("heat-grad", "layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
-    ("heat-update", "layer/*/attn/update_ratio", "attention update/param (layer × step)"),
-    ("heat-attn", "layer/*/attn_max", "max attention logit (layer × step)"),
-]
+HEATMAPS = {
+    "heat-grad": ("layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
+    "heat-update": ("layer/*/attn/update_ratio", "attention update/param (layer × step)"),
+    "heat-attn": ("layer/*/attn_max", "max attention logit (layer × step)"),
+    "heat-adam-m": ("layer/*/attn/adam_m_norm", "Adam first moment norm, attention"),
+    "heat-adam-v": ("layer/*/attn/adam_sqrt_v_max", "Adam max √v, attention"),
+    "heat-heads": ("layer/*/head/*/attn_max", "max logit, layer {layer} (head × step)"),
+}
+HEAT_BUCKETS = 300
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)
@@ -58,13 +62,18 @@ def runs_page(
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
 def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse:
+    """Line charts come with the page; each heatmap (a heavier read) is fetched by the page
+    from /api/runs/{id}/figures/{chart}, in parallel, so the lines draw first."""
     run = store.get_run(session, run_id=run_id)
     events = store.events(session, run_id=run_id)
     figures = _run_figures(session, run_id, events)
+    present = set(store.metric_names(session, run_id=run_id))
+    heatmaps = [chart for chart, (metric, _) in HEATMAPS.items() if metric in present]
     context = {
         "run": run,
         "figures": figures,
-        "charts": list(figures),
+        "charts": list(figures) + heatmaps,
+        "heatmaps": heatmaps,
         "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
         "checkpoints": store.checkpoints(session, run_id=run_id),
         "logbook": logbook(session, run_id=run_id),
@@ -83,26 +92,21 @@ def _run_figures(session: Session, run_id: str, events: list[Any]) -> dict[str, 
             continue
         marks = events if metric == "train/loss" else [e for e in events if e.kind != "spike"]
         out[chart_id] = charts.series_figure(series, marks, branches, title=title)
-    for chart_id, metric, title in HEATMAPS:
-        try:
-            m = store.layer_matrix(
-                session, run_id=run_id, metric=metric, buckets=300, extremes="max"
-            )
-        except store.NotFoundError:
-            continue
-        out[chart_id] = charts.heatmap_figure(m, title=title)
-    try:
-        m = store.head_matrix(
-            session,
-            run_id=run_id,
-            metric="layer/*/head/*/attn_max",
-            layer=0,
-            buckets=300,
-            extremes="max",
-        )
-        out["heat-heads"] = charts.heatmap_figure(
-            m, title="max logit, layer 0 (head × step)", row_label="head"
-        )
-    except store.NotFoundError:
-        pass
     return out
+
+
+@router.get("/api/runs/{run_id}/figures/{chart}", tags=["runs"])
+def heatmap(
+    session: SessionDep,
+    run_id: str,
+    chart: Literal[tuple(HEATMAPS)],  # type: ignore[valid-type]
+    layer: Annotated[int, Query(ge=0, description="For heat-heads: whose heads.")] = 0,
+) -> dict[str, Any]:
+    """A run-page heatmap as a Plotly figure (layer × step, or head × step of `layer`), built
+    by web/charts.py from the bucket maxima."""
+    metric, title = HEATMAPS[chart]
+    window = dict(run_id=run_id, metric=metric, buckets=HEAT_BUCKETS, extremes="max")
+    if chart == "heat-heads":
+        m = store.head_matrix(session, layer=layer, **window)
+        return charts.heatmap_figure(m, title=title.format(layer=layer), row_label="head")
+    return charts.heatmap_figure(store.layer_matrix(session, **window), title=title)
