@@ -103,7 +103,7 @@ class World:
 
             ids = [device.index] if device.type == "cuda" else None
             # The only buffers are the RoPE tables, equal everywhere: no per-step broadcast.
-            self.fwd = DDP(model, device_ids=ids, broadcast_buffers=False)
+            self.fwd = DDP(model, device_ids=ids, forward_sync_buffers=False)
         elif self.strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard

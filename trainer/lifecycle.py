@@ -43,9 +43,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> None:
     """Refuse, before any weight is loaded, a resume that cannot continue the run: another
-    config (`check_resumable`), or another checkpoint format. A different world size is
-    fine: the data position is a global batch index, the global batch is the same (init_world
-    refuses a world size it does not divide over), and DCP reshards the weights."""
+    config (`check_resumable`), or another checkpoint format (one process vs torchrun). A
+    different world size, or ddp <-> fsdp2, is fine: the data position is a global batch
+    index, the global batch is the same (init_world refuses a world size it does not divide
+    evenly over) and DCP reshards weights and optimizer state on load."""
     saved = json.loads((path / "config.json").read_text())
     then = saved.get("distributed", {}).get("strategy", "none")
     now = cfg.distributed.strategy
@@ -55,6 +56,9 @@ def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> None:
             f"cannot resume {path}: its checkpoints were written by {what}; resume it with "
             f"distributed.strategy={then} ({'no torchrun' if then == 'none' else 'torchrun'})"
         )
+    if then != now:  # ddp <-> fsdp2: the same DCP format, resharded on load
+        log.info("resuming a '%s' checkpoint with distributed.strategy=%s", then, now)
+        saved = {**saved, "distributed": {**saved["distributed"], "strategy": now}}
     check_resumable(cfg, saved, path)
     ranks = read_meta(path).get("world_size", 1)
     if ranks != world_size:
