@@ -293,10 +293,10 @@ class WatchConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    strategy: Literal["none", "ddp", "fsdp2"] = Field(
-        "none",
-        description="'none': one process; 'ddp': DistributedDataParallel; 'fsdp2': fully_shard "
-        "(parameters, gradients and optimizer state sharded). ddp and fsdp2 need torchrun.",
+    strategy: Literal["ddp", "fsdp2"] | None = Field(
+        None,
+        description="'ddp': DistributedDataParallel; 'fsdp2': fully_shard (parameters, "
+        "gradients and optimizer state sharded); both need torchrun. None = one process.",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
@@ -366,7 +366,7 @@ class TrainConfig(_Section):
 
     def _check_distributed(self) -> None:
         strategy = self.distributed.strategy
-        if strategy == "none":
+        if strategy is None:
             return
         if self.checkpoint.async_save:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Scale-out under torchrun on PyTorch's own engine (DDP, FSDP2), with every rank agreeing.
 
-A `World` is the run's view of the other processes. In one process (`strategy = "none"`) every
+A `World` is the run's view of the other processes. In one process (`strategy = None`) every
 method is the identity, so the single-process arithmetic stays bitwise what it was. Under
 torchrun:
 
@@ -61,7 +61,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class World:
-    strategy: str = "none"
+    strategy: str | None = None  # "ddp" | "fsdp2"; None = one process
     rank: int = 0
     size: int = 1
     group: Any = None  # gloo group for objects and barriers; None = the default group
@@ -70,7 +70,7 @@ class World:
 
     @property
     def distributed(self) -> bool:
-        return self.strategy != "none"
+        return self.strategy is not None
 
     @property
     def is_main(self) -> bool:
@@ -253,17 +253,17 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
     """The world this process belongs to, and its device (cuda:LOCAL_RANK under torchrun).
     Creates the process group unless one exists already (a test harness may own it)."""
     strategy, size = cfg.distributed.strategy, _env_size()
-    if strategy == "none":
+    if strategy is None:
         if size > 1:
             raise ConfigError(
-                f"launched as {size} processes but distributed.strategy='none': set "
+                f"launched as {size} processes but distributed.strategy is none: set "
                 "distributed.strategy=ddp or fsdp2 (or launch one process)"
             )
         return World(), device
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise ConfigError(
             f"distributed.strategy='{strategy}' needs torchrun: torchrun --nproc_per_node=N "
-            "-m trainer.cli train ... (or set distributed.strategy=none)"
+            "-m trainer.cli train ... (or leave distributed.strategy unset: one process)"
         )
     check_shape(cfg, size)
     if device.type == "cuda":

@@ -48,13 +48,14 @@ def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> None:
     index, the global batch is the same (init_world refuses a world size it does not divide
     evenly over) and DCP reshards weights and optimizer state on load."""
     saved = json.loads((path / "config.json").read_text())
-    then = saved.get("distributed", {}).get("strategy", "none")
+    then = saved.get("distributed", {}).get("strategy")
     now = cfg.distributed.strategy
-    if then != now and "none" in (then, now):
-        what = "one process (torch.save files)" if then == "none" else f"'{then}' under torchrun"
+    if then != now and None in (then, now):
+        what = "one process (torch.save files)" if then is None else f"'{then}' under torchrun"
+        how = "in one process" if then is None else "under torchrun"
         raise ConfigError(
-            f"cannot resume {path}: its checkpoints were written by {what}; resume it with "
-            f"distributed.strategy={then} ({'no torchrun' if then == 'none' else 'torchrun'})"
+            f"cannot resume {path}: its checkpoints were written by {what}; resume it {how} "
+            f"with distributed.strategy={then or 'none'}"
         )
     if then != now:  # ddp <-> fsdp2: the same DCP format, resharded on load
         log.info("resuming a '%s' checkpoint with distributed.strategy=%s", then, now)
