@@ -206,7 +206,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     args.config = str(CONFIG_DIR / "demo.toml")
     server = None
-    if args.serve and not args.no_db:
+    if args.serve and not args.no_db and _is_main_rank():
         from observatory.db import upgrade
 
         args.db = _db_url(args, args.run_dir or "runs/_")

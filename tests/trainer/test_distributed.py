@@ -8,6 +8,7 @@ scenarios on both ranks, and four torchrun launches drive the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _host_syncs() -> Iterator[list[str]]:
+    """Every device-to-host read made by spikewatch's own code (torch's internals excluded)."""
+    calls: list[str] = []
+    originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "numpy")}
+
+    def patch(name: str, orig: Any) -> Any:
+        def counting(self, *a, **kw):
+            caller = sys._getframe(1).f_code.co_filename
+            if "/trainer/" in caller:
+                calls.append(f"{name}@{Path(caller).name}")
+            return orig(self, *a, **kw)
+
+        return counting
+
+    for name, orig in originals.items():
+        setattr(torch.Tensor, name, patch(name, orig))
+    try:
+        yield calls
+    finally:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, orig)
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     """One rank: every scenario in turn, in one process group; each rank reports."""
     env = dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, MASTER_PORT=port)
@@ -78,8 +104,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         for name, overrides in SCENARIOS.items():
             cap = _Capture()
             tr = build_trainer(tiny_config(*overrides), run_dir=Path(out) / name, callbacks=[cap])
-            r = tr.fit()
+            with _host_syncs() as syncs:
+                r = tr.fit()
             report = {
+                "syncs": syncs,
                 "losses": r.train_losses,
                 "val": r.val_losses,
                 "steps": r.steps,
@@ -128,6 +156,17 @@ def test_probes_are_those_of_the_full_gradient_and_weights(spawned, strategy) ->
         for name in (n for n in metrics if not n.endswith(SAMPLED)):
             v = got[str(step)][name]
             assert v == pytest.approx(metrics[name], rel=1e-3, abs=1e-6), (step, name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_one_host_transfer_per_step_on_every_rank(spawned, strategy) -> None:
+    """The step's transfer, the last update statistics at the end, one per evaluation: the
+    reductions and the decision's broadcast add no device-to-host read of ours."""
+    for rank in (0, 1):
+        rep = spawned["reports"][(strategy, rank)]
+        steps, evals = rep["steps"], len(rep["val"])
+        assert rep["syncs"].count("tolist@step.py") == steps, rep["syncs"]
+        assert len(rep["syncs"]) == steps + 1 + evals, rep["syncs"]
 
 
 def test_a_fault_on_one_ranks_shard_rolls_back_both_ranks(spawned) -> None:
@@ -197,7 +236,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     for task in Path(f"/proc/{proc.pid}/task").iterdir():
         children += [int(p) for p in (task / "children").read_text().split()]
     for pid in children:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.kill()
     proc.communicate()
 
