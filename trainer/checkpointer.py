@@ -32,8 +32,6 @@ AUTO_FIRST_SAVE = 5  # with interval="auto", the first save (at this step) measu
 
 
 class Checkpointer:
-    sharded = False  # ShardedCheckpointer (trainer/dist_checkpoint.py): one part per rank
-
     def __init__(self, root: Path, cfg: CheckpointConfig) -> None:
         self.root = root
         self.cfg = cfg

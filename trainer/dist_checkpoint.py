@@ -111,8 +111,6 @@ class ShardedCheckpointer(Checkpointer):
     """The Checkpointer's timing, retention and pins, for sharded checkpoints; every method
     that the loop calls on all ranks is collective, and agrees on rank 0's view of the disk."""
 
-    sharded = True
-
     def __init__(
         self,
         root: Path,
