@@ -49,6 +49,8 @@ SCENARIOS = {
     "ddp": ("distributed.strategy=ddp", *COMMON),
     "fsdp2": ("distributed.strategy=fsdp2", *COMMON),
     "fsdp2_fault": ("distributed.strategy=fsdp2", *FAULTY),
+    # Young/Daly timing is measured per rank: rank 0's "save now" must hold for both
+    "ddp_auto": ("distributed.strategy=ddp", "checkpoint.interval=auto", "eval.interval=none"),
 }
 # an estimate from a strided sample of each rank's shard, and a timing: not comparable
 SAMPLED = ("adam_v_tiny_frac", "tokens_per_s")
@@ -178,6 +180,13 @@ def test_a_fault_on_one_ranks_shard_rolls_back_both_ranks(spawned) -> None:
     assert start <= 40 and end >= 45
     assert r0["steps"] == r1["steps"] == 60 and r0["losses"] == r1["losses"]
     assert all(math.isfinite(v) for v in r0["losses"])
+
+
+def test_auto_checkpoint_timing_is_agreed(spawned) -> None:
+    r0, r1 = (spawned["reports"][("ddp_auto", r)] for r in (0, 1))
+    assert r0["steps"] == r1["steps"] == 12  # no rank waited alone in a save
+    saved = ck.list_checkpoints(spawned["out"] / "ddp_auto" / "checkpoints")
+    assert max(saved) == 12 and len(saved) >= 2  # more than the step-0 anchor
 
 
 def test_sharded_checkpoint_layout(spawned) -> None:
