@@ -5,7 +5,7 @@ by hand (forward, backward, clip, step, one `.item()` for the loss). Steps after
 timed from inside each loop, so setup is excluded from both. Repetitions alternate A B / B A and
 the figures are medians. Last line: a JSON object with `ratio_vs_plain` per config and overall.
 
-    python benchmarks/throughput.py [--steps 40] [--reps 5] [--configs tiny_cpu,ablation_baseline]
+    python benchmarks/throughput.py [--steps 40] [--reps 5] [--configs tiny_cpu,ablation]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--configs", default="tiny_cpu,ablation_baseline")
+    ap.add_argument("--configs", default="tiny_cpu,ablation")
     args = ap.parse_args()
     print("machine:", json.dumps(machine()))
     results = {n: bench(n, args.steps, args.reps) for n in args.configs.split(",")}

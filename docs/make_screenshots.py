@@ -1,7 +1,11 @@
 """Screenshots of the run page and the compare page for README.md (docs/*.png).
 
     python docs/make_screenshots.py DB_URL RUN_ID [COMPARE_RUN ...]
+    python docs/make_screenshots.py DB_URL --group GROUP
 
+The first form shoots the run page and the compare page of the given runs. The second shoots
+a sweep group's compare page (compare_page.png) and exports its charts, as the dashboard's
+chart functions draw them, for docs/ablations.md (ablation_*.png).
 Serves the dashboard on a free local port and drives Debian's Chromium with Playwright.
 """
 
@@ -31,8 +35,30 @@ ARGS = [
 ]
 
 
+SWEEP_CHARTS = {
+    "chart-lr-loss": "ablation_lr_loss.png",
+    "chart-lr-peak": "ablation_lr_peak.png",
+    "chart-logits": "ablation_max_logits.png",
+    "chart-compare": "ablation_loss_curves.png",
+}
+
+
+def shoot_group(page, base: str, group: str, out: Path) -> None:
+    page.goto(f"{base}/compare?group={group}")
+    page.wait_for_selector("#chart-lr-loss .main-svg")
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(out / "compare_page.png"), full_page=False)
+    for chart, name in SWEEP_CHARTS.items():
+        page.locator(f"#{chart}").screenshot(path=str(out / name))
+
+
 def main() -> None:
-    db, run, *others = sys.argv[1:]
+    if sys.argv[2] == "--group":
+        db, _, group = sys.argv[1:4]
+        run, others = None, []
+    else:
+        db, run, *others = sys.argv[1:]
+        group = None
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -47,6 +73,11 @@ def main() -> None:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        if group is not None:
+            shoot_group(page, f"http://127.0.0.1:{port}", group, out)
+            browser.close()
+            server.should_exit = True
+            return
         page.goto(f"http://127.0.0.1:{port}/runs/{run}")
         page.wait_for_selector("#chart-loss .main-svg")
         page.wait_for_timeout(800)

@@ -50,7 +50,13 @@ def lineage(
 
 
 def downsample(
-    session: Session, segs: list[Segment], buckets: int, start: int | None, end: int | None
+    session: Session,
+    segs: list[Segment],
+    buckets: int,
+    start: int | None,
+    end: int | None,
+    *,
+    with_min: bool = True,
 ) -> tuple[int, dict[tuple[int, int], Any], list[Segment]]:
     """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
     max_step]} and the segments as read (clipped to [start, end] and to the stored steps)."""
@@ -64,7 +70,9 @@ def downsample(
     dialect = session.get_bind().dialect.name
     cursor = session.connection().connection.cursor()  # raw rows: no per-row ORM work
     try:
-        rows = reduce_rows(cursor, dialect, _source(segs, level, size), f"pos / {width}")
+        rows = reduce_rows(
+            cursor, dialect, _source(segs, level, size), f"pos / {width}", with_min=with_min
+        )
     finally:
         cursor.close()
     group_of = {sid: g for g, sid, _, _ in segs}

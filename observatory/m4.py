@@ -83,16 +83,23 @@ def _sqlite_passes(source: str, group: str) -> tuple[str, str, str]:
     )
 
 
-def reduce_rows(cursor: Any, dialect: str, source: str, group: str) -> list[tuple[Any, ...]]:
+def reduce_rows(
+    cursor: Any, dialect: str, source: str, group: str, *, with_min: bool = True
+) -> list[tuple[Any, ...]]:
     """Run the reduction on a DB-API cursor; rows as `reduce_sql` describes them.
 
     On SQLite the passes run as separate statements joined here by key (cheaper than SQLite's
     join of three grouped subqueries), and the NaN pass only when some group has a NaN.
+    `with_min=False` (a heatmap of maxima) skips the minimum pass: min_value and min_step come
+    back None, everything else as usual.
     """
     if dialect != "sqlite":
         cursor.execute(reduce_sql(dialect, source, group))
-        return list(cursor.fetchall())
+        rows = list(cursor.fetchall())
+        return rows if with_min else [(*r[:5], None, None, *r[7:]) for r in rows]
     pass_min, pass_max, pass_nan = _sqlite_passes(source, group)
+    if not with_min:
+        return _max_only(cursor, source, group, pass_nan)
     cursor.execute(pass_max)
     maxima = {(sid, g): (mx, ms) for sid, g, mx, ms in cursor.fetchall()}
     cursor.execute(pass_min)
@@ -118,3 +125,19 @@ def reduce_rows(cursor: Any, dialect: str, source: str, group: str) -> list[tupl
             )
         )
     return out
+
+
+def _max_only(cursor: Any, source: str, group: str, pass_nan: str) -> list[tuple[Any, ...]]:
+    cursor.execute(
+        f"SELECT series_id, {group} AS g, SUM(n) AS n, SUM(n_nan) AS n_nan, "
+        f"MAX(max_value) AS max_value, max_step FROM ({source}) GROUP BY series_id, g"
+    )
+    rows = cursor.fetchall()
+    nan_steps: dict[tuple[int, int], int] = {}
+    if any(row[3] for row in rows):
+        cursor.execute(pass_nan)
+        nan_steps = {(sid, g): step for sid, g, step in cursor.fetchall()}
+    return [
+        (sid, g, n, n_nan, nan_steps.get((sid, g)), None, None, mx, None if mx is None else ms)
+        for sid, g, n, n_nan, mx, ms in rows
+    ]

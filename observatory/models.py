@@ -66,6 +66,7 @@ __all__ = [
     "PointBlock",
     "Run",
     "Series",
+    "Sweep",
 ]
 
 # block size of each rollup level: level L covers 16**L steps (level 0 is `points` itself)
@@ -237,4 +238,21 @@ class Event(Base):
     source: Mapped[str] = mapped_column(String(32), default="trainer")
     message: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Sweep(Base):
+    """A grid of runs (variants x learning rates x seeds) registered before its first run.
+
+    `hypothesis` is pre-registered: written when the sweep is created and never changed, so the
+    compare page can show it beside the outcome. `spec` is the grid as asked (base config,
+    variants, learning rates, seeds, overrides). The runs point here by `runs.sweep_group`.
+    """
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    hypothesis: Mapped[str | None] = mapped_column(Text)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

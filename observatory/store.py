@@ -59,6 +59,7 @@ __all__ = [
     "session_factory",
 ]
 
+Extremes = Literal["both", "max"]
 LOSS_METRIC = "train/loss"  # the trainer's trainer.metric_names.LOSS (observatory cannot import it)
 
 
@@ -382,11 +383,16 @@ def layer_matrix(
     buckets: int = 1000,
     start: int | None = None,
     end: int | None = None,
+    extremes: Extremes = "both",
 ) -> Matrix:
-    """layer x step for a per-layer metric template such as `layer/*/grad_norm`."""
+    """layer x step for a per-layer metric template such as `layer/*/grad_norm`.
+
+    `extremes="max"` leaves the minima out (None): a heatmap of maxima costs half the reads.
+    """
     key = _template(metric, "layer/*/", per_head=False)
     keep = lambda s: s.layer >= 0 and s.head == NO_INDEX  # noqa: E731
-    return _matrix(session, run_id, key, branch, (buckets, start, end), keep, "layer")
+    window = (buckets, start, end, extremes)
+    return _matrix(session, run_id, key, branch, window, keep, "layer")
 
 
 def head_matrix(
@@ -399,11 +405,13 @@ def head_matrix(
     buckets: int = 1000,
     start: int | None = None,
     end: int | None = None,
+    extremes: Extremes = "both",
 ) -> Matrix:
     """head x step of one layer for a per-head template such as `layer/*/head/*/attn_max`."""
     key = _template(metric, "layer/*/head/*/", per_head=True)
     keep = lambda s: s.layer == layer and s.head >= 0  # noqa: E731
-    return _matrix(session, run_id, key, branch, (buckets, start, end), keep, "head")
+    window = (buckets, start, end, extremes)
+    return _matrix(session, run_id, key, branch, window, keep, "head")
 
 
 def _template(metric: str, prefix: str, *, per_head: bool) -> str:
@@ -417,7 +425,7 @@ def _matrix(
     run_id: str,
     template: str,
     branch: int | None,
-    window: tuple[int, int | None, int | None],
+    window: tuple[int, int | None, int | None, Extremes],
     keep: Callable[[Any], bool],
     attr: str,
 ) -> Matrix:
@@ -439,23 +447,27 @@ def _matrix(
     by = {(getattr(r, attr), r.branch): r.id for r in found}
     labels = sorted({getattr(r, attr) for r in found})
     segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
-    buckets, start, end = window
-    width, cells, _ = downsample(session, segs, buckets, start, end)
+    buckets, start, end, extremes = window
+    width, cells, _ = downsample(session, segs, buckets, start, end, with_min=extremes == "both")
     ks = sorted({k for _, k in cells})
-    n, n_nan, mn, mn_s, mx, mx_s = (_grid_of(cells, labels, ks, f) for f in (0, 1, 3, 4, 5, 6))
+    n, n_nan, mn, mn_s, mx, mx_s = _grids(cells, labels, ks)
     return Matrix(
         run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
     )
 
 
-def _grid_of(
-    cells: dict[tuple[int, int], Any], labels: list[int], ks: list[int], f: int
-) -> list[list[Any]]:
-    """Field `f` of every cell as rows x columns; 0 (counts) or None where a cell is empty."""
-    empty = 0 if f < 2 else None
-    return [
-        [c[f] if (c := cells.get((lab, k))) is not None else empty for k in ks] for lab in labels
-    ]
+def _grids(
+    cells: dict[tuple[int, int], Any], labels: list[int], ks: list[int]
+) -> tuple[list[list[Any]], ...]:
+    """n, n_nan, min, min step, max, max step as rows x columns (0 / None where empty)."""
+    col = {k: j for j, k in enumerate(ks)}
+    grids = tuple([[e] * len(ks) for _ in labels] for e in (0, 0, None, None, None, None))
+    row = {lab: i for i, lab in enumerate(labels)}
+    for (lab, k), c in cells.items():
+        i, j = row[lab], col[k]
+        for g, f in zip(grids, (0, 1, 3, 4, 5, 6), strict=True):
+            g[i][j] = c[f]
+    return grids
 
 
 def _check_buckets(buckets: int) -> None:

@@ -66,12 +66,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError("a CONFIG is required unless --resume names a run directory")
         config = Path(run_dir) / "config.json"
         args.set = ["train.stop_after=none", *args.set]  # the stop that ended it is no setting
-    cfg = load_config(config, args.set)
+    cfg = load_config(config, args.set, variants=_split(args.variant) if not args.resume else [])
     main = _is_main_rank()  # under torchrun: the bar, the store and the summary are rank 0's
     callbacks: list = [ProgressBar()] if cfg.train.progress and main else []
     sink = _open_sink(args, run_dir or "runs/_") if main else None
     if sink is not None:
-        callbacks.append(Recorder(sink, tags=args.tag, requests_from=sink.url))
+        recorder = Recorder(
+            sink, tags=args.tag, requests_from=sink.url, sweep_group=args.sweep_group
+        )
+        callbacks.append(recorder)
     try:
         result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
     finally:
@@ -87,6 +90,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.summary_json and main:
         _write_json(args.summary_json, result.summary())
     return 0
+
+
+def _split(text: str | None) -> list[str]:
+    """A comma-separated CLI list ('a,b,c'), blanks dropped."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
 def _db_url(args: argparse.Namespace, run_dir: str) -> str:
@@ -111,6 +119,76 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
     url = _db_url(args, run_dir)
     upgrade(url)
     return DbSink(url, spool_dir=Path(run_dir) / "spool")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from trainer.sweep import parse_floats, parse_ints, run_sweep
+
+    result = run_sweep(
+        args.config,
+        variants=_split(args.variants),
+        lrs=parse_floats(args.lr, "--lr"),
+        seeds=parse_ints(args.seeds, "--seeds"),
+        overrides=args.set,
+        root=args.root,
+        group=args.group,
+        hypothesis=args.hypothesis,
+        db_url=args.db,
+        jobs=args.jobs,
+    )
+    log.info(
+        "sweep %s: %d cells; report: spikewatch sweep-report %s --db %s",
+        result.group,
+        len(result.cells),
+        result.group,
+        result.db_url,
+    )
+    print(result.group)  # noqa: T201 - the command's output: the group, for sweep-report
+    if result.failed:
+        log.error("%d cell(s) failed: %s", len(result.failed), ", ".join(result.failed))
+        return 1
+    return 0
+
+
+def cmd_sweep_report(args: argparse.Namespace) -> int:
+    from observatory.store import NotFoundError, session_factory
+    from observatory.sweeps import report_markdown, sweep_report
+    from trainer.config import ConfigError
+
+    with session_factory(args.db)() as session:
+        try:
+            report = sweep_report(session, args.group)
+        except NotFoundError as e:
+            raise ConfigError(str(e)) from None
+    if args.json:
+        print(json.dumps(_report_json(report), indent=2))  # noqa: T201 - the command's output
+    elif args.markdown:
+        print(report_markdown(report), end="")  # noqa: T201
+    else:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(report_markdown(report)))
+    return 0
+
+
+def _report_json(report) -> dict:
+    import dataclasses
+    import math
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    out = dataclasses.asdict(report)
+    out["created_at"] = report.created_at.isoformat() if report.created_at else None
+    out["spec"].pop("config", None)
+    return clean(out)
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
@@ -284,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", metavar="RUN_DIR", help="continue from the newest intact checkpoint there"
     )
+    train.add_argument(
+        "--variant",
+        default=None,
+        metavar="A[,B]",
+        help="config overlays from trainer/configs/variants, merged before --set "
+        "(e.g. qk_norm or qk_norm,z_loss)",
+    )
+    train.add_argument("--sweep-group", default=None, help="record the run in this sweep group")
     demo = sub.add_parser("demo", help="a short training of trainer/configs/demo.toml")
     for p in (train, demo):
         p.add_argument(
@@ -304,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-db", action="store_true", help="record nothing in a database")
         p.add_argument("--tag", action="append", default=[], help="a tag for the run (repeatable)")
     train.set_defaults(func=cmd_train)
-    demo.set_defaults(func=cmd_demo, resume=None)
+    demo.set_defaults(func=cmd_demo, resume=None, variant=None, sweep_group=None)
     demo.add_argument(
         "--no-serve", dest="serve", action="store_false", help="train only, without the dashboard"
     )
@@ -316,6 +402,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=sys.stdin.isatty(),
         help="keep the dashboard up after training (default: on a terminal)",
     )
+
+    sweep = sub.add_parser("sweep", help="ablation grid: variants x learning rates x seeds")
+    sweep.add_argument("config", help="base TOML config (a path or a preset name)")
+    sweep.add_argument(
+        "--variants",
+        required=True,
+        help="comma-separated overlays from trainer/configs/variants, e.g. baseline,qk_norm",
+    )
+    sweep.add_argument("--lr", required=True, help="comma-separated peak learning rates")
+    sweep.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    sweep.add_argument("--jobs", type=int, default=1, help="cells run at once (processes)")
+    sweep.add_argument(
+        "--group", default=None, help="sweep group name (default: <config name>-sweep-<hash>)"
+    )
+    sweep.add_argument(
+        "--hypothesis", default=None, help="pre-registered with the group before any cell runs"
+    )
+    sweep.add_argument("--root", default="runs", help="run directories go to ROOT/GROUP/<cell>")
+    sweep.add_argument(
+        "--db",
+        default=None,
+        help="store URL (default: $SPIKEWATCH_DB_URL, else ROOT/spikewatch.db)",
+    )
+    sweep.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override for every cell"
+    )
+    sweep.set_defaults(func=cmd_sweep)
+
+    report = sub.add_parser("sweep-report", help="a sweep group's results")
+    report.add_argument("group", help="the sweep group (printed by spikewatch sweep)")
+    report.add_argument("--db", default=None, help="store URL (default as for db upgrade)")
+    fmt = report.add_mutually_exclusive_group()
+    fmt.add_argument("--markdown", action="store_true", help="Markdown tables on stdout")
+    fmt.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    report.set_defaults(func=cmd_sweep_report)
 
     advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
     advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")

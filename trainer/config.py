@@ -39,10 +39,14 @@ __all__ = [
     "TrainConfig",
     "WatchConfig",
     "apply_overrides",
+    "apply_variants",
+    "find_config",
     "load_config",
+    "variant_names",
 ]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+VARIANT_DIR = CONFIG_DIR / "variants"
 
 
 class ConfigError(ValueError):
@@ -450,7 +454,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def _find_config(p: Path) -> Path:
+def find_config(p: Path) -> Path:
     """A path as given, else a preset in trainer/configs by file name or by bare name."""
     for candidate in (p, CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.toml"):
         if candidate.is_file():
@@ -458,11 +462,45 @@ def _find_config(p: Path) -> Path:
     return p
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Load a TOML file (a resolved .json one too), apply `--set` overrides, validate it all."""
+def variant_names() -> list[str]:
+    """The named overlays in trainer/configs/variants (baseline, qk_norm, z_loss, muonclip, ...)."""
+    return sorted(p.stem for p in VARIANT_DIR.glob("*.toml"))
+
+
+def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_variants(raw: dict[str, Any], variants: list[str]) -> dict[str, Any]:
+    """`raw` with each named overlay merged over it, in order (a key set later wins)."""
+    for name in variants:
+        path = VARIANT_DIR / f"{name}.toml"
+        if not path.is_file():
+            raise ConfigError(f"unknown variant {name!r}; known: {', '.join(variant_names())}")
+        try:
+            overlay = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"variant {name!r} ({path}): not valid TOML: {e}") from None
+        raw = _merge(raw, overlay)
+    return raw
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    variants: list[str] | None = None,
+) -> TrainConfig:
+    """Load a TOML file (a resolved .json one too), merge the variant overlays, apply `--set`
+    overrides (they win over both), validate it all."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = _find_config(Path(path))
+        p = find_config(Path(path))
         try:
             text = p.read_text()
             raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
@@ -472,6 +510,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    raw = apply_variants(raw, variants or [])
     return validate_config(apply_overrides(raw, overrides or []))
 
 

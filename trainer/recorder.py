@@ -41,10 +41,15 @@ class Recorder(Callback):
     priority = 100  # first: record before anything else reacts
 
     def __init__(
-        self, sink: BaseSink, tags: list[str] | None = None, requests_from: str | None = None
+        self,
+        sink: BaseSink,
+        tags: list[str] | None = None,
+        requests_from: str | None = None,
+        sweep_group: str | None = None,
     ) -> None:
         self.sink = sink
         self.tags = tags or []
+        self.sweep_group = sweep_group
         self.requests_from = requests_from  # the store URL the dashboard writes requests to
         self.poller: RequestPoller | None = None
         self.handled: list[str] = []
@@ -59,6 +64,7 @@ class Recorder(Callback):
             config=state.config,
             tags=self.tags,
             run_dir=state.run_dir,
+            sweep_group=self.sweep_group,
         )
         # A resumed run's branches are in the store already (the first record of a key is kept);
         # the sink only needs to know them again.

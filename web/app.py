@@ -6,7 +6,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from observatory.store import NotFoundError, session_factory
-from web.routes import control, pages, runs
+from web.routes import compare, control, pages, runs
 from web.settings import Settings, get_settings
 
 __all__ = ["create_app", "create_default_app"]
@@ -23,6 +23,7 @@ def create_app(settings: Settings) -> FastAPI:
     reader = [Depends(control.require_read_token)]
     app.include_router(runs.router, dependencies=reader)
     app.include_router(pages.router, dependencies=reader)
+    app.include_router(compare.router, dependencies=reader)
     app.include_router(control.router)
     app.state.writer = control.make_writer(settings.db_url)
 

@@ -15,8 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from observatory.store import BranchRow, EventRow, Matrix, SeriesData
+from observatory.sweeps import SweepReport
 
-__all__ = ["compare_figure", "heatmap_figure", "series_figure"]
+__all__ = [
+    "compare_figure",
+    "heatmap_figure",
+    "lr_sweep_figure",
+    "series_figure",
+    "small_multiples_figure",
+]
 
 LIVE = "#1f77b4"
 FADED = "rgba(31, 119, 180, 0.35)"
@@ -175,22 +182,167 @@ def heatmap_figure(m: Matrix, *, title: str = "", row_label: str = "layer") -> d
     }
 
 
-def compare_figure(runs: dict[str, Sequence[SeriesData]], *, title: str = "") -> dict[str, Any]:
-    """One metric for several runs, overlaid by step (each run's newest branch)."""
+def compare_figure(
+    runs: dict[str, Sequence[SeriesData]],
+    *,
+    title: str = "",
+    names: dict[str, str] | None = None,
+    x_scale: dict[str, float] | None = None,
+    x_title: str = "step",
+) -> dict[str, Any]:
+    """One metric for several runs overlaid (each run's newest branch), by step, or by tokens
+    when `x_scale` gives each run's tokens per step."""
     traces = []
     for run_id, series in runs.items():
         if not series:
             continue
         s = max(series, key=lambda s: s.branch)
         xs, ys, _ = _points(s)
-        traces.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": run_id})
+        k = (x_scale or {}).get(run_id, 1.0)
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": [x * k for x in xs] if k != 1.0 else xs,
+                "y": ys,
+                "name": (names or {}).get(run_id, run_id),
+            }
+        )
     return {
         "data": traces,
         "layout": {
             "title": {"text": title},
-            "xaxis": {"title": {"text": "step"}},
+            "xaxis": {"title": {"text": x_title}},
             "yaxis": {"autorange": True},
             "hovermode": "x unified",
             "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
         },
     }
+
+
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+def lr_sweep_figure(report: SweepReport, *, quantity: str = "loss") -> dict[str, Any]:
+    """Per variant, final validation loss (`quantity="loss"`) or peak attention logit ("peak")
+    against the learning rate, log x. Diverged cells are drawn as crosses at the loss at
+    initialisation (what LR sensitivity counts them as)."""
+    traces: list[dict[str, Any]] = []
+    for i, v in enumerate(report.variants):
+        color = PALETTE[i % len(PALETTE)]
+        values = v.val_by_lr if quantity == "loss" else v.peak_by_lr
+        xs = [lr for lr, y in zip(report.lrs, values, strict=True) if _finite(y)]
+        ys = [y for y in values if _finite(y)]
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": xs,
+                "y": ys,
+                "name": v.variant,
+                "line": {"color": color},
+                "legendgroup": v.variant,
+            }
+        )
+        bad = [
+            lr
+            for lr, y, div in zip(report.lrs, values, v.diverged_by_lr, strict=True)
+            if quantity == "loss" and div and not _finite(y)
+        ]
+        if bad and v.init_loss is not None:
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "x": bad,
+                    "y": [v.init_loss] * len(bad),
+                    "name": f"{v.variant} diverged",
+                    "marker": {"symbol": "x", "size": 12, "color": color},
+                    "legendgroup": v.variant,
+                    "showlegend": False,
+                }
+            )
+    label = "final validation loss" if quantity == "loss" else "peak attention logit"
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": f"{label} vs learning rate"},
+            "xaxis": {"title": {"text": "learning rate"}, "type": "log"},
+            "yaxis": {"title": {"text": label}, "type": "log" if quantity == "peak" else "linear"},
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 60},
+        },
+    }
+
+
+def small_multiples_figure(
+    panels: dict[str, list[tuple[str, list[int], list[float]]]],
+    *,
+    title: str = "max attention logit",
+    columns: int = 3,
+) -> dict[str, Any]:
+    """One panel per variant (shared log y), a line per run in it: `panels[variant]` holds
+    (label, steps, values); a label keeps its colour in every panel."""
+    names = list(panels)
+    rows = max(1, math.ceil(len(names) / columns))
+    labels = sorted({lab for runs in panels.values() for lab, _, _ in runs}, key=_label_order)
+    color = {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(labels)}
+    traces: list[dict[str, Any]] = []
+    layout: dict[str, Any] = {
+        "title": {"text": title},
+        "margin": {"t": 60, "r": 10, "b": 40, "l": 50},
+        "annotations": [],
+        "showlegend": True,
+    }
+    gap = 0.06
+    width = (1 - gap * (columns - 1)) / columns
+    height = (1 - 0.1 * (rows - 1)) / rows
+    shown: set[str] = set()
+    for i, variant in enumerate(names):
+        r, c = divmod(i, columns)
+        ax = "" if i == 0 else str(i + 1)
+        x0 = c * (width + gap)
+        y1 = 1 - r * (height + 0.1)
+        layout[f"xaxis{ax}"] = {"domain": [x0, x0 + width], "anchor": f"y{ax}"}
+        layout[f"yaxis{ax}"] = {
+            "domain": [max(0.0, y1 - height), y1],
+            "anchor": f"x{ax}",
+            "type": "log",
+            **({"matches": "y"} if i else {}),
+        }
+        layout["annotations"].append(
+            {
+                "text": f"<b>{variant}</b>",
+                "x": x0 + width / 2,
+                "y": y1,
+                "xref": "paper",
+                "yref": "paper",
+                "xanchor": "center",
+                "yanchor": "bottom",
+                "showarrow": False,
+            }
+        )
+        for label, xs, ys in sorted(panels[variant], key=lambda t: _label_order(t[0])):
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "x": xs,
+                    "y": ys,
+                    "name": label,
+                    "xaxis": f"x{ax}",
+                    "yaxis": f"y{ax}",
+                    "line": {"color": color[label], "width": 1.5},
+                    "legendgroup": label,
+                    "showlegend": label not in shown,
+                }
+            )
+            shown.add(label)
+    return {"data": traces, "layout": layout}
+
+
+def _label_order(label: str) -> tuple[float, str]:
+    """'lr 0.003' sorts by its number; other labels alphabetically after."""
+    try:
+        return (float(label.split()[-1]), label)
+    except (ValueError, IndexError):
+        return (math.inf, label)

@@ -20,6 +20,8 @@ __all__ = [
     "MatrixOut",
     "RunOut",
     "SeriesOut",
+    "SweepOut",
+    "SweepReportOut",
 ]
 
 
@@ -117,3 +119,52 @@ class CheckpointOut(_Out):
     pinned: bool
     checksum_status: str
     created_at: datetime
+
+
+class SweepOut(_Out):
+    name: str
+    hypothesis: str | None
+    spec: dict[str, Any]
+    created_at: datetime
+
+
+class CellOut(_Out):
+    variant: str
+    lr: float
+    seed: int
+    run_id: str | None
+    status: str
+    last_step: int | None
+    max_steps: int | None
+    init_loss: Num
+    final_train: Num
+    final_val: Num
+    peak_attn: Num
+    spikes: int
+    first_spike: int | None
+    rollbacks: int
+    recovery_steps: int
+    diverged: bool
+
+
+class VariantOut(_Out):
+    variant: str
+    val_by_lr: list[Num]
+    peak_by_lr: list[Num]
+    diverged_by_lr: list[bool]
+    init_loss: Num
+    best_loss: Num
+    lr_sensitivity: Num
+    spikes: int
+    rollbacks: int
+    done: int
+    total: int
+
+
+class SweepReportOut(_Out):
+    group: str | None
+    hypothesis: str | None
+    created_at: datetime | None
+    lrs: list[float]
+    variants: list[VariantOut]
+    cells: list[CellOut]

@@ -23,6 +23,7 @@ TABLES = {
     "point_blocks",
     "checkpoints",
     "events",
+    "sweeps",
 }
 
 

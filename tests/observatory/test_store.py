@@ -128,6 +128,13 @@ def test_layer_and_head_matrices(db_url: str, tmp_path: Path) -> None:
         assert h.rows == [0, 1, 2]
         assert [row[2] for row in h.max_value] == [99.0, 109.0, 119.0]
         assert [row[2] for row in h.max_step] == [40, 40, 40]
+        for full in (m, h):  # maxima only: the same maxima, counts and steps; no minima
+            layer = 2 if full is h else None
+            fn = store.head_matrix if full is h else store.layer_matrix
+            kw = {"layer": layer} if layer is not None else {}
+            top = fn(session, run_id="m", metric=full.metric, buckets=4, extremes="max", **kw)
+            assert (top.max_value, top.max_step, top.n) == (full.max_value, full.max_step, full.n)
+            assert {v for row in top.min_value + top.min_step for v in row} == {None}
         with pytest.raises(ValueError, match="layer/\\*/"):
             store.layer_matrix(session, run_id="m", metric="update_ratio")
         with pytest.raises(store.NotFoundError):

@@ -2,16 +2,17 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import CONFIG_DIR, ConfigError, load_config
+from trainer.config import CONFIG_DIR, ConfigError, load_config, variant_names
 
 PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
-def test_presets_exist_for_every_variant() -> None:
-    for name in ["tiny_cpu", "demo"] + [
-        f"ablation_{v}" for v in ("baseline", "qk_norm", "z_loss", "muonclip", "softcap")
-    ]:
+def test_presets_and_variant_overlays_exist() -> None:
+    for name in ("tiny_cpu", "demo", "ablation"):
         assert name in PRESETS
+    assert {"baseline", "qk_norm", "z_loss", "muonclip", "qk_clip", "softcap"} <= set(
+        variant_names()
+    )
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -20,17 +21,43 @@ def test_every_preset_loads(name: str) -> None:
     assert cfg.train.max_steps > cfg.schedule.warmup_steps
 
 
-def test_variants_differ_from_baseline_only_in_their_switch() -> None:
-    base = load_config("ablation_baseline").to_dict()
-    assert load_config("ablation_qk_norm").model.qk_norm is True
-    assert load_config("ablation_z_loss").model.z_loss == pytest.approx(1e-4)
-    assert load_config("ablation_muonclip").optim.name == "muonclip"
-    soft = load_config("ablation_softcap").to_dict()
-    assert soft["model"]["attn_softcap"] and soft["model"]["final_softcap"]
-    soft["model"].update(attn_softcap=None, final_softcap=None)
-    assert {k: v for k, v in soft.items() if k != "name"} == {
-        k: v for k, v in base.items() if k != "name"
-    }
+def _diff(a: dict, b: dict, prefix: str = "") -> set[str]:
+    keys = set(a) | set(b)
+    out: set[str] = set()
+    for k in keys:
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            out |= _diff(a[k], b[k], f"{prefix}{k}.")
+        elif a.get(k) != b.get(k):
+            out.add(f"{prefix}{k}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("variant", "changed"),
+    [
+        ("baseline", set()),
+        ("qk_norm", {"model.qk_norm"}),
+        ("z_loss", {"model.z_loss"}),
+        ("muonclip", {"optim.name", "optim.qk_clip_tau"}),
+        ("qk_clip", {"optim.qk_clip_tau"}),
+        ("softcap", {"model.attn_softcap", "model.final_softcap"}),
+    ],
+)
+def test_each_variant_overlay_changes_only_its_switch(variant: str, changed: set[str]) -> None:
+    base = load_config("ablation").to_dict()
+    over = load_config("ablation", variants=[variant]).to_dict()
+    assert _diff(base, over) == changed
+
+
+def test_variants_compose_and_set_wins_over_them() -> None:
+    cfg = load_config("tiny_cpu", ["model.z_loss=1e-3"], variants=["qk_norm", "z_loss"])
+    assert cfg.model.qk_norm is True
+    assert cfg.model.z_loss == pytest.approx(1e-3)
+
+
+def test_unknown_variant_names_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown variant 'qknorm'; known: baseline"):
+        load_config("tiny_cpu", variants=["qknorm"])
 
 
 def test_overrides_are_typed() -> None:

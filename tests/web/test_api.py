@@ -62,6 +62,23 @@ def test_heatmaps(client) -> None:
         "/api/runs/r1/matrix", params={"metric": "layer/*/head/*/attn_max", "layer": 1}
     ).json()
     assert h["rows"] == [0, 1, 2, 3]
+    top = client.get(
+        "/api/runs/r1/matrix", params={"metric": "layer/*/attn/grad_norm", "extremes": "max"}
+    ).json()
+    assert top["max_value"] == m["max_value"] and {v for r in top["min_value"] for v in r} == {None}
+
+
+def test_run_page_heatmaps_come_as_figures(client) -> None:
+    page = client.get("/runs/r1").text
+    for chart in ("heat-grad", "heat-update", "heat-attn", "heat-adam-m", "heat-adam-v"):
+        assert f'id="{chart}"' in page  # each drawn from its own request
+    fig = client.get("/api/runs/r1/figures/heat-attn").json()
+    assert fig["data"][0]["type"] == "heatmap" and fig["data"][0]["y"] == [0, 1]
+    heads = client.get("/api/runs/r1/figures/heat-heads", params={"layer": 1}).json()
+    assert heads["data"][0]["y"] == [0, 1, 2, 3] and "layer 1" in heads["layout"]["title"]["text"]
+    assert client.get("/api/runs/r1/figures/heat-nope").status_code == 422
+    assert client.get("/api/runs/nope/figures/heat-attn").status_code == 404
+    assert client.get("/api/runs/r1/figures/heat-heads", params={"layer": 9}).status_code == 404
 
 
 def test_events_branches_checkpoints_logbook(client) -> None:

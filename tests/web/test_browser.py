@@ -54,6 +54,11 @@ def test_compare_page_renders_three_runs(server, browser) -> None:
     assert page.locator("#chart-compare .scatterlayer .trace").count() == 3
     rows = page.inner_text("#compare-table")
     assert "spiky" in rows and "lr1e-3" in rows and "lr1e-2" in rows
+    # the three runs differ only in their learning rate: an LR sweep, so its table and charts
+    assert "LR sensitivity" in page.inner_text("#lr-table")
+    for chart in ("#chart-lr-loss", "#chart-lr-peak", "#chart-logits"):
+        page.wait_for_selector(f"{chart} .main-svg")
+    assert page.locator("#chart-lr-loss .scatterlayer .trace").count() >= 1
     page.close()
 
 

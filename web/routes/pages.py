@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import plotly
 from fastapi import APIRouter, Query, Request
@@ -29,11 +29,15 @@ LINES = [
     ("chart-lr", "optim/lr", "learning rate"),
     ("chart-clip", "optim/clip_factor", "clip factor"),
 ]
-HEATMAPS = [
-    ("heat-grad", "layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
-    ("heat-update", "layer/*/attn/update_ratio", "attention update/param (layer × step)"),
-    ("heat-attn", "layer/*/attn_max", "max attention logit (layer × step)"),
-]
+HEATMAPS = {
+    "heat-grad": ("layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
+    "heat-update": ("layer/*/attn/update_ratio", "attention update/param (layer × step)"),
+    "heat-attn": ("layer/*/attn_max", "max attention logit (layer × step)"),
+    "heat-adam-m": ("layer/*/attn/adam_m_norm", "Adam first moment norm, attention"),
+    "heat-adam-v": ("layer/*/attn/adam_sqrt_v_max", "Adam max √v, attention"),
+    "heat-heads": ("layer/*/head/*/attn_max", "max logit, layer {layer} (head × step)"),
+}
+HEAT_BUCKETS = 300
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)
@@ -58,13 +62,18 @@ def runs_page(
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
 def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse:
+    """Line charts come with the page; each heatmap (a heavier read) is fetched by the page
+    from /api/runs/{id}/figures/{chart}, in parallel, so the lines draw first."""
     run = store.get_run(session, run_id=run_id)
     events = store.events(session, run_id=run_id)
     figures = _run_figures(session, run_id, events)
+    present = set(store.metric_names(session, run_id=run_id))
+    heatmaps = [chart for chart, (metric, _) in HEATMAPS.items() if metric in present]
     context = {
         "run": run,
         "figures": figures,
-        "charts": list(figures),
+        "charts": list(figures) + heatmaps,
+        "heatmaps": heatmaps,
         "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
         "checkpoints": store.checkpoints(session, run_id=run_id),
         "logbook": logbook(session, run_id=run_id),
@@ -83,70 +92,21 @@ def _run_figures(session: Session, run_id: str, events: list[Any]) -> dict[str, 
             continue
         marks = events if metric == "train/loss" else [e for e in events if e.kind != "spike"]
         out[chart_id] = charts.series_figure(series, marks, branches, title=title)
-    for chart_id, metric, title in HEATMAPS:
-        try:
-            m = store.layer_matrix(session, run_id=run_id, metric=metric, buckets=300)
-        except store.NotFoundError:
-            continue
-        out[chart_id] = charts.heatmap_figure(m, title=title)
-    try:
-        m = store.head_matrix(
-            session, run_id=run_id, metric="layer/*/head/*/attn_max", layer=0, buckets=300
-        )
-        out["heat-heads"] = charts.heatmap_figure(
-            m, title="max logit, layer 0 (head × step)", row_label="head"
-        )
-    except store.NotFoundError:
-        pass
     return out
 
 
-@router.get("/compare", response_class=HTMLResponse, include_in_schema=False)
-def compare_page(
-    request: Request,
+@router.get("/api/runs/{run_id}/figures/{chart}", tags=["runs"])
+def heatmap(
     session: SessionDep,
-    run: Annotated[list[str] | None, Query(max_length=50)] = None,
-    metric: Annotated[str, Query(max_length=200)] = "train/loss",
-) -> HTMLResponse:
-    all_runs = store.list_runs(session)
-    chosen = run or [r.run_id for r in all_runs[:3]]
-    series = {r: store.series(session, run_id=r, metric=metric, buckets=1000) for r in chosen}
-    context = {
-        "all_runs": all_runs,
-        "chosen": chosen,
-        "table": [_row(session, r) for r in chosen],
-        "figure": charts.compare_figure(series, title=metric),
-    }
-    return templates.TemplateResponse(request, "compare.html", context)
-
-
-def _row(session: Session, run_id: str) -> dict[str, Any]:
-    r = store.get_run(session, run_id=run_id)
-    spikes = store.events(session, run_id=run_id, kinds=["spike"], limit=1)
-    return {
-        "run_id": run_id,
-        "status": r.status,
-        "spikes": r.spikes,
-        "rollbacks": r.rollbacks,
-        "first_spike": spikes[0].step if spikes else None,
-        "final_val": _last(session, run_id, "val/loss"),
-        "peak_attn": _peak(session, run_id, "layer/*/attn_max"),
-    }
-
-
-def _last(session: Session, run_id: str, metric: str) -> float | None:
-    try:
-        s = store.series(session, run_id=run_id, metric=metric, buckets=1)
-    except store.NotFoundError:
-        return None
-    b = s[0].buckets[-1] if s and s[0].buckets else None
-    return None if b is None else (b.max_value if b.max_step == b.end else b.min_value)
-
-
-def _peak(session: Session, run_id: str, template: str) -> float | None:
-    try:
-        m = store.layer_matrix(session, run_id=run_id, metric=template, buckets=1)
-    except store.NotFoundError:
-        return None
-    vals = [v for row in m.max_value for v in row if v is not None]
-    return max(vals) if vals else None
+    run_id: str,
+    chart: Literal[tuple(HEATMAPS)],  # type: ignore[valid-type]
+    layer: Annotated[int, Query(ge=0, description="For heat-heads: whose heads.")] = 0,
+) -> dict[str, Any]:
+    """A run-page heatmap as a Plotly figure (layer × step, or head × step of `layer`), built
+    by web/charts.py from the bucket maxima."""
+    metric, title = HEATMAPS[chart]
+    window = dict(run_id=run_id, metric=metric, buckets=HEAT_BUCKETS, extremes="max")
+    if chart == "heat-heads":
+        m = store.head_matrix(session, layer=layer, **window)
+        return charts.heatmap_figure(m, title=title.format(layer=layer), row_label="head")
+    return charts.heatmap_figure(store.layer_matrix(session, **window), title=title)

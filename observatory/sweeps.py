@@ -1,0 +1,411 @@
+"""Sweeps: a pre-registered grid of runs (variants x learning rates x seeds) and its report.
+
+A sweep is registered before its first run (`register_sweep`): its name (the runs' `sweep_group`),
+the grid as asked, and an optional hypothesis that can never be changed afterwards, so the
+outcome is read against what was expected, not the other way round.
+
+The report summarises any set of runs the same way (`report_for_runs`; `sweep_report` is that for
+a group): per run its variant, learning rate and seed, final validation loss, the loss at
+initialisation, the peak attention logit, spikes, rollbacks and the steps redone by rollbacks;
+per variant the loss per learning rate and the **LR sensitivity** of Wortsman et al. (2023):
+
+    mean over the LR grid of min(loss(lr), loss_0) - min over the grid of loss(lr)
+
+where loss(lr) is the final validation loss averaged over seeds, loss_0 the loss at
+initialisation (the variant's mean first training loss), and a run that diverged (non-finite
+loss, or halted by the rollback policy) counts as loss_0. Lower is better: 0 means every learning
+rate in the grid reached the best loss.
+
+A run's cell comes from its tags (`variant=...`), else its name, and its config (`optim.lr`,
+`train.seed`). When a cell was run more than once (a crashed attempt, then a retry), the newest
+run stands for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from observatory.downsample import branch_tree, lineage
+from observatory.models import Event, MetricName, Point, PointBlock, Run, Series, Sweep
+from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, get_run, list_runs
+
+__all__ = [
+    "Cell",
+    "SweepConflictError",
+    "SweepInfo",
+    "SweepReport",
+    "VariantSummary",
+    "get_sweep",
+    "list_sweeps",
+    "lr_sensitivity",
+    "register_sweep",
+    "report_for_runs",
+    "report_markdown",
+    "sweep_report",
+]
+
+VAL_METRIC = "val/loss"  # trainer.metric_names.VAL_LOSS (observatory cannot import the trainer)
+ATTN_MAX_TEMPLATE = "layer/*/attn_max"
+VARIANT_TAG = "variant="
+FINISHED = ("completed", "halted")  # a crashed ("failed") or stopped run is retried, not counted
+DIVERGED = ("halted",)  # the rollback policy gave up: counts as diverged for LR sensitivity
+
+
+class SweepConflictError(ValueError):
+    """The sweep exists with another grid or hypothesis; the message says what differs."""
+
+
+@dataclass(frozen=True)
+class SweepInfo:
+    name: str
+    hypothesis: str | None
+    spec: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a grid, as stored (or a grid cell not run yet: run_id None, status pending)."""
+
+    variant: str
+    lr: float
+    seed: int
+    run_id: str | None = None
+    status: str = "pending"
+    last_step: int | None = None
+    max_steps: int | None = None
+    init_loss: float | None = None
+    final_train: float | None = None
+    final_val: float | None = None
+    peak_attn: float | None = None
+    spikes: int = 0
+    first_spike: int | None = None
+    rollbacks: int = 0
+    recovery_steps: int = 0  # steps redone because of rollbacks (from_step - to_step, summed)
+
+    @property
+    def diverged(self) -> bool:
+        return self.status in DIVERGED or (
+            self.final_val is not None and not math.isfinite(self.final_val)
+        )
+
+
+@dataclass(frozen=True)
+class VariantSummary:
+    variant: str
+    val_by_lr: list[float | None]  # mean over seeds of the final validation loss, per `lrs`
+    peak_by_lr: list[float | None]  # max over seeds of the peak attention logit, per `lrs`
+    diverged_by_lr: list[bool]  # any seed diverged
+    init_loss: float | None
+    best_loss: float | None
+    lr_sensitivity: float | None  # None until every learning rate has a finished run
+    spikes: int
+    rollbacks: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    group: str | None
+    hypothesis: str | None
+    created_at: datetime | None
+    spec: dict[str, Any]
+    lrs: list[float]
+    variants: list[VariantSummary]
+    cells: list[Cell] = field(default_factory=list)
+
+    @property
+    def is_lr_sweep(self) -> bool:
+        return len(self.lrs) >= 2
+
+
+# -- registration -------------------------------------------------------------------------------
+
+
+def register_sweep(
+    session: Session, *, name: str, spec: dict[str, Any], hypothesis: str | None = None
+) -> SweepInfo:
+    """Create the sweep, or return it when it exists with the same grid (a resumed sweep).
+
+    The hypothesis is pre-registered: given again it must match; omitted, the stored one stays.
+    """
+    row = session.scalars(select(Sweep).where(Sweep.name == name)).first()
+    if row is None:
+        row = Sweep(name=name, spec=spec, hypothesis=hypothesis)
+        session.add(row)
+        session.commit()
+        return _info(row)
+    if row.spec != spec:
+        diff = sorted(k for k in set(spec) | set(row.spec) if spec.get(k) != row.spec.get(k))
+        raise SweepConflictError(
+            f"sweep {name!r} exists with another grid (differs in: {', '.join(diff)}); "
+            "resume it with the same arguments or choose another --group"
+        )
+    if hypothesis is not None and hypothesis != row.hypothesis:
+        raise SweepConflictError(
+            f"sweep {name!r} was registered at {row.created_at:%Y-%m-%d %H:%M} with the "
+            f"hypothesis {row.hypothesis!r}; a pre-registered hypothesis cannot be changed"
+        )
+    return _info(row)
+
+
+def get_sweep(session: Session, name: str) -> SweepInfo | None:
+    row = session.scalars(select(Sweep).where(Sweep.name == name)).first()
+    return None if row is None else _info(row)
+
+
+def list_sweeps(session: Session) -> list[SweepInfo]:
+    rows = session.scalars(select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc()))
+    return [_info(r) for r in rows]
+
+
+def _info(row: Sweep) -> SweepInfo:
+    created = row.created_at  # SQLite hands stored UTC times back naive
+    created = created.replace(tzinfo=UTC) if created.tzinfo is None else created
+    return SweepInfo(row.name, row.hypothesis, dict(row.spec or {}), created)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def lr_sensitivity(losses: Sequence[float | None], init_loss: float | None) -> float | None:
+    """Wortsman et al.'s LR sensitivity of one variant: losses per learning rate of the grid.
+
+    None when a learning rate has no result yet or loss_0 is unknown; a non-finite loss counts
+    as loss_0 (diverged), and no loss counts above loss_0.
+    """
+    if init_loss is None or not math.isfinite(init_loss) or not losses:
+        return None
+    if any(v is None for v in losses):
+        return None
+    capped = [min(v, init_loss) if math.isfinite(v) else init_loss for v in losses]  # type: ignore[arg-type]
+    return sum(capped) / len(capped) - min(capped)
+
+
+def sweep_report(session: Session, group: str) -> SweepReport:
+    """The report of a sweep group: every cell of its registered grid, run or not."""
+    info = get_sweep(session, group)
+    runs = list_runs(session, sweep_group=group, limit=10_000)
+    if info is None and not runs:
+        raise NotFoundError(f"no sweep {group!r}")
+    spec = info.spec if info else {}
+    report = report_for_runs(session, runs, grid=spec or None)
+    return SweepReport(
+        group,
+        info.hypothesis if info else None,
+        info.created_at if info else None,
+        spec,
+        report.lrs,
+        report.variants,
+        report.cells,
+    )
+
+
+def report_for_runs(
+    session: Session, runs: Sequence[RunSummary | str], *, grid: dict[str, Any] | None = None
+) -> SweepReport:
+    """Cells and per-variant summaries for `runs` (summaries or run ids), newest run per cell.
+
+    `grid` (a sweep's spec: variants, lrs, seeds) adds the cells not run yet, as pending.
+    """
+    summaries = [r if isinstance(r, RunSummary) else get_run(session, run_id=r) for r in runs]
+    cells: dict[tuple[str, float, int], Cell] = {}
+    for r in sorted(summaries, key=lambda s: s.created_at):
+        cell = _cell(session, r)
+        cells[(cell.variant, cell.lr, cell.seed)] = cell
+    if grid:
+        for v in grid.get("variants", []):
+            for lr in grid.get("lrs", []):
+                for seed in grid.get("seeds", [0]):
+                    cells.setdefault((v, float(lr), int(seed)), Cell(v, float(lr), int(seed)))
+    order = list(grid.get("variants", [])) if grid else []
+    variants = order + sorted({v for v, _, _ in cells} - set(order))
+    lrs = sorted({lr for _, lr, _ in cells})
+    ordered = sorted(cells.values(), key=lambda c: (variants.index(c.variant), c.lr, c.seed))
+    summary = [_variant(v, lrs, [c for c in ordered if c.variant == v]) for v in variants]
+    return SweepReport(None, None, None, dict(grid or {}), lrs, summary, ordered)
+
+
+def _variant(name: str, lrs: list[float], cells: list[Cell]) -> VariantSummary:
+    finished = [c for c in cells if c.status in FINISHED]
+    vals: list[float | None] = []
+    peaks: list[float | None] = []
+    diverged: list[bool] = []
+    inits = [c.init_loss for c in cells if c.init_loss is not None and math.isfinite(c.init_loss)]
+    init = sum(inits) / len(inits) if inits else None
+    for lr in lrs:
+        at = [c for c in finished if c.lr == lr]
+        div = [c for c in at if c.diverged]
+        diverged.append(bool(div))
+        if not at:
+            vals.append(None)
+        else:
+            losses = [math.inf if c.diverged or c.final_val is None else c.final_val for c in at]
+            vals.append(sum(losses) / len(losses))
+        ps = [c.peak_attn for c in cells if c.lr == lr and c.peak_attn is not None]
+        peaks.append(max(ps) if ps else None)
+    present = [v for v, lr in zip(vals, lrs, strict=True) if any(c.lr == lr for c in cells)]
+    finite = [v for v in present if v is not None and math.isfinite(v)]
+    return VariantSummary(
+        name,
+        vals,
+        peaks,
+        diverged,
+        init,
+        min(finite) if finite else None,
+        lr_sensitivity(present, init),
+        sum(c.spikes for c in cells),
+        sum(c.rollbacks for c in cells),
+        len(finished),
+        len(cells),
+    )
+
+
+def _cell(session: Session, r: RunSummary) -> Cell:
+    run = session.scalars(select(Run).where(Run.key == r.run_id)).one()
+    tagged = [t[len(VARIANT_TAG) :] for t in r.tags if t.startswith(VARIANT_TAG)]
+    cfg = r.config
+    spikes = session.execute(
+        select(func.min(Event.step)).where(Event.run_id == run.id, Event.kind == "spike")
+    ).scalar()
+    rollbacks = session.scalars(
+        select(Event.data).where(Event.run_id == run.id, Event.kind == "rollback")
+    ).all()
+    redone = sum(
+        max(0, int(d.get("from_step", 0)) - int(d.get("to_step", 0)))
+        for d in rollbacks
+        if isinstance(d, dict) and d.get("to_step") is not None
+    )
+    final_val = _last_value(session, run.id, VAL_METRIC)
+    return Cell(
+        variant=tagged[-1] if tagged else (r.name or r.run_id),
+        lr=float(cfg.get("optim", {}).get("lr", math.nan)),
+        seed=int(cfg.get("train", {}).get("seed", 0)),
+        run_id=r.run_id,
+        status=r.status,
+        last_step=r.last_step,
+        max_steps=cfg.get("train", {}).get("max_steps"),
+        init_loss=_first_value(session, run.id, LOSS_METRIC),
+        final_train=r.last_loss,
+        final_val=final_val,
+        peak_attn=_peak(session, run.id, ATTN_MAX_TEMPLATE),
+        spikes=r.spikes,
+        first_spike=spikes,
+        rollbacks=r.rollbacks,
+        recovery_steps=redone,
+    )
+
+
+def _series_of(session: Session, run_pk: int, metric: str) -> dict[int, int]:
+    q = (
+        select(Series.branch, Series.id)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id == run_pk, MetricName.name == metric)
+        .where(Series.layer == -1, Series.head == -1)
+    )
+    return {b: sid for b, sid in session.execute(q)}
+
+
+def _last_value(session: Session, run_pk: int, metric: str) -> float | None:
+    """The metric's last value on the newest branch's history (NaN stored as NULL -> nan)."""
+    return _end_value(session, run_pk, metric, last=True)
+
+
+def _first_value(session: Session, run_pk: int, metric: str) -> float | None:
+    return _end_value(session, run_pk, metric, last=False)
+
+
+def _end_value(session: Session, run_pk: int, metric: str, *, last: bool) -> float | None:
+    ids = _series_of(session, run_pk, metric)
+    tree = branch_tree(session, run_pk)
+    parts = lineage(tree, max(tree)) if tree else []
+    for branch, lo, hi in reversed(parts) if last else parts:
+        if branch not in ids:
+            continue
+        step = func.max(Point.step) if last else func.min(Point.step)
+        at = session.execute(
+            select(step).where(Point.series_id == ids[branch], Point.step.between(lo, hi))
+        ).scalar()
+        if at is None:
+            continue
+        value = session.execute(
+            select(Point.value).where(Point.series_id == ids[branch], Point.step == at)
+        ).scalar()
+        return math.nan if value is None else float(value)
+    return None
+
+
+def _peak(session: Session, run_pk: int, template: str) -> float | None:
+    """Largest value of every series of `template` in the run, abandoned branches included.
+
+    Read from the coarsest rollup level: each block holds its exact maximum, so this is exact.
+    """
+    sids = (
+        select(Series.id)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id == run_pk, MetricName.name == template)
+        .scalar_subquery()
+    )
+    q = select(func.max(PointBlock.max_value)).where(
+        PointBlock.series_id.in_(sids), PointBlock.level == 3
+    )
+    value = session.execute(q).scalar()
+    return None if value is None else float(value)
+
+
+# -- Markdown -----------------------------------------------------------------------------------
+
+
+def _num(v: float | None, fmt: str = ".3f") -> str:
+    if v is None:
+        return "–"
+    if not math.isfinite(v):
+        return "diverged" if v > 0 else str(v)
+    return format(v, fmt)
+
+
+def _lr(v: float) -> str:
+    return f"{v:g}"
+
+
+def report_markdown(report: SweepReport) -> str:
+    """The report as Markdown tables (what `spikewatch sweep-report --markdown` prints)."""
+    out = [f"# Sweep {report.group}" if report.group else "# Runs compared", ""]
+    if report.hypothesis:
+        at = report.created_at
+        created = f" (registered {at:%Y-%m-%d %H:%M} UTC)" if at else ""
+        out += [f"**Hypothesis**{created}: {report.hypothesis}", ""]
+    head = "| variant | " + " | ".join(f"lr {_lr(lr)}" for lr in report.lrs)
+    rule = "|---|" + "---:|" * len(report.lrs)
+    out += ["## Final validation loss (mean over seeds)", "", head + " |", rule]
+    for v in report.variants:
+        cells = [
+            "diverged" if div and (val is None or not math.isfinite(val)) else _num(val)
+            for val, div in zip(v.val_by_lr, v.diverged_by_lr, strict=True)
+        ]
+        out.append(f"| {v.variant} | " + " | ".join(cells) + " |")
+    out += ["", "## Peak attention logit (max over seeds)", "", head + " |", rule]
+    for v in report.variants:
+        out.append(f"| {v.variant} | " + " | ".join(_num(p, ".1f") for p in v.peak_by_lr) + " |")
+    out += [
+        "",
+        "## Summary",
+        "",
+        "| variant | LR sensitivity | best loss | loss at init | spikes | rollbacks | runs done |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in report.variants:
+        out.append(
+            f"| {v.variant} | {_num(v.lr_sensitivity, '.4f')} | {_num(v.best_loss)} | "
+            f"{_num(v.init_loss)} | {v.spikes} | {v.rollbacks} | {v.done}/{v.total} |"
+        )
+    out.append("")
+    return "\n".join(out)

@@ -1,0 +1,130 @@
+"""The figure builders in web/charts.py, as pure functions of store rows (no server, no DB)."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+from observatory.store import BranchRow, Bucket, EventRow, Matrix, SeriesData
+from observatory.sweeps import Cell, SweepReport, VariantSummary
+from web import charts
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _bucket(step: int, lo: float, hi: float, lo_step: int | None = None, nan: int = 0) -> Bucket:
+    return Bucket(step, step, 1, nan, step if nan else None, lo, lo_step or step, hi, step)
+
+
+def _series(branch: int, values: dict[int, float]) -> SeriesData:
+    buckets = [
+        _bucket(s, v, v) if not math.isnan(v) else Bucket(s, s, 1, 1, s, None, None, None, None)
+        for s, v in sorted(values.items())
+    ]
+    lo, hi = min(values), max(values)
+    return SeriesData("r", "train/loss", branch, [(branch, lo, hi)], 1, buckets)
+
+
+def test_series_draw_the_spike_the_nan_and_the_abandoned_branch() -> None:
+    abandoned = _series(0, {1: 3.0, 2: 2.9, 3: 40.0, 4: math.nan})
+    live = _series(1, {3: 2.8, 4: 2.7})
+    events = [
+        EventRow("u1", 0, 3, "spike", "trainer", "z=9", {"onset_step": 3}, NOW),
+        EventRow("u2", 0, 4, "rollback", "trainer", "", {"to_step": 2}, NOW),
+    ]
+    branches = [BranchRow(0, None, None, None, NOW), BranchRow(1, 0, 2, "rollback", NOW)]
+    fig = charts.series_figure([abandoned, live], events, branches, title="loss")
+    lines = [t for t in fig["data"] if t["mode"] == "lines"]
+    assert lines[0]["name"] == "branch 0 (abandoned)" and lines[0]["line"]["dash"] == "dot"
+    assert lines[1]["name"] == "branch 1" and lines[1]["line"]["dash"] == "solid"
+    assert 40.0 in lines[0]["y"]  # the one-step spike is drawn at its height
+    nan = next(t for t in fig["data"] if t["name"].startswith("non-finite"))
+    assert nan["x"] == [4] and nan["y"] == [40.0]  # at the top, where it is seen
+    names = {t["name"] for t in fig["data"]}
+    assert {"spike onset", "spike detected"} <= names
+    assert fig["layout"]["shapes"][0]["x0"] == 4
+    assert fig["layout"]["annotations"][0]["text"] == "rollback → step 2"
+    assert fig["layout"]["yaxis"] == {"type": "linear", "autorange": True}  # nothing clipped
+    assert charts.series_figure([live], log_y=True)["layout"]["yaxis"]["type"] == "log"
+
+
+def test_a_bucket_is_drawn_through_both_extremes_in_step_order() -> None:
+    b = Bucket(0, 15, 16, 0, None, 1.0, 9, 7.0, 4)
+    s = SeriesData("r", "m", 0, [(0, 0, 15)], 16, [b])
+    line = charts.series_figure([s])["data"][0]
+    assert line["x"] == [4, 9] and line["y"] == [7.0, 1.0]
+
+
+def test_heatmap_shows_bucket_maxima_and_blanks_non_finite() -> None:
+    m = Matrix(
+        "r", "layer/*/attn_max", 0, [0, 1], [0, 16], 16,
+        [[1.0, 2.0], [3.0, None]], [[0, 16], [0, None]],
+        [[1.5, math.inf], [3.5, None]], [[1, 17], [2, None]],
+        [[16, 16], [16, 0]], [[0, 0], [0, 0]],
+    )  # fmt: skip
+    fig = charts.heatmap_figure(m, title="t", row_label="head")
+    heat = fig["data"][0]
+    assert heat["z"] == [[1.5, None], [3.5, None]] and heat["x"] == [0, 16] and heat["y"] == [0, 1]
+    assert fig["layout"]["yaxis"]["title"]["text"] == "head"
+
+
+def test_compare_aligns_by_tokens_and_names_runs() -> None:
+    a, b = _series(0, {1: 3.0, 2: 2.0}), _series(0, {1: 3.5, 2: 2.5})
+    fig = charts.compare_figure(
+        {"a": [a], "b": [b]},
+        names={"a": "baseline lr 0.01"},
+        x_scale={"a": 2048.0, "b": 1024.0},
+        x_title="tokens",
+    )
+    assert [t["name"] for t in fig["data"]] == ["baseline lr 0.01", "b"]
+    assert fig["data"][0]["x"] == [2048.0, 4096.0] and fig["data"][1]["x"] == [1024.0, 2048.0]
+    assert fig["layout"]["xaxis"]["title"]["text"] == "tokens"
+    assert charts.compare_figure({"a": [a], "empty": []})["data"][0]["x"] == [1, 2]
+
+
+def _report() -> SweepReport:
+    lrs = [1e-3, 1e-2, 1e-1]
+    base = VariantSummary(
+        "baseline", [3.0, 2.5, math.inf], [8.0, 60.0, 900.0], [False, False, True],
+        5.5, 2.5, (3.0 + 2.5 + 5.5) / 3 - 2.5, 1, 0, 3, 3,
+    )  # fmt: skip
+    qk = VariantSummary(
+        "qk_norm", [2.9, 2.4, 2.6], [5.0, 6.0, 7.0], [False] * 3, 5.5, 2.4, 0.23, 0, 0, 3, 3
+    )
+    return SweepReport("g", "h", NOW, {}, lrs, [base, qk], [Cell("baseline", 1e-3, 0)])
+
+
+def test_lr_sweep_figure_marks_diverged_runs_at_the_initial_loss() -> None:
+    fig = charts.lr_sweep_figure(_report(), quantity="loss")
+    base, crosses, qk = fig["data"]
+    assert base["x"] == [1e-3, 1e-2] and base["y"] == [3.0, 2.5]  # the diverged point left out
+    assert crosses["x"] == [1e-1] and crosses["y"] == [5.5] and crosses["marker"]["symbol"] == "x"
+    assert qk["y"] == [2.9, 2.4, 2.6]
+    assert fig["layout"]["xaxis"]["type"] == "log" and fig["layout"]["yaxis"]["type"] == "linear"
+    peak = charts.lr_sweep_figure(_report(), quantity="peak")
+    assert peak["data"][0]["y"] == [8.0, 60.0, 900.0] and len(peak["data"]) == 2
+    assert peak["layout"]["yaxis"]["type"] == "log"
+
+
+def test_small_multiples_one_panel_per_variant_same_colour_per_lr() -> None:
+    panels = {
+        "baseline": [("lr 0.1", [1, 2], [5.0, 500.0]), ("lr 0.01", [1, 2], [5.0, 9.0])],
+        "qk_norm": [("lr 0.01", [1, 2], [4.0, 5.0]), ("lr 0.1", [1, 2], [4.0, 6.0])],
+        "muonclip": [("lr 0.1", [1, 2], [5.0, 100.0])],
+    }
+    fig = charts.small_multiples_figure(panels, columns=2)
+    lay = fig["layout"]
+    assert {"xaxis", "xaxis2", "xaxis3", "yaxis", "yaxis2", "yaxis3"} <= set(lay)
+    assert all(lay[k]["type"] == "log" for k in ("yaxis", "yaxis2", "yaxis3"))
+    assert lay["yaxis2"]["matches"] == "y"  # one scale: panels compare by eye
+    assert [a["text"] for a in lay["annotations"]] == [
+        "<b>baseline</b>",
+        "<b>qk_norm</b>",
+        "<b>muonclip</b>",
+    ]
+    colour = {}
+    for t in fig["data"]:
+        assert colour.setdefault(t["name"], t["line"]["color"]) == t["line"]["color"]
+    assert [t["name"] for t in fig["data"][:2]] == ["lr 0.01", "lr 0.1"]  # by LR, not input order
+    assert sum(t["showlegend"] for t in fig["data"]) == 2  # one legend entry per LR
+    assert {t["yaxis"] for t in fig["data"]} == {"y", "y2", "y3"}

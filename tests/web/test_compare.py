@@ -1,0 +1,80 @@
+"""The compare page and the sweeps API over a sweep group (TestClient, fresh SQLite)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from observatory import db, store
+from observatory.sink import DbSink
+from observatory.sweeps import register_sweep
+from web.app import create_app
+from web.settings import Settings
+
+SPEC = {"variants": ["baseline", "qk_norm"], "lrs": [0.01, 0.1], "seeds": [0]}
+HYPOTHESIS = "QK-norm keeps the peak attention logit bounded"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compare")
+    url = f"sqlite:///{tmp / 'sw.db'}"
+    db.upgrade(url)
+    with store.session_factory(url)() as s:
+        register_sweep(s, name="grid", spec=SPEC, hypothesis=HYPOTHESIS)
+    peaks = {("baseline", 0.01): 9.0, ("baseline", 0.1): 700.0, ("qk_norm", 0.01): 4.0}
+    with DbSink(url, spool_dir=tmp / "spool", linger_s=0.01) as sink:
+        for (variant, lr), peak in peaks.items():
+            run = f"{variant}-{lr:g}"
+            sink.start_run(
+                run,
+                name="tiny",
+                config={
+                    "optim": {"lr": lr},
+                    "train": {"seed": 0},
+                    "data": {"batch_size": 4, "seq_len": 8},
+                },
+                tags=[f"variant={variant}", f"lr={lr:g}", "seed=0"],
+                sweep_group="grid",
+            )
+            for step in range(1, 21):
+                loss = 5.5 if step == 1 else 3.0 - lr
+                sink.log_metrics(run, 0, step, {"train/loss": loss, "layer/0/attn_max": peak})
+            sink.log_metrics(run, 0, 20, {"val/loss": 3.0 - lr})
+            sink.set_status(run, "completed")
+        assert sink.flush(30)
+    with TestClient(create_app(Settings(db_url=url))) as c:
+        yield c
+
+
+def test_sweeps_api(client) -> None:
+    sweeps = client.get("/api/sweeps").json()
+    assert [s["name"] for s in sweeps] == ["grid"] and sweeps[0]["hypothesis"] == HYPOTHESIS
+    report = client.get("/api/sweeps/grid").json()
+    assert report["lrs"] == [0.01, 0.1]
+    base, qk = report["variants"]
+    assert base["peak_by_lr"] == [9.0, 700.0] and qk["peak_by_lr"] == [4.0, None]
+    assert base["lr_sensitivity"] == pytest.approx((2.99 + 2.9) / 2 - 2.9)
+    assert qk["lr_sensitivity"] is None and (qk["done"], qk["total"]) == (1, 2)
+    pending = [c for c in report["cells"] if c["status"] == "pending"]
+    assert [(c["variant"], c["lr"]) for c in pending] == [("qk_norm", 0.1)]
+    missing = client.get("/api/sweeps/nope")
+    assert missing.status_code == 404 and "nope" in missing.json()["detail"]
+
+
+def test_compare_page_of_a_group_shows_the_hypothesis_and_the_lr_table(client) -> None:
+    page = client.get("/compare", params={"group": "grid"})
+    assert page.status_code == 200
+    html = page.text
+    assert "Pre-registered hypothesis" in html and HYPOTHESIS in html
+    assert 'id="lr-table"' in html and "700.0" in html and "pending" in html
+    for chart in ("chart-compare", "chart-logits", "chart-lr-loss", "chart-lr-peak"):
+        assert f'id="{chart}"' in html
+    assert client.get("/compare", params={"group": "nope"}).status_code == 404
+    assert client.get("/compare", params={"align": "sideways"}).status_code == 422
+
+
+def test_compare_by_tokens_scales_the_x_axis(client) -> None:
+    html = client.get("/compare", params={"run": ["baseline-0.01"], "align": "tokens"}).text
+    assert '"text": "tokens"' in html or '"text":"tokens"' in html
+    assert client.get("/compare", params={"run": ["no-such-run"]}).status_code == 404

@@ -1,0 +1,149 @@
+"""Comparing runs: the compare page and the sweeps API (a sweep group, or any chosen runs).
+
+The numbers come from observatory/sweeps.py (the same report `spikewatch sweep-report` prints),
+the figures from web/charts.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse
+from sqlalchemy.orm import Session
+
+from observatory import store
+from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_report
+from web import charts
+from web.deps import SessionDep
+from web.routes.pages import templates
+from web.schemas import SweepOut, SweepReportOut
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["compare"])
+ATTN_MAX = "layer/*/attn_max"
+
+
+@router.get("/api/sweeps", response_model=list[SweepOut])
+def sweeps(session: SessionDep) -> list[Any]:
+    """Registered sweeps, newest first, with their grid and pre-registered hypothesis."""
+    return list_sweeps(session)
+
+
+@router.get("/api/sweeps/{group}", response_model=SweepReportOut)
+def sweep(session: SessionDep, group: str) -> SweepReport:
+    """Per cell and per variant: final validation loss, peak attention logit, LR sensitivity."""
+    return sweep_report(session, group)
+
+
+@router.get("/compare", response_class=HTMLResponse, include_in_schema=False)
+def compare_page(
+    request: Request,
+    session: SessionDep,
+    run: Annotated[list[str] | None, Query(max_length=200)] = None,
+    group: Annotated[str | None, Query(max_length=200)] = None,
+    metric: Annotated[str, Query(min_length=1, max_length=200)] = "train/loss",
+    align: Literal["step", "tokens"] = "step",
+) -> HTMLResponse:
+    all_runs = store.list_runs(session)
+    if group:
+        report = sweep_report(session, group)
+    else:
+        chosen = run or [r.run_id for r in all_runs[:3]]
+        report = report_for_runs(session, chosen)
+    ran = [c for c in report.cells if c.run_id is not None]
+    seeds = len({c.seed for c in ran}) > 1
+    names = {
+        c.run_id: f"{c.variant} lr {c.lr:g}" + (f" seed {c.seed}" if seeds else "")
+        for c in ran
+        if c.run_id
+    }
+    if not group:
+        names = {c.run_id: c.run_id for c in ran if c.run_id}
+    runs = {r.run_id: r for r in all_runs}
+    figures: dict[str, Any] = {
+        "chart-compare": charts.compare_figure(
+            _series(session, list(names), metric),
+            title=metric,
+            names=names,
+            x_scale=_tokens_per_step(session, list(names), runs) if align == "tokens" else None,
+            x_title="tokens" if align == "tokens" else "step",
+        )
+    }
+    panels = _max_logit_panels(session, report)
+    if panels:
+        figures["chart-logits"] = charts.small_multiples_figure(
+            panels, title="max attention logit over layers (per variant)"
+        )
+    if report.is_lr_sweep:
+        figures["chart-lr-loss"] = charts.lr_sweep_figure(report, quantity="loss")
+        figures["chart-lr-peak"] = charts.lr_sweep_figure(report, quantity="peak")
+    groups = sorted(
+        {s.name for s in list_sweeps(session)} | {r.sweep_group for r in all_runs if r.sweep_group}
+    )
+    context = {
+        "all_runs": all_runs,
+        "groups": groups,
+        "group": group or "",
+        "chosen": list(names),
+        "report": report,
+        "figures": figures,
+        "metric": metric,
+        "align": align,
+        "fmt": _fmt,
+    }
+    return templates.TemplateResponse(request, "compare.html", context)
+
+
+def _series(session: Session, run_ids: list[str], metric: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for run_id in run_ids:
+        try:
+            out[run_id] = store.series(session, run_id=run_id, metric=metric, buckets=1000)
+        except store.NotFoundError:
+            out[run_id] = []
+    return out
+
+
+def _tokens_per_step(
+    session: Session, run_ids: list[str], runs: dict[str, store.RunSummary]
+) -> dict[str, float]:
+    out = {}
+    for run_id in run_ids:
+        r = runs.get(run_id) or store.get_run(session, run_id=run_id)
+        data = r.config.get("data", {})
+        out[run_id] = float(data.get("batch_size", 1) * data.get("seq_len", 1))
+    return out
+
+
+def _max_logit_panels(
+    session: Session, report: SweepReport
+) -> dict[str, list[tuple[str, list[int], list[float]]]]:
+    """Per variant, each run's max attention logit over layers per step bucket."""
+    panels: dict[str, list[tuple[str, list[int], list[float]]]] = {}
+    for c in report.cells:
+        if c.run_id is None:
+            continue
+        try:
+            m = store.layer_matrix(session, run_id=c.run_id, metric=ATTN_MAX, buckets=200)
+        except store.NotFoundError:
+            continue
+        xs, ys = [], []
+        for k, start in enumerate(m.starts):
+            col = [row[k] for row in m.max_value if row[k] is not None and math.isfinite(row[k])]
+            if col:
+                xs.append(m.max_step[0][k] if m.bucket_width == 1 else start)
+                ys.append(max(col))
+        label = f"lr {c.lr:g}" + (f" s{c.seed}" if c.seed else "")
+        panels.setdefault(c.variant, []).append((label, xs, ys))
+    return panels
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "diverged" if v > 0 else "nan"
+    return format(v, spec)
