@@ -32,6 +32,7 @@ __all__ = [
     "delete_checkpoint",
     "find_intact",
     "list_checkpoints",
+    "publish",
     "read_checkpoint",
     "verify_checkpoint",
     "write_checkpoint",
@@ -63,7 +64,7 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step{step:08d}"
 
 
-def _digest(path: Path, fsync: bool) -> dict[str, Any]:
+def digest(path: Path, fsync: bool) -> dict[str, Any]:
     """CRC-32 and size of a written file (read back from the page cache), then fsync it."""
     crc, size = 0, 0
     with open(path, "rb") as f:
@@ -77,7 +78,7 @@ def _digest(path: Path, fsync: bool) -> dict[str, Any]:
 
 def _save_torch(obj: Any, path: Path, fsync: bool) -> dict[str, Any]:
     torch.save(obj, path)
-    return _digest(path, fsync)
+    return digest(path, fsync)
 
 
 def _fsync_file(path: Path) -> None:
@@ -91,7 +92,7 @@ def _fsync_file(path: Path) -> None:
 _fsync_dir = _fsync_file  # a directory is fsynced through a read-only descriptor too
 
 
-def _json_bytes(obj: Any) -> bytes:
+def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, allow_nan=True).encode()
 
 
@@ -111,9 +112,16 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
             for name, obj in snap.torch_files.items()
         }
         for name, obj in snap.json_files.items():
-            (tmp / name).write_bytes(_json_bytes(obj))
-            jobs[name] = pool.submit(_digest, tmp / name, fsync)
+            (tmp / name).write_bytes(json_bytes(obj))
+            jobs[name] = pool.submit(digest, tmp / name, fsync)
         files = {name: job.result() for name, job in jobs.items()}
+    return publish(root, tmp, snap, files, fsync=fsync)
+
+
+def publish(root: Path, tmp: Path, snap: Snapshot, files: dict[str, Any], *, fsync: bool) -> Path:
+    """Write meta.json (last) into the complete temporary directory `tmp`, then rename it into
+    place as `root/step{N:08d}`. Shared by single-process and sharded checkpoints."""
+    final = step_dir(root, snap.step)
     meta = {
         "format": FORMAT,
         "step": snap.step,
@@ -122,7 +130,7 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
         "pins": [],
         **snap.meta,
     }
-    (tmp / META).write_bytes(_json_bytes(meta))
+    (tmp / META).write_bytes(json_bytes(meta))
     if fsync:
         _fsync_file(tmp / META)
         _fsync_dir(tmp)
@@ -168,6 +176,12 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
 def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Verify, then load every file: {file name: content, 'meta': meta}."""
     meta = verify_checkpoint(path)
+    if meta.get("sharded"):
+        raise CheckpointError(
+            f"{path} is a sharded checkpoint (torch.distributed.checkpoint) of a "
+            f"{meta.get('world_size')}-rank '{meta.get('strategy')}' run: resume it under "
+            "torchrun with that distributed.strategy"
+        )
     out: dict[str, Any] = {"meta": meta}
     for name in meta["files"]:
         if name.endswith(".pt"):
@@ -214,7 +228,7 @@ def write_pins(path: Path, pins: list[str]) -> None:
     meta = read_meta(path)
     meta["pins"] = sorted(set(pins))
     tmp = path / f".{META}.tmp"
-    tmp.write_bytes(_json_bytes(meta))
+    tmp.write_bytes(json_bytes(meta))
     os.replace(tmp, path / META)
 
 

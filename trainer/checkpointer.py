@@ -14,6 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from trainer import checkpoint as ck
 from trainer.config import CheckpointConfig
@@ -188,3 +191,7 @@ class Checkpointer:
     def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
         self.wait()
         return ck.find_intact(self.root, at_most)
+
+    def read(self, path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """What `snapshot.restore` needs from the checkpoint at `path` (verified first)."""
+        return ck.read_checkpoint(path, map_location)

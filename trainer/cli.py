@@ -21,12 +21,19 @@ def _set_cpu_env() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _is_main_rank() -> bool:
+    """Rank 0 under torchrun (which sets RANK), or a lone process: the one that talks."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _configure_logging(verbose: bool) -> None:
+    """The one place output is set up; under torchrun the other ranks only report errors."""
     from rich.console import Console
     from rich.logging import RichHandler
 
     pkg = logging.getLogger("trainer")
-    pkg.setLevel(logging.DEBUG if verbose else logging.INFO)
+    level = logging.DEBUG if verbose else logging.INFO
+    pkg.setLevel(level if _is_main_rank() else logging.ERROR)
     if not pkg.handlers:
         pkg.addHandler(RichHandler(show_path=False, console=Console(stderr=True)))
     pkg.propagate = False
@@ -60,8 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = Path(run_dir) / "config.json"
         args.set = ["train.stop_after=none", *args.set]  # the stop that ended it is no setting
     cfg = load_config(config, args.set, variants=_split(args.variant) if not args.resume else [])
-    callbacks: list = [ProgressBar()] if cfg.train.progress else []
-    sink = _open_sink(args, run_dir or "runs/_")
+    main = _is_main_rank()  # under torchrun: the bar, the store and the summary are rank 0's
+    callbacks: list = [ProgressBar()] if cfg.train.progress and main else []
+    sink = _open_sink(args, run_dir or "runs/_") if main else None
     if sink is not None:
         recorder = Recorder(
             sink, tags=args.tag, requests_from=sink.url, sweep_group=args.sweep_group
@@ -79,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         result.final_val_loss,
         result.run_dir,
     )
-    if args.summary_json:
+    if args.summary_json and main:
         _write_json(args.summary_json, result.summary())
     return 0
 
@@ -276,7 +284,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     args.config = str(CONFIG_DIR / "demo.toml")
     server = None
-    if args.serve and not args.no_db:
+    if args.serve and not args.no_db and _is_main_rank():
         from observatory.db import upgrade
 
         args.db = _db_url(args, args.run_dir or "runs/_")

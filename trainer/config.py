@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "EvalConfig",
     "FaultConfig",
     "LoopConfig",
@@ -295,6 +296,20 @@ class WatchConfig(_Section):
     )
 
 
+class DistributedConfig(_Section):
+    strategy: Literal["ddp", "fsdp2"] | None = Field(
+        None,
+        description="'ddp': DistributedDataParallel; 'fsdp2': fully_shard (parameters, "
+        "gradients and optimizer state sharded); both need torchrun. None = one process.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a collective may wait for the other ranks."
+    )
+
+
 class FaultConfig(_Section):
     kind: Literal[
         "shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss", "flaky_lr_scale"
@@ -302,6 +317,18 @@ class FaultConfig(_Section):
     start: int = Field(ge=0, description="First global batch index affected.")
     length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
     factor: float = Field(30.0, gt=0, description="LR multiplier, for kind = 'lr_scale'.")
+    rank: int | None = Field(
+        None,
+        ge=0,
+        description="Only this rank's shard of the batch is affected (torchrun); None = every "
+        "rank. Data kinds only: the learning rate is one for all ranks.",
+    )
+
+    @model_validator(mode="after")
+    def _rank_only_for_data(self) -> FaultConfig:
+        if self.rank is not None and self.kind in ("lr_scale", "flaky_lr_scale"):
+            raise ValueError(f"rank applies to data faults only, not kind='{self.kind}'")
+        return self
 
 
 class TrainConfig(_Section):
@@ -322,6 +349,9 @@ class TrainConfig(_Section):
     faults: list[FaultConfig] = Field(
         default_factory=list, description="Injected faults (tests, demos); empty = none."
     )
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Several processes under torchrun."
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> TrainConfig:
@@ -335,7 +365,28 @@ class TrainConfig(_Section):
                 f"schedule.warmup_steps={self.schedule.warmup_steps} must be < "
                 f"train.max_steps={self.train.max_steps}"
             )
+        self._check_distributed()
         return self
+
+    def _check_distributed(self) -> None:
+        strategy = self.distributed.strategy
+        if strategy is None:
+            return
+        if self.checkpoint.async_save:
+            raise ValueError(
+                f"checkpoint.async_save is not supported with distributed.strategy='{strategy}' "
+                "(sharded checkpoints are written synchronously by every rank)"
+            )
+        if strategy == "fsdp2" and self.optim.name != "adamw":
+            raise ValueError(
+                f"optim.name='{self.optim.name}' needs whole weight matrices (Newton-Schulz); "
+                "under fsdp2 each rank holds a shard: use adamw, or distributed.strategy='ddp'"
+            )
+        if strategy == "fsdp2" and self.optim.qk_clip_tau is not None:
+            raise ValueError(
+                "optim.qk_clip_tau rescales per-head rows of W_q and W_k, which fsdp2 shards "
+                "across ranks: use distributed.strategy='ddp'"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -169,10 +169,14 @@ class Sampler:
         self.cfg = cfg
         self.seed = seed
 
-    def batch(self, index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training batch `index` at `step`: inputs and targets, each (B, T) int64."""
+    def batch(
+        self, index: int, step: int, rows: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training batch `index` at `step`: inputs and targets, each (B, T) int64; with `rows`,
+        only those rows of that global batch (a rank's shard: the global batch never changes
+        with the number of ranks)."""
         stage = stage_at(self.cfg.stages, step)
-        return self._draw(index, stage, SPLIT_TRAIN, self.cfg.batch_size)
+        return self._draw(index, stage, SPLIT_TRAIN, self.cfg.batch_size, rows)
 
     def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation batch `index`, drawn from the final stage's mixture (the target)."""
@@ -204,14 +208,20 @@ class Sampler:
         return corpus.train if split == SPLIT_TRAIN else corpus.val
 
     def _draw(
-        self, index: int, stage: MixtureStage, split: int, batch_size: int
+        self,
+        index: int,
+        stage: MixtureStage,
+        split: int,
+        batch_size: int,
+        rows: slice | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.cfg.seq_len
-        rows = [
+        plan = self._plan(index, stage, split, batch_size)
+        windows = [
             self._split(name, split)[start : start + T + 1]
-            for name, start in self._plan(index, stage, split, batch_size)
+            for name, start in (plan if rows is None else plan[rows])
         ]
-        buf = torch.stack(rows).long()  # (B, T+1)
+        buf = torch.stack(windows).long()  # (B, T+1)
         return buf[:, :-1], buf[:, 1:]
 
 

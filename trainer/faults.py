@@ -10,6 +10,9 @@ does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small 
 - "nan_loss": a non-finite loss (exercises the refusal of non-finite updates);
 - "flaky_lr_scale": like "lr_scale", but only the first time a batch index is trained: a
   transient fault (think of a flipped bit) that a replay does not reproduce.
+
+Under torchrun a fault applies to each rank's shard of the global batch; with `rank` set, to
+that rank's shard only (a bad shard on one host). The LR kinds cannot be restricted to a rank.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ def apply_faults(
     x: torch.Tensor,
     y: torch.Tensor,
     first_time: bool = True,
+    rank: int = 0,
 ) -> FaultEffect:
-    """The batch `index` as the faults leave it (unchanged when none covers the index)."""
+    """The batch `index` (this rank's shard of it) as the faults leave it (unchanged when none
+    covers the index)."""
     lr, nan, kinds = 1.0, False, []
     for f in faults:
-        if not f.start <= index < f.start + f.length:
+        if not f.start <= index < f.start + f.length or f.rank not in (None, rank):
             continue
         kinds.append(f.kind)
         if f.kind == "shifted_labels":

@@ -3,6 +3,8 @@
 Per step: draw the next batch index from `DataState`, forward/backward, clip, one host transfer,
 then ask the callbacks (`pre_update`) what to do before anything touches the weights. A
 non-finite loss or gradient is always refused (SkipUpdate) and reported; callbacks may escalate.
+Under torchrun (trainer/distributed.py) each rank trains its shard of the global batch, the
+step's scalars are reduced before the transfer, and rank 0's decision is every rank's.
 """
 
 from __future__ import annotations
@@ -26,21 +28,22 @@ import torch
 from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, EvalState, FitState, StepState
-from trainer.checkpoint import CheckpointError, read_checkpoint
+from trainer.checkpoint import CheckpointError
 from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
+from trainer.distributed import World, init_world
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
-from trainer.lifecycle import check_resumable, stop_on_signals
+from trainer.lifecycle import check_resume, stop_on_signals
 from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
 from trainer.recorder import Recorder
 from trainer.schedule import lr_multiplier
 from trainer.snapshot import build_snapshot, restore
-from trainer.step import StepTensors, apply_update, forward_backward
+from trainer.step import HostTransfer, StepTensors, apply_update, forward_backward
 
 __all__ = ["FitResult", "Trainer", "build_trainer", "fit"]
 
@@ -104,32 +107,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
+
+
 def _action_name(action: Action) -> str:
     return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback", Halt: "halt"}[
         type(action)
     ]
-
-
-class _Transfer:
-    """Named device tensors gathered into one host copy."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.late: list[bool] = []
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
-        if names:
-            self.names += names
-            self.late += [late] * len(names)
-            self.parts.append(values.detach().float().reshape(-1))
-
-    def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
-        values = torch.cat(self.parts).tolist()
-        now, late = {}, {}
-        for name, is_late, v in zip(self.names, self.late, values, strict=True):
-            (late if is_late else now)[name] = v
-        return now, late
 
 
 class Trainer:
@@ -148,6 +132,7 @@ class Trainer:
         device: torch.device,
         checkpointer: Checkpointer,
         probes: Probes,
+        world: World | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -160,6 +145,8 @@ class Trainer:
         self.device = device
         self.checkpointer = checkpointer
         self.probes = probes
+        self.world = world or World()
+        self.stop_asked = False  # a signal arrived (under torchrun: not yet agreed on)
         self._last_step_end: float | None = None
         self.step = 0
         self.tokens = 0
@@ -222,9 +209,8 @@ class Trainer:
         if found is None:
             raise CheckpointError(f"no intact checkpoint under {self.checkpointer.root}")
         step, path = found
-        loaded = read_checkpoint(path, map_location=self.device)
-        check_resumable(self.cfg, loaded["config.json"], path)
-        restore(self, loaded, resume=True)
+        check_resume(self.cfg, path, self.world.size)
+        restore(self, self.checkpointer.read(path, self.device), resume=True)
         self.checkpointer.drop_after(step)  # newer ones failed verification: not to be kept
         self.checkpointer.last_saved = step
         log.info("resumed from %s", path)
@@ -233,26 +219,30 @@ class Trainer:
     def _compute(self, step: int, index: int, probing: bool) -> tuple[StepTensors, float, int]:
         """Forward and backward of batch `index` as step `step`: (tensors, LR multiplier,
         tokens). Nothing is applied yet."""
-        cfg = self.cfg
-        x, y = self.sampler.batch(index, step)
-        fault = apply_faults(cfg.faults, index, x, y, first_time=index not in self._seen)
+        cfg, world = self.cfg, self.world
+        x, y = self.sampler.batch(index, step, world.rows(cfg.data.batch_size))
+        first = index not in self._seen
+        fault = apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank)
         self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
         t = forward_backward(
-            self.model,
+            world.fwd or self.model,
             x,
             y,
-            micro_batch=cfg.data.micro_batch_size or cfg.data.batch_size,
+            micro_batch=world.micro_batch(cfg.data),
             dtype=cfg.train.dtype,
             need_attn_max=cfg.optim.qk_clip_tau is not None
             or (probing and self.probes.wants_attn_max(step)),
             need_logit_stats=probing and self.probes.wants_logit_stats(step),
             grad_clip=cfg.optim.grad_clip,
             poison_nan=fault.nan_loss,
+            clip=world.clip,
+            no_sync=world.no_sync,
         )
+        t = world.reduce(t, stop=self.stop_asked)
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.lr_scale
-        return t, lr_mult * fault.lr_factor, x.numel()
+        return t, lr_mult * fault.lr_factor, x.numel() * world.size
 
     def _train_step(self) -> bool:
         """One step; True when it ended in a rollback (the run continues from a restored one)."""
@@ -287,7 +277,7 @@ class Trainer:
     ) -> tuple[StepState, tuple[int, dict[str, float]] | None]:
         """The step's one host transfer: its own metrics plus the previous step's update
         statistics, which only existed after that step's optimizer update."""
-        xfer = _Transfer()
+        xfer = HostTransfer()
         xfer.add(
             [M.LOSS, M.CE, M.GRAD_NORM, M.CLIP_FACTOR],
             torch.stack([t.loss, t.ce, t.grad_norm, t.clip_factor]),
@@ -305,7 +295,11 @@ class Trainer:
         pending = self.probes.take_pending()
         if pending is not None:
             xfer.add(pending[1], pending[2], late=True)
+        if t.stop is not None:
+            xfer.add([_STOP], t.stop)
         metrics, late_metrics = xfer.fetch()  # the one device->host sync of the step
+        if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
+            self.stop_requested = True
         metrics[M.LR] = self.cfg.optim.lr * lr_mult
         now = time.perf_counter()
         if self._last_step_end is not None:
@@ -344,7 +338,7 @@ class Trainer:
             step, names, values = pending
             self._emit_update_metrics(step, dict(zip(names, values.tolist(), strict=True)))
 
-    def _decide(self, state: StepState) -> Action:
+    def _propose(self, state: StepState) -> Action:
         proposed: list[Action] = []
         if state.nonfinite:
             proposed.append(SkipUpdate(reason="non-finite loss or gradient"))
@@ -352,7 +346,11 @@ class Trainer:
         for a in proposed:
             if isinstance(a, Continue) and a.pin is not None:
                 self._pin_newest(a.pin)
-        action = strongest(proposed)
+        return strongest(proposed)
+
+    def _decide(self, state: StepState) -> Action:
+        """Rank 0's callbacks decide; every rank carries out that one action (broadcast)."""
+        action = self.world.agree(self._propose(state) if self.world.is_main else None)
         if not isinstance(action, Continue):
             kind = _action_name(action)
             log.warning("step %d: %s (%s)", state.step, kind, action.reason)
@@ -371,6 +369,13 @@ class Trainer:
                 self.halted = action.reason
         return action
 
+    def request_stop(self) -> None:
+        """From a signal handler: stop after this step. Under torchrun the request rides the
+        next step's all-reduce first, so that every rank stops after the same step."""
+        self.stop_asked = True
+        if not self.world.distributed:
+            self.stop_requested = True
+
     def _pin_newest(self, reason: str) -> None:
         if self.checkpointer.enabled and self.checkpointer.last_saved is not None:
             self.checkpointer.pin(self.checkpointer.last_saved, reason)
@@ -387,10 +392,10 @@ class Trainer:
         step, path = found
         from_step = self.step
         dropped = self.checkpointer.drop_after(step)  # first: never resume onto that branch
-        restore(self, read_checkpoint(path, map_location=self.device), resume=False)
+        restore(self, self.checkpointer.read(path, self.device), resume=False)
         if action.info.get("replay"):
             self._classify(action.info, step)
-            restore(self, read_checkpoint(path, map_location=self.device), resume=False)
+            restore(self, self.checkpointer.read(path, self.device), resume=False)
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.data_state.add_skip(start, end)
@@ -458,10 +463,10 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for i in range(cfg.eval.batches):
-            x, y = self.sampler.val_batch(i, bs)
+            x, y = self.world.shard(*self.sampler.val_batch(i, bs))
             total += self.model(x.to(self.device), y.to(self.device)).ce
         self.model.train()
-        val = (total / cfg.eval.batches).item()
+        val = self.world.mean(total / cfg.eval.batches).item()
         self.val_losses.append((self.step, val))
         self.metric_names.add(M.VAL_LOSS)
         log.info("step %d: val loss %.4f", self.step, val)
@@ -508,20 +513,27 @@ def build_trainer(
 ) -> Trainer:
     """Seed, pick the device and threads, build model, optimizer and sampler, make the run dir;
     with `resume`, load the newest intact checkpoint of `run_dir`."""
-    device = resolve_device(cfg.train.device)
+    world, device = init_world(cfg, resolve_device(cfg.train.device))
     if device.type == "cpu" and cfg.train.num_threads is not None:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
     if resume and run_dir is None:
         raise ValueError("resume needs the run directory")
-    run_id = Path(run_dir).name if run_dir else new_run_id(cfg.name)
+    run_id = Path(run_dir).name if run_dir else world.agree(new_run_id(cfg.name))
     path = Path(run_dir) if run_dir else Path("runs") / run_id
     path.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.model, cfg.train.seed, device)
+    world.wrap(model, device)  # before the optimizer: fsdp2 swaps in sharded parameters
     optimizer = build_optimizer(model, cfg.optim)
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
+    if world.distributed:
+        from trainer.dist_checkpoint import ShardedCheckpointer
+
+        checkpointer = ShardedCheckpointer(
+            path / "checkpoints", cfg.checkpoint, world, model, optimizer
+        )
     checkpointer.open()
-    if cfg.watch.enabled:
+    if cfg.watch.enabled and world.is_main:  # rank 0 decides for all
         recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
         callbacks = [*callbacks, SpikeGuard(cfg, checkpointer, recorder)]
     trainer = Trainer(
@@ -535,7 +547,8 @@ def build_trainer(
         run_dir=path,
         device=device,
         checkpointer=checkpointer,
-        probes=Probes(model, optimizer, cfg.probes),
+        probes=Probes(model, optimizer, cfg.probes, world),
+        world=world,
     )
     if resume:
         trainer.resume()
@@ -544,7 +557,8 @@ def build_trainer(
             f"{path} already holds checkpoints of a run: resume it (--resume {path}) or choose "
             "another run directory"
         )
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if world.is_main:
+        (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return trainer
 
 
@@ -555,4 +569,8 @@ def fit(
     callbacks: Sequence[Callback] = (),
     resume: bool = False,
 ) -> FitResult:
-    return build_trainer(cfg, run_dir=run_dir, callbacks=callbacks, resume=resume).fit()
+    trainer = build_trainer(cfg, run_dir=run_dir, callbacks=callbacks, resume=resume)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.world.close()  # the process group, if build_trainer created it

@@ -11,6 +11,11 @@ Per layer and head: the max pre-softmax attention logit (from the attention back
 Globally: mean log-partition z and max output logit (from the model), grad norm, clip factor,
 LR, tokens/s (the loop).
 
+Under torchrun (trainer/distributed.py): with DDP every rank holds the full, averaged gradient
+and whole parameters, so every probe is computed as in one process. With FSDP2 each rank holds
+shards: sums over a layer (squared norms, L1 sums, element counts) are summed over the ranks
+before any root or ratio, maxima are maxed, and the grad norms come from the sharded clipping.
+
 The update statistics only exist after the optimizer step, while the step's single host
 transfer must happen before it (the callbacks decide from it whether to apply the update). So
 they ride the *next* step's transfer and reach callbacks through `on_update_metrics` one step
@@ -25,6 +30,7 @@ import torch
 
 from trainer import metric_names as M
 from trainer.config import ProbesConfig
+from trainer.distributed import World, local
 from trainer.model import GPT
 
 __all__ = ["Probes", "layer_of"]
@@ -93,8 +99,15 @@ def _stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Probes:
-    def __init__(self, model: GPT, optimizer: torch.optim.Optimizer, cfg: ProbesConfig) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        cfg: ProbesConfig,
+        world: World | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.world = world or World()
         self.model = model
         self.optimizer = optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -139,8 +152,8 @@ class Probes:
     def before_update(self, step: int) -> None:
         if self.state_active(step) and self.cfg.update_norms:
             if self._prev is None:
-                self._prev = [torch.empty_like(p) for p in self.params]
-            torch._foreach_copy_(self._prev, [p.detach() for p in self.params])
+                self._prev = [torch.empty_like(local(p)) for p in self.params]
+            torch._foreach_copy_(self._prev, [local(p).detach() for p in self.params])
 
     @torch.no_grad()
     def after_update(self, step: int, applied: bool) -> None:
@@ -151,9 +164,9 @@ class Probes:
         names: list[str] = []
         parts: list[torch.Tensor] = []
         if self.cfg.update_norms and self._prev is not None:
-            pn = self.groups.sum(_stack(torch._foreach_norm(self._prev)).square()).sqrt()
-            torch._foreach_sub_(self._prev, [p.detach() for p in self.params])  # -(update)
-            un = self.groups.sum(_stack(torch._foreach_norm(self._prev)).square()).sqrt()
+            pn = self._norm(self.groups, self._prev)
+            torch._foreach_sub_(self._prev, [local(p).detach() for p in self.params])  # -(update)
+            un = self._norm(self.groups, self._prev)
             for stat, v in (("param_norm", pn), ("update_norm", un), ("update_ratio", un / pn)):
                 names += [M.layer(layer, stat) for layer in self.layers]
                 parts.append(v)
@@ -164,6 +177,10 @@ class Probes:
         if parts:
             self.pending = (step, names, torch.cat(parts))
 
+    def _norm(self, g: _Groups, xs: list[torch.Tensor]) -> torch.Tensor:
+        """Per-layer L2 norm: squares summed by layer (and over shards), then the root."""
+        return self.world.sum_shards(g.sum(_stack(torch._foreach_norm(xs)).square())).sqrt()
+
     def _optimizer_stats(self) -> tuple[list[str], torch.Tensor]:
         state = self.optimizer.state
         adam = [p for p, m in zip(self.params, self.is_muon, strict=True) if not m]
@@ -171,16 +188,18 @@ class Probes:
         names: list[str] = []
         parts: list[torch.Tensor] = []
         if adam and all("exp_avg" in state[p] for p in adam):
-            g = self.adam_groups
-            m = [state[p]["exp_avg"] for p in adam]
-            v = [state[p]["exp_avg_sq"] for p in adam]
+            g, w = self.adam_groups, self.world
+            m = [local(state[p]["exp_avg"]) for p in adam]
+            v = [local(state[p]["exp_avg_sq"]) for p in adam]
             if g.count is None:
-                g.count = g.sum(torch.tensor([float(x.numel()) for x in v], device=v[0].device))
-            m_norm = g.sum(_stack(torch._foreach_norm(m)).square()).sqrt()
+                n = torch.tensor([float(x.numel()) for x in v], device=v[0].device)
+                g.count = w.sum_shards(g.sum(n))
+            m_norm = self._norm(g, m)
             sqrt_v = torch._foreach_sqrt(v)
-            mean = g.sum(_stack(torch._foreach_norm(sqrt_v, 1))) / g.count
-            vmax = g.max(_stack(torch._foreach_max(sqrt_v)))
-            tiny = g.sum(_stack([_tiny_count(x) for x in v])) / g.sample_count(v)
+            mean = w.sum_shards(g.sum(_stack(torch._foreach_norm(sqrt_v, 1)))) / g.count
+            vmax = w.max_shards(g.max(_stack(torch._foreach_max(sqrt_v))))
+            tiny = w.sum_shards(g.sum(_stack([_tiny_count(x) for x in v])))
+            tiny = tiny / w.sum_shards(g.sample_count(v))
             for stat, val in (
                 ("adam_m_norm", m_norm),
                 ("adam_sqrt_v_mean", mean),
@@ -191,8 +210,8 @@ class Probes:
                 parts.append(val[g.index])
         if muon and all("momentum_buffer" in state[p] for p in muon):
             g = self.muon_groups
-            buf = [state[p]["momentum_buffer"] for p in muon]
-            norm = g.sum(_stack(torch._foreach_norm(buf)).square()).sqrt()
+            buf = [local(state[p]["momentum_buffer"]) for p in muon]
+            norm = self._norm(g, buf)
             names += g.names("muon_momentum_norm")
             parts.append(norm[g.index])
         return names, (torch.cat(parts) if parts else torch.zeros(0))

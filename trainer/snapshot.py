@@ -4,6 +4,9 @@ Complete means a resumed run is bitwise equal to an uninterrupted one: weights, 
 the data position with its skip ranges, every RNG (python, numpy, torch CPU and CUDA), the
 counters, callback states and the resolved config. The LR schedule is a pure function of the
 step, so it needs only the step and the rollback LR scale.
+
+Under torchrun the weights and optimizer state are not in the snapshot: trainer/dist_checkpoint.py
+writes them with torch.distributed.checkpoint, and each rank adds its own RNG states.
 """
 
 from __future__ import annotations
@@ -130,13 +133,17 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
         },
     }
     last = tr.history[-1][1] if tr.history else None
-    return Snapshot(
-        step=tr.step,
-        torch_files={
+    if tr.world.distributed:  # weights and optimizer: sharded, by the checkpointer
+        torch_files = {f"rng.rank{tr.world.rank}.pt": {**rng_tensors, "json": rng_json}}
+    else:
+        torch_files = {
             **_split_optimizer(_to_host(tr.optimizer.state_dict(), stage, "optimizer")),
             "model.pt": _to_host(tr.model.state_dict(), stage, "model"),
             "rng.pt": rng_tensors,
-        },
+        }
+    return Snapshot(
+        step=tr.step,
+        torch_files=torch_files,
         json_files={"trainer.json": state, "config.json": tr.cfg.to_dict()},
         meta={
             "run_id": tr.run_id,
@@ -151,8 +158,13 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
     """Load a checkpoint into `tr`. A resume takes everything back; a rollback keeps what the
     run has learned since (interventions, skip ranges, LR scale, callback states)."""
     state = loaded["trainer.json"]
-    tr.model.load_state_dict(loaded["model.pt"])
-    tr.optimizer.load_state_dict(_join_optimizer(loaded))
+    if "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
+        from trainer.dist_checkpoint import load_sharded
+
+        load_sharded(tr.model, tr.optimizer, loaded["sharded"], tr.world)
+    else:
+        tr.model.load_state_dict(loaded["model.pt"])
+        tr.optimizer.load_state_dict(_join_optimizer(loaded))
     _set_rng_states(loaded["rng.pt"], state["rng"])
     tr.step, tr.tokens = state["step"], state["tokens"]
     restored = DataState.from_dict(state["data_state"])

@@ -7,6 +7,7 @@ device: the loop makes the step's single host transfer from what `forward_backwa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from trainer.model import GPT
 from trainer.optim import qk_clip
 
-__all__ = ["StepTensors", "apply_update", "forward_backward"]
+__all__ = ["HostTransfer", "StepTensors", "apply_update", "forward_backward"]
 
 
 @dataclass
@@ -29,6 +30,11 @@ class StepTensors:
     logit_max: torch.Tensor | None  # ()
     attn_max: torch.Tensor | None  # (L, nh) over the whole global batch
     grad_norms: torch.Tensor  # (P,) per parameter, in model.parameters() order, pre-clip
+    stop: torch.Tensor | None = None  # () ranks asked to stop (torchrun only), agreed by all
+
+
+# (parameters, max norm) -> (total norm, clip factor, per-tensor norms), clipping in place
+Clip = Callable[[list[torch.Tensor], float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -38,7 +44,7 @@ def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMan
 
 
 def forward_backward(
-    model: GPT,
+    model: torch.nn.Module,  # the GPT, or its DDP wrapper
     x: torch.Tensor,
     y: torch.Tensor,
     *,
@@ -48,19 +54,25 @@ def forward_backward(
     grad_clip: float | None,
     need_logit_stats: bool = False,
     poison_nan: bool = False,
+    clip: Clip | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepTensors:
-    """x, y: (B, T). Accumulates gradients of the mean loss over B; clips them in place."""
+    """x, y: (B, T). Accumulates gradients of the mean loss over B; clips them in place.
+
+    Under torchrun, `no_sync` holds back the gradient reduction on all but the last
+    micro-batch, and `clip` is the sharded clipping of fsdp2 (trainer/distributed.py)."""
     n_micro = x.size(0) // micro_batch
     loss_sum = x.new_zeros((), dtype=torch.float32)
     ce_sum = torch.zeros_like(loss_sum)
     z_sum: torch.Tensor | None = None
     logit_max: torch.Tensor | None = None
     attn_max: torch.Tensor | None = None
-    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch), strict=True):
-        with _autocast(x.device, dtype):
-            out = model(xm, ym, need_attn_max=need_attn_max, need_logit_stats=need_logit_stats)
-        loss = out.loss * float("nan") if poison_nan else out.loss  # an injected fault
-        (loss / n_micro).backward()
+    for i, (xm, ym) in enumerate(zip(x.split(micro_batch), y.split(micro_batch), strict=True)):
+        with no_sync() if i < n_micro - 1 else contextlib.nullcontext():
+            with _autocast(x.device, dtype):
+                out = model(xm, ym, need_attn_max=need_attn_max, need_logit_stats=need_logit_stats)
+            loss = out.loss * float("nan") if poison_nan else out.loss  # an injected fault
+            (loss / n_micro).backward()
         loss_sum += loss.detach()
         ce_sum += out.ce
         if out.z_mean is not None:
@@ -69,7 +81,7 @@ def forward_backward(
             logit_max = _max(logit_max, out.logit_max)
         if out.attn_max is not None:
             attn_max = _max(attn_max, out.attn_max)
-    norm, factor, per_tensor = clip_by_global_norm(list(model.parameters()), grad_clip)
+    norm, factor, per_tensor = (clip or clip_by_global_norm)(list(model.parameters()), grad_clip)
     return StepTensors(
         loss=loss_sum / n_micro,
         ce=ce_sum / n_micro,
@@ -114,3 +126,25 @@ def apply_update(
     optimizer.step()
     if qk_clip_tau is not None and attn_max is not None:
         qk_clip(model.attention_modules(), attn_max, qk_clip_tau)
+
+
+class HostTransfer:
+    """Named device tensors gathered into one host copy (the loop's one sync per step)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.late: list[bool] = []
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
+        if names:
+            self.names += names
+            self.late += [late] * len(names)
+            self.parts.append(values.detach().float().reshape(-1))
+
+    def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
+        values = torch.cat(self.parts).tolist()
+        now, late = {}, {}
+        for name, is_late, v in zip(self.names, self.late, values, strict=True):
+            (late if is_late else now)[name] = v
+        return now, late

@@ -140,3 +140,17 @@ def test_missing_or_broken_file(tmp_path) -> None:
 def test_muonclip_defaults_tau_to_100() -> None:
     assert load_config(None, ["optim.name=muonclip"]).optim.qk_clip_tau == 100.0
     assert load_config(None, ["optim.name=adamw"]).optim.qk_clip_tau is None
+
+
+def test_distributed_section_refuses_what_sharding_cannot_do() -> None:
+    assert load_config(None, ["distributed.strategy=none"]).distributed.strategy is None
+    assert load_config(None, ["distributed.strategy=fsdp2"]).distributed.backend == "auto"
+    with pytest.raises(ConfigError, match="needs whole weight matrices"):
+        load_config(None, ["distributed.strategy=fsdp2", "optim.name=muon"])
+    with pytest.raises(ConfigError, match="use distributed.strategy='ddp'"):
+        load_config(None, ["distributed.strategy=fsdp2", "optim.qk_clip_tau=50"])
+    with pytest.raises(ConfigError, match="async_save is not supported"):
+        load_config(None, ["distributed.strategy=ddp", "checkpoint.async_save=true"])
+    with pytest.raises(ConfigError, match="distributed.strategy"):
+        load_config(None, ["distributed.strategy=zero3"])
+    load_config(None, ["distributed.strategy=ddp", "optim.name=muonclip"])  # whole weights

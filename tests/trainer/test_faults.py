@@ -62,3 +62,12 @@ def test_nan_fault_is_refused(tmp_path) -> None:
 def test_bad_fault_config_is_an_error() -> None:
     with pytest.raises(ConfigError, match="faults.0.kind"):
         tiny_config('faults=[{kind="meteor", start=3}]')
+
+
+def test_a_rank_restricted_fault_touches_only_that_ranks_shard() -> None:
+    x, y = _batch()
+    faults = [FaultConfig(kind="shifted_labels", start=5, rank=1)]
+    assert torch.equal(apply_faults(faults, 5, x, y, rank=0).y, y)
+    assert torch.equal(apply_faults(faults, 5, x, y, rank=1).y, (y + 1) % 256)
+    with pytest.raises(ConfigError, match="rank applies to data faults only"):
+        tiny_config('faults=[{kind="lr_scale", start=3, rank=1}]')
