@@ -110,6 +110,20 @@ def test_openapi_docs(client) -> None:
     assert client.get("/docs").status_code == 200
 
 
+def test_plotly_js_comes_from_the_package_and_is_cached() -> None:
+    from fastapi.testclient import TestClient as Client
+
+    from web.app import create_app
+    from web.settings import Settings
+
+    with Client(create_app(Settings(db_url="sqlite://"))) as c:
+        r = c.get("/static/plotly.min.js")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/javascript")
+    assert (
+        "plotly" in r.text[:2000].lower() and r.headers["cache-control"] == "public, max-age=86400"
+    )
+
+
 def test_runs_page_filters_by_tag(client) -> None:
     assert "r1" in client.get("/").text
     assert "/runs/r1" not in client.get("/", params={"tag": "nope"}).text
