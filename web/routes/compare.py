@@ -55,13 +55,13 @@ def compare_page(
         report = report_for_runs(session, chosen)
     ran = [c for c in report.cells if c.run_id is not None]
     seeds = len({c.seed for c in ran}) > 1
-    names = {
+    names = {  # a group's runs by their cell; chosen runs by their id
         c.run_id: f"{c.variant} lr {c.lr:g}" + (f" seed {c.seed}" if seeds else "")
+        if group
+        else c.run_id
         for c in ran
         if c.run_id
     }
-    if not group:
-        names = {c.run_id: c.run_id for c in ran if c.run_id}
     runs = {r.run_id: r for r in all_runs}
     figures: dict[str, Any] = {
         "chart-compare": charts.compare_figure(
