@@ -53,6 +53,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
     "BLOCK_LEVELS",
+    "COARSEST_LEVEL",
     "CHECKSUM_STATUSES",
     "EVENT_KINDS",
     "INTERVENTION_KINDS",
@@ -69,8 +70,10 @@ __all__ = [
     "Sweep",
 ]
 
-# block size of each rollup level: level L covers 16**L steps (level 0 is `points` itself)
-BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 256, 3: 4096}
+# block size of each rollup level, in ascending order: level L covers 4 * 4**L steps (level 0 is
+# `points` itself). 4x apart, a bucket is made of at most 4 blocks per series (migration 0004).
+BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 64, 3: 256, 4: 1024, 5: 4096}
+COARSEST_LEVEL = max(BLOCK_LEVELS)
 
 RUN_STATUSES = ("running", "completed", "failed", "halted", "stopped")
 CHECKSUM_STATUSES = ("unverified", "ok", "mismatch", "missing")

@@ -33,7 +33,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from observatory.downsample import branch_tree, lineage
-from observatory.models import Event, MetricName, Point, PointBlock, Run, Series, Sweep
+from observatory.models import (
+    COARSEST_LEVEL,
+    Event,
+    MetricName,
+    Point,
+    PointBlock,
+    Run,
+    Series,
+    Sweep,
+)
 from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, get_run, list_runs
 
 __all__ = [
@@ -355,7 +364,7 @@ def _peak(session: Session, run_pk: int, template: str) -> float | None:
         .scalar_subquery()
     )
     q = select(func.max(PointBlock.max_value)).where(
-        PointBlock.series_id.in_(sids), PointBlock.level == 3
+        PointBlock.series_id.in_(sids), PointBlock.level == COARSEST_LEVEL
     )
     value = session.execute(q).scalar()
     return None if value is None else float(value)

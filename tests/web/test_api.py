@@ -68,10 +68,14 @@ def test_heatmaps(client) -> None:
     assert top["max_value"] == m["max_value"] and {v for r in top["min_value"] for v in r} == {None}
 
 
-def test_run_page_heatmaps_come_as_figures(client) -> None:
+def test_run_page_charts_come_as_figures(client) -> None:
     page = client.get("/runs/r1").text
-    for chart in ("heat-grad", "heat-update", "heat-attn", "heat-adam-m", "heat-adam-v"):
+    charts = ["chart-loss", "chart-val", "chart-grad", "chart-lr", "chart-clip"]
+    charts += ["heat-grad", "heat-update", "heat-attn", "heat-adam-m", "heat-adam-v", "heat-heads"]
+    for chart in charts:
         assert f'id="{chart}"' in page  # each drawn from its own request
+    assert '"type": "scatter"' not in page and '"heatmap"' not in page  # no figure data
+    assert page.index("figures/${id}") < page.index("/static/plotly.min.js")  # asked for first
     fig = client.get("/api/runs/r1/figures/heat-attn").json()
     assert fig["data"][0]["type"] == "heatmap" and fig["data"][0]["y"] == [0, 1]
     heads = client.get("/api/runs/r1/figures/heat-heads", params={"layer": 1}).json()
@@ -79,6 +83,33 @@ def test_run_page_heatmaps_come_as_figures(client) -> None:
     assert client.get("/api/runs/r1/figures/heat-nope").status_code == 422
     assert client.get("/api/runs/nope/figures/heat-attn").status_code == 404
     assert client.get("/api/runs/r1/figures/heat-heads", params={"layer": 9}).status_code == 404
+
+
+def test_line_chart_figures_and_their_zoom(client) -> None:
+    fig = client.get("/api/runs/r1/figures/chart-loss").json()
+    names = [t["name"] for t in fig["data"]]
+    assert "branch 0 (abandoned)" in names and "branch 1" in names and "spike onset" in names
+    rollback = client.get("/api/runs/r1/events", params={"kind": "rollback"}).json()[0]
+    note = f"rollback → step {rollback['data']['to_step']}"
+    assert [a["text"] for a in fig["layout"]["annotations"]] == [note]
+    live = next(t for t in fig["data"] if t["name"] == "branch 1")
+    assert max(live["y"]) < 5.0  # the spike belongs to the abandoned branch only
+    # zoomed: every step of the window is its own bucket, spike markers and notes stay
+    zoom = client.get(
+        "/api/runs/r1/figures/chart-loss", params={"start": 140, "end": 170, "buckets": 1000}
+    ).json()
+    lines = [t for t in zoom["data"] if t["mode"] == "lines"]
+    assert all(140 <= x <= 170 for t in lines for x in t["x"])
+    live = next(t for t in lines if t["name"] == "branch 1")
+    assert live["x"] == list(range(rollback["data"]["to_step"] + 1, 171))
+    assert "spike onset" in [t["name"] for t in zoom["data"]]
+    # the learning rate has no spike markers, only the rollback
+    lr = client.get("/api/runs/r1/figures/chart-lr", params={"buckets": 10}).json()
+    assert [t["name"] for t in lr["data"]] == ["branch 0 (abandoned)", "branch 1"]
+    assert all(len(t["x"]) <= 20 for t in lr["data"])  # 10 buckets: a min and a max each
+    assert client.get("/api/runs/r1/figures/chart-loss", params={"buckets": 0}).status_code == 422
+    bad = client.get("/api/runs/r1/figures/chart-loss", params={"start": -1})
+    assert bad.status_code == 422
 
 
 def test_events_branches_checkpoints_logbook(client) -> None:
@@ -114,14 +145,16 @@ def test_plotly_js_comes_from_the_package_and_is_cached() -> None:
     from fastapi.testclient import TestClient as Client
 
     from web.app import create_app
+    from web.routes.pages import PLOTLY_JS
     from web.settings import Settings
 
     with Client(create_app(Settings(db_url="sqlite://"))) as c:
         r = c.get("/static/plotly.min.js")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/javascript")
-    assert (
-        "plotly" in r.text[:2000].lower() and r.headers["cache-control"] == "public, max-age=86400"
-    )
+    assert r.headers["cache-control"] == "public, max-age=86400"
+    # the installed package's file, behind V8's compile hint
+    hint = b"//# allFunctionsCalledOnLoad\n"
+    assert r.content.startswith(hint) and r.content[len(hint) :] == PLOTLY_JS.read_bytes()
 
 
 def test_runs_page_filters_by_tag(client) -> None:

@@ -30,6 +30,24 @@ def test_run_page_shows_the_spike_and_the_rollback(server, browser) -> None:
     page.close()
 
 
+def test_zooming_a_line_chart_fetches_its_steps_again(server, browser) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    with page.expect_request(lambda r: "figures/chart-loss?buckets=" in r.url) as first:
+        page.goto(server + "/runs/spiky")
+    assert first.value.url.endswith("buckets=676")  # one bucket per pixel: 2 columns of 676
+    page.wait_for_selector("#chart-loss .main-svg")
+    with page.expect_response(lambda r: "start=20" in r.url and "end=40" in r.url) as zoom:
+        page.evaluate("Plotly.relayout('chart-loss', {'xaxis.range': [20.4, 39.6]})")
+    assert zoom.value.ok
+    page.wait_for_function(
+        "document.getElementById('chart-loss').data[0].x.filter(x => x >= 20 && x <= 40).length"
+        " == 21"
+    )
+    rng = page.evaluate("document.getElementById('chart-loss').layout.xaxis.range")
+    assert rng == [20.4, 39.6]  # the zoom survives the redraw
+    page.close()
+
+
 def test_a_new_point_appears_within_two_seconds(server, browser, recorded_db, tmp_path) -> None:
     from observatory.sink import DbSink
 

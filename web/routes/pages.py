@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import plotly
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
-from sqlalchemy.orm import Session
 
 from observatory import store
 from observatory.logbook import logbook
+from observatory.store import LOSS_METRIC
 from web import charts
 from web.deps import SessionDep
+from web.routes.runs import Step
 
 __all__ = ["router"]
 
@@ -22,13 +24,13 @@ router = APIRouter(tags=["pages"])
 templates = Jinja2Templates(directory=Path(__file__).parents[1] / "templates")
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 
-LINES = [
-    ("chart-loss", "train/loss", "training loss"),
-    ("chart-val", "val/loss", "validation loss"),
-    ("chart-grad", "optim/grad_norm", "gradient norm"),
-    ("chart-lr", "optim/lr", "learning rate"),
-    ("chart-clip", "optim/clip_factor", "clip factor"),
-]
+LINES = {
+    "chart-loss": (LOSS_METRIC, "training loss"),
+    "chart-val": ("val/loss", "validation loss"),
+    "chart-grad": ("optim/grad_norm", "gradient norm"),
+    "chart-lr": ("optim/lr", "learning rate"),
+    "chart-clip": ("optim/clip_factor", "clip factor"),
+}
 HEATMAPS = {
     "heat-grad": ("layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
     "heat-update": ("layer/*/attn/update_ratio", "attention update/param (layer × step)"),
@@ -37,20 +39,28 @@ HEATMAPS = {
     "heat-adam-v": ("layer/*/attn/adam_sqrt_v_max", "Adam max √v, attention"),
     "heat-heads": ("layer/*/head/*/attn_max", "max logit, layer {layer} (head × step)"),
 }
+LINE_BUCKETS = 2000
 HEAT_BUCKETS = 300
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)
-def plotly_js() -> FileResponse:
+def plotly_js() -> Response:
     """plotly.js from the installed plotly package: the dashboard works with no internet.
 
-    Cached by the browser for a day (the URL names no version, so not forever): later page
-    loads skip the 3.5 MB download."""
-    return FileResponse(
-        PLOTLY_JS,
+    Prefixed with V8's compile hint `//# allFunctionsCalledOnLoad` (Chromium 136+; other
+    browsers read a comment): plotly.js runs most of its 3.5 MB while it loads, and the hint
+    has Chromium compile it on a background thread as it streams in, instead of lazily on the
+    main thread. Cached by the browser for a day (the URL names no version, so not forever)."""
+    return Response(
+        _plotly_js(),
         media_type="application/javascript",
         headers={"Cache-Control": "public, max-age=86400"},
     )
+
+
+@functools.cache
+def _plotly_js() -> bytes:
+    return b"//# allFunctionsCalledOnLoad\n" + PLOTLY_JS.read_bytes()
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -69,18 +79,18 @@ def runs_page(
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
 def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse:
-    """Line charts come with the page; each heatmap (a heavier read) is fetched by the page
-    from /api/runs/{id}/figures/{chart}, in parallel, so the lines draw first."""
+    """The page comes without chart data, so it arrives at once and plotly.js starts loading;
+    its first script requests every chart from /api/runs/{id}/figures/{chart} in parallel, and
+    the server builds them while the browser is still evaluating plotly.js."""
     run = store.get_run(session, run_id=run_id)
     events = store.events(session, run_id=run_id)
-    figures = _run_figures(session, run_id, events)
     present = set(store.metric_names(session, run_id=run_id))
+    lines = [chart for chart, (metric, _) in LINES.items() if metric in present]
     heatmaps = [chart for chart, (metric, _) in HEATMAPS.items() if metric in present]
     context = {
         "run": run,
-        "figures": figures,
-        "charts": list(figures) + heatmaps,
-        "heatmaps": heatmaps,
+        "charts": lines + heatmaps,
+        "lines": lines,
         "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
         "checkpoints": store.checkpoints(session, run_id=run_id),
         "logbook": logbook(session, run_id=run_id),
@@ -89,31 +99,37 @@ def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse
     return templates.TemplateResponse(request, "run.html", context)
 
 
-def _run_figures(session: Session, run_id: str, events: list[Any]) -> dict[str, Any]:
-    branches = store.branches(session, run_id=run_id)
-    out: dict[str, Any] = {}
-    for chart_id, metric, title in LINES:
-        try:
-            series = store.series(session, run_id=run_id, metric=metric, branch="all")
-        except store.NotFoundError:
-            continue
-        marks = events if metric == "train/loss" else [e for e in events if e.kind != "spike"]
-        out[chart_id] = charts.series_figure(series, marks, branches, title=title)
-    return out
-
-
 @router.get("/api/runs/{run_id}/figures/{chart}", tags=["runs"])
-def heatmap(
+def figure(
     session: SessionDep,
     run_id: str,
-    chart: Literal[tuple(HEATMAPS)],  # type: ignore[valid-type]
+    chart: Literal[tuple(LINES) + tuple(HEATMAPS)],  # type: ignore[valid-type]
+    buckets: Annotated[
+        int | None,
+        Query(ge=1, le=20000, description=f"Default {LINE_BUCKETS} (lines), {HEAT_BUCKETS}."),
+    ] = None,
+    start: Step = None,
+    end: Step = None,
     layer: Annotated[int, Query(ge=0, description="For heat-heads: whose heads.")] = 0,
 ) -> dict[str, Any]:
-    """A run-page heatmap as a Plotly figure (layer × step, or head × step of `layer`), built
-    by web/charts.py from the bucket maxima."""
+    """A run-page chart as a Plotly figure, built by web/charts.py: a line chart of every
+    branch with its spikes and interventions, or a heatmap of bucket maxima (layer x step, or
+    head x step of `layer`). `start`/`end` narrow the steps (the page asks again on zoom)."""
+    if chart in LINES:
+        metric, title = LINES[chart]
+        window = dict(buckets=buckets or LINE_BUCKETS, start=start, end=end)
+        series = store.series(session, run_id=run_id, metric=metric, branch="all", **window)
+        events = store.events(session, run_id=run_id)
+        if metric != LOSS_METRIC:
+            events = [e for e in events if e.kind != "spike"]
+        branches = store.branches(session, run_id=run_id)
+        return charts.series_figure(series, events, branches, title=title)
     metric, title = HEATMAPS[chart]
-    window = dict(run_id=run_id, metric=metric, buckets=HEAT_BUCKETS, extremes="max")
+    window = dict(
+        run_id=run_id, metric=metric, buckets=buckets or HEAT_BUCKETS, start=start, end=end
+    )
     if chart == "heat-heads":
-        m = store.head_matrix(session, layer=layer, **window)
+        m = store.head_matrix(session, layer=layer, extremes="max", **window)
         return charts.heatmap_figure(m, title=title.format(layer=layer), row_label="head")
-    return charts.heatmap_figure(store.layer_matrix(session, **window), title=title)
+    m = store.layer_matrix(session, extremes="max", **window)
+    return charts.heatmap_figure(m, title=title)
