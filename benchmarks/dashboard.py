@@ -3,9 +3,17 @@ render time in Chromium.
 
 A run with 1M points in each line series (train/loss, val/loss, grad norm, LR, clip factor)
 and 48 layers x 20k steps in each heatmap metric (plus 12 heads of layer 0), written straight
-through the store's writer. Then: each chart's API request timed (medians and p95 over
-repetitions), and the run page opened in Debian's Chromium, timed from navigation until every
-chart has drawn. Last line: {"api_p95_ms": worst chart p95, "render_s": ..., ...}.
+through the store's writer. Then:
+
+- each figure request of the run page timed (p95 over repetitions; line charts at 2000
+  buckets, the most the page asks for);
+- the run page opened in Debian's Chromium, from navigation until every chart has drawn, in a
+  fresh browser context each time: in plain Chromium driven over the DevTools pipe without the
+  Runtime domain (benchmarks/_cdp.py: what a user's browser does), and under Playwright, whose
+  instrumentation adds about 0.5 s to evaluating plotly.js;
+- the floor, interleaved with the run page: a page that only loads plotly.js and draws one chart.
+
+Last line: {"api_p95_ms": worst chart p95, "render_s": plain Chromium median, ...}.
 
     python benchmarks/dashboard.py [--points 1000000] [--layers 48] [--reps 10]
 

@@ -70,9 +70,10 @@ __all__ = [
     "Sweep",
 ]
 
-# block size of each rollup level, in ascending order: level L covers 4 * 4**L steps (level 0 is
-# `points` itself). 4x apart, a bucket is made of at most 4 blocks per series (migration 0004).
-BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 64, 3: 256, 4: 1024, 5: 4096}
+# block size of each rollup level, in ascending order (level 0 is `points` itself). Each level
+# costs the writer one upserted row per series and batch; 64 (migration 0004) serves the
+# 50-250-step buckets of heatmaps over ~10k-100k steps with at most 4 blocks per bucket.
+BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 64, 3: 256, 4: 4096}
 COARSEST_LEVEL = max(BLOCK_LEVELS)
 
 RUN_STATUSES = ("running", "completed", "failed", "halted", "stopped")

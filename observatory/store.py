@@ -3,10 +3,10 @@
 Series are downsampled in SQL to at most N buckets by minimum and maximum (M4-style, without
 first/last), each bucket keeping its exact extremes and the steps they occurred at, so a one-step
 spike survives any zoom level. Bucket widths are whole multiples of a rollup block size
-(`BLOCK_LEVELS`, 4x apart), chosen as the largest block not wider than the asked width: the
-query reads whole blocks from `point_blocks` (at most about 4 per bucket and series) and raw
-points only at the ragged edges of the range and of branch segments. NaN is counted per bucket
-(`n_nan`, first `nan_step`); +-inf appear as the bucket's exact min or max.
+(`BLOCK_LEVELS`), chosen as the largest block not wider than the asked width: the query reads
+whole blocks from `point_blocks` (at most about 16 per bucket and series; 4 for buckets under 256
+steps) and raw points only at the ragged edges of the range and of branch segments. NaN is
+counted per bucket (`n_nan`, first `nan_step`); +-inf appear as the bucket's exact min or max.
 
 "History of branch b" is its lineage: the parent's steps up to the fork step, then b's own.
 `branch="all"` returns every branch's own steps separately, abandoned ones included.

@@ -1,10 +1,12 @@
-"""Rollup levels every 4x instead of every 16x: 16, 64, 256, 1024, 4096 steps (issue 7).
+"""A rollup level of 64-step blocks: levels 16, 64, 256, 4096 steps (issue 7).
 
-A query reads whole blocks of the largest size not wider than its bucket, so with a 16x ladder a
-bucket could need up to 16 blocks per series (a 300-column heatmap of 20k steps read 1,250 rows
-per layer); with 4x it needs at most 4. Existing blocks are kept and renumbered (256 -> level 3,
-4096 -> level 5); the new levels 2 and 4 are reduced from the level below them, in SQL, with the
-extremes' ties going to the earliest step as the writer's do (observatory/rollup.py).
+A query reads whole blocks of the largest size not wider than its bucket, so with 16 and 256 a
+bucket of 64-255 steps needed up to 16 blocks per series (a 300-column heatmap of 20k steps read
+1,250 rows per layer); with 64 it needs at most 4. (A 1,024 level too cost the writer 40% of its
+ingest rate in benchmarks/store.py: every level is one more upserted row per series and batch.)
+Existing blocks are kept and renumbered (256 -> level 3, 4096 -> level 4); level 2 is reduced
+from level 1 in SQL, with the extremes' ties going to the earliest step as the writer's do
+(observatory/rollup.py).
 
 Revision ID: 0004
 Revises: 0003
@@ -20,9 +22,6 @@ revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-
-# (new level, level it is reduced from); both 4x apart
-_FILL = ((2, 1), (4, 3))
 
 
 def _reduce(new: int, src: str) -> str:
@@ -48,13 +47,12 @@ LEFT JOIN ({mx}) AS mx ON mx.series_id = a.series_id AND mx.g = a.g"""
 
 
 def upgrade() -> None:
-    op.execute("UPDATE point_blocks SET level = 5 WHERE level = 3")
+    op.execute("UPDATE point_blocks SET level = 4 WHERE level = 3")
     op.execute("UPDATE point_blocks SET level = 3 WHERE level = 2")
-    for new, src in _FILL:
-        op.execute(_reduce(new, str(src)))
+    op.execute(_reduce(2, "1"))
 
 
 def downgrade() -> None:
-    op.execute("DELETE FROM point_blocks WHERE level IN (2, 4)")
+    op.execute("DELETE FROM point_blocks WHERE level = 2")
     op.execute("UPDATE point_blocks SET level = 2 WHERE level = 3")
-    op.execute("UPDATE point_blocks SET level = 3 WHERE level = 5")
+    op.execute("UPDATE point_blocks SET level = 3 WHERE level = 4")

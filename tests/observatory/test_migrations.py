@@ -111,9 +111,10 @@ def _blocks(engine: Engine) -> list[tuple[object, ...]]:
         return [tuple(r) for r in conn.execute(text("SELECT * FROM point_blocks ORDER BY 1, 2, 3"))]
 
 
-def test_0004_rebuilds_the_4x_rollup_ladder_exactly(db_url: str) -> None:
-    """Blocks written at head, taken down to 0003's 16x ladder and up again, come back identical:
-    the migration's SQL reduction agrees with the writer's (ties to the earliest step, NaNs)."""
+def test_0004_builds_the_64_step_level_exactly(db_url: str) -> None:
+    """Blocks written at head, taken down to 0003's levels (16, 256, 4096) and up again, come back
+    identical: the migration's SQL reduction agrees with the writer's (ties to the earliest step,
+    NaNs)."""
     rng = np.random.default_rng(3)
     steps = np.arange(5_000)
     values = rng.integers(0, 4, len(steps)).astype(float)  # many ties within each block
@@ -131,7 +132,7 @@ def test_0004_rebuilds_the_4x_rollup_ladder_exactly(db_url: str) -> None:
     db.downgrade(db_url, revision="0003")
     old = _blocks(engine)
     assert {r[1] for r in old} == {1, 2, 3}
-    assert [r[2:] for r in old if r[1] == 3] == [r[2:] for r in at_head if r[1] == 5]
+    assert [r[2:] for r in old if r[1] == 3] == [r[2:] for r in at_head if r[1] == 4]
 
     db.upgrade(db_url)
     assert _blocks(engine) == at_head
