@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
 import uvicorn  # noqa: E402
-from _cdp import Chromium  # noqa: E402
+from _cdp import ARGS, Chromium  # noqa: E402
 from _common import machine  # noqa: E402
 from fastapi.responses import HTMLResponse  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
@@ -48,16 +48,6 @@ from observatory.records import Record  # noqa: E402
 from web.app import create_app  # noqa: E402
 from web.settings import Settings  # noqa: E402
 
-ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 LINES = ["train/loss", "val/loss", "optim/grad_norm", "optim/lr", "optim/clip_factor"]
 HEATS = ["layer/{i}/attn/grad_norm", "layer/{i}/attn/update_ratio", "layer/{i}/attn_max"]
 

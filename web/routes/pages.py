@@ -48,7 +48,7 @@ def plotly_js() -> Response:
     """plotly.js from the installed plotly package: the dashboard works with no internet.
 
     Prefixed with V8's compile hint `//# allFunctionsCalledOnLoad` (Chromium 136+; other
-    browsers read a comment): plotly.js runs most of its 3.5 MB while it loads, and the hint
+    browsers read a comment): plotly.js runs much of its 4.8 MB while it loads, and the hint
     has Chromium compile it on a background thread as it streams in, instead of lazily on the
     main thread. Cached by the browser for a day (the URL names no version, so not forever)."""
     return Response(
@@ -106,7 +106,7 @@ def figure(
     chart: Literal[tuple(LINES) + tuple(HEATMAPS)],  # type: ignore[valid-type]
     buckets: Annotated[
         int | None,
-        Query(ge=1, le=20000, description=f"Default {LINE_BUCKETS} (lines), {HEAT_BUCKETS}."),
+        Query(ge=1, le=20000, description="Default: 2000 (lines), 300 (heatmaps)."),
     ] = None,
     start: Step = None,
     end: Step = None,
