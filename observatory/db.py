@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 __all__ = [
     "DEFAULT_URL",
     "ENV_VAR",
+    "url_for_run",
     "MIGRATIONS_DIR",
     "DatabaseURLError",
     "make_engine",
@@ -38,6 +39,17 @@ SQLITE_BUSY_MS = 30_000
 
 class DatabaseURLError(ValueError):
     """A database URL that spikewatch cannot use (says which and why)."""
+
+
+def url_for_run(run_dir: str | os.PathLike[str], url: str | None = None) -> str:
+    """Explicit URL > $SPIKEWATCH_DB_URL > spikewatch.db beside the run directory (so every run
+    under runs/ lands in runs/spikewatch.db, the file `spikewatch serve` opens by default)."""
+    url = url or os.environ.get(ENV_VAR)
+    if url is None:
+        parent = Path(run_dir).resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{parent / 'spikewatch.db'}"
+    return url
 
 
 def resolve_url(url: str | None = None) -> str:

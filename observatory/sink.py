@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from observatory.db import make_engine, redact, resolve_url
@@ -51,7 +52,7 @@ from observatory.records import (
 )
 from observatory.spool import Spool
 
-__all__ = ["BaseSink", "DbSink", "NullSink", "RecordError"]
+__all__ = ["BaseSink", "DbSink", "NullSink", "RecordError", "open_run_sink"]
 
 log = logging.getLogger(__name__)
 
@@ -384,3 +385,15 @@ class DbSink(BaseSink):
             for ev in self._waiting:
                 ev.set()
             self._waiting.clear()
+
+
+def open_run_sink(run_dir: str | os.PathLike[str], url: str | None = None) -> BaseSink:
+    """The store a run writes to, migrated to the newest schema first: `url`, else
+    $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory; url='none' for no store."""
+    if url == "none":
+        return NullSink()
+    from observatory.db import upgrade, url_for_run
+
+    resolved = url_for_run(run_dir, url)
+    upgrade(resolved)
+    return DbSink(resolved, spool_dir=Path(run_dir) / "spool")

@@ -15,7 +15,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "max_logits"]
+from trainer import metric_names as M
+
+__all__ = ["AttnMax", "attention", "max_logits"]
 
 Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
 
@@ -102,17 +104,83 @@ def attention(
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, chunk: int = 128):
+def max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = True,
+    chunk: int = 128,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Max scaled logit per (B, nh), blockwise; for backends that do not expose their scores.
-    No softmax and no backward: about a quarter of attention's forward cost."""
+    No softmax and no backward: about a quarter of attention's forward cost.
+
+    q: (B, nh, Tq, hs), k: (B, nh, Tk, hs) (grouped-query keys repeated to nh by the caller);
+    `mask`: an attention mask broadcastable to (B, nh, Tq, Tk), boolean (True = attend) or
+    additive (0 / -inf), as Hugging Face models pass it; `scale` defaults to 1/sqrt(hs)."""
     T, mx = q.size(-2), None
-    scale = 1.0 / math.sqrt(q.size(-1))
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        k_end = end if causal else T
+        k_end = end if causal else k.size(-2)
         s = q[:, :, start:end] @ k[:, :, :k_end].transpose(-2, -1)  # (B, nh, Tq, Tk)
         if causal:
             s.add_(_future_bias(start, end - start, k_end, q.device, s.dtype))
+        if mask is not None:
+            s = _masked(s, mask[..., start:end, :k_end])
         m = s.flatten(-2).amax(-1)  # one contiguous reduction: ~2x faster than over two dims
         mx = m if mx is None else torch.maximum(mx, m)
+    assert mx is not None
     return mx * scale  # scaling the max, not every score: max(c*s) = c*max(s) for c > 0
+
+
+def _masked(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores with masked-out positions at -inf (a boolean mask) or the mask added (additive:
+    its finite entries are 0 for attended positions in Hugging Face's masks)."""
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, float("-inf"))
+    return s + mask.to(s.dtype)
+
+
+class AttnMax:
+    """Per-layer, per-head max pre-softmax attention logits of one step, kept on device.
+
+    Filled by an attention function (spikewatch.hf registers one) or by the user's own
+    attention through `record`; maxima of the step's micro-batches are combined."""
+
+    def __init__(self) -> None:
+        self.active = False  # set per step: only probed steps pay for the maxima
+        self._by_layer: dict[int, torch.Tensor] = {}
+        self._names: dict[tuple[tuple[int, ...], int], tuple[list[str], list[str]]] = {}
+
+    def record(self, layer: int, mx: torch.Tensor) -> None:
+        """mx: (B, H) or (H,) max scaled logits of one forward of layer `layer`."""
+        if not self.active:
+            return
+        mx = mx.detach().float()
+        mx = mx.amax(dim=0) if mx.dim() == 2 else mx  # (H,)
+        old = self._by_layer.get(layer)
+        self._by_layer[layer] = mx if old is None else torch.maximum(old, mx)
+
+    def sdpa(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    ) -> torch.Tensor:
+        """A plain loop's attention in one call: `scaled_dot_product_attention(q, k, v)` (all
+        (B, H, T, D)), recording the layer's per-head max logit on probed steps."""
+        if self.active and torch.is_grad_enabled():
+            self.record(layer, max_logits(q, k, causal=causal))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def take(self) -> tuple[list[str], list[str], torch.Tensor] | None:
+        """(per-head names, per-layer names, (L, H) maxima) of the step, then forget them."""
+        if not self._by_layer:
+            return None
+        layers = tuple(sorted(self._by_layer))
+        values = torch.stack([self._by_layer[i] for i in layers])  # (L, H)
+        self._by_layer = {}
+        key = (layers, values.size(1))
+        if key not in self._names:
+            heads = [M.attn_max(i, h) for i in layers for h in range(values.size(1))]
+            self._names[key] = heads, [M.layer_attn_max(i) for i in layers]
+        return *self._names[key], values

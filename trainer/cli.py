@@ -40,11 +40,9 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-    tmp.replace(p)
+    from observatory.strict_json import write_json
+
+    write_json(path, obj)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -99,26 +97,18 @@ def _split(text: str | None) -> list[str]:
 
 def _db_url(args: argparse.Namespace, run_dir: str) -> str:
     """--db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory."""
-    from observatory.db import ENV_VAR
+    from observatory.db import url_for_run
 
-    url = args.db or os.environ.get(ENV_VAR)
-    if url is None:
-        parent = Path(run_dir).resolve().parent
-        parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{parent / 'spikewatch.db'}"
-    return url
+    return url_for_run(run_dir, args.db)
 
 
 def _open_sink(args: argparse.Namespace, run_dir: str):
     """The store the run writes to (migrated to the newest schema first); --no-db for none."""
     if args.no_db:
         return None
-    from observatory.db import upgrade
-    from observatory.sink import DbSink
+    from observatory.sink import open_run_sink
 
-    url = _db_url(args, run_dir)
-    upgrade(url)
-    return DbSink(url, spool_dir=Path(run_dir) / "spool")
+    return open_run_sink(run_dir, _db_url(args, run_dir))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "ScheduleConfig",
     "TrainConfig",
     "WatchConfig",
+    "WatchSettings",
     "apply_overrides",
     "apply_variants",
     "find_config",
@@ -387,6 +388,45 @@ class TrainConfig(_Section):
                 "optim.qk_clip_tau rescales per-head rows of W_q and W_k, which fsdp2 shards "
                 "across ranks: use distributed.strategy='ddp'"
             )
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class WatchSettings(_Section):
+    """What `Watch` (the user's own training) needs; the same sections as `TrainConfig`."""
+
+    name: str = Field("run", min_length=1, description="Run name; prefixes the run id.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Planned optimizer steps, for the dashboard; None = unknown."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps the detector ignores (the loss falls too fast for a level)."
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="Clip the global grad norm to this (done by the Watch, after it has "
+        "measured the norm before clipping); None = no clipping.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=lambda: CheckpointConfig(interval=25),
+        description="Retained checkpoints for rollback (interval None = detect only).",
+    )
+    probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
+    watch: WatchConfig = Field(
+        default_factory=lambda: WatchConfig(classify_cause=False),
+        description="Spike detection and automatic rollback.",
+    )
+
+    @model_validator(mode="after")
+    def _cross(self) -> WatchSettings:
+        if self.watch.classify_cause:
+            raise ValueError(
+                "watch.classify_cause replays the spike's batches, which only the built-in "
+                "trainer can draw again: set it false"
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

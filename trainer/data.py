@@ -148,6 +148,10 @@ class DataState:
         self.batch_index = i + 1
         return i
 
+    def skip_end(self, index: int) -> int | None:
+        """The end of the skip range holding `index`, or None when it is not skipped."""
+        return next((end for start, end in self.skip_ranges if start <= index < end), None)
+
     def add_skip(self, start: int, end: int) -> None:
         if end <= start or start < 0:
             raise ValueError(f"skip range [{start}, {end}) is empty or negative")

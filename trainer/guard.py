@@ -12,7 +12,7 @@ loss when the new branch passes the detection step, against the pre-spike level.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from observatory.detect import Detector, Verdict
@@ -20,7 +20,7 @@ from observatory.policy import Policy
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from trainer.callbacks import Callback, StepState
 from trainer.checkpointer import Checkpointer
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, WatchConfig
 from trainer.recorder import Recorder
 
 __all__ = ["SpikeGuard", "regime_steps"]
@@ -41,24 +41,47 @@ class SpikeGuard(Callback):
     priority = 50  # after sinks that only record, before the progress bar
 
     def __init__(
-        self, cfg: TrainConfig, checkpoints: Checkpointer, recorder: Recorder | None = None
+        self,
+        watch: WatchConfig,
+        checkpoints: Checkpointer,
+        recorder: Recorder | None = None,
+        *,
+        warmup_steps: int = 0,
+        regimes: Iterable[int] = (),
+        can_roll_back: bool = True,
     ) -> None:
-        w = cfg.watch
-        warm = max(w.detector.ignore_before, cfg.schedule.warmup_steps)
-        self.detector = Detector(w.detector.model_copy(update={"ignore_before": warm}))
-        self.policy = Policy(w.policy)
-        self.act = w.rollback and cfg.checkpoint.interval is not None
+        """`warmup_steps`: the detector ignores them (the loss falls too fast to have a level);
+        `regimes`: steps where the loss may change level legitimately; `can_roll_back`: the
+        run keeps checkpoints (without them a verdict is recorded, never acted on)."""
+        warm = max(watch.detector.ignore_before, warmup_steps)
+        self.detector = Detector(watch.detector.model_copy(update={"ignore_before": warm}))
+        self.policy = Policy(watch.policy)
+        self.act = watch.rollback and can_roll_back
         self.checkpoints = checkpoints
         self.recorder = recorder
-        self.regimes = set(regime_steps(cfg))
+        self.regimes = set(regimes)
         self.batch_of: dict[int, int] = {}
         self.loss_of: dict[int, float] = {}
-        self.classify = w.classify_cause
+        self.classify = watch.classify_cause
         self.verdicts: list[dict[str, Any]] = []
         self.watching: list[tuple[dict[str, Any], float]] = []  # (record, pre-spike loss)
         self._pin: str | None = None
         self._warned: dict[str, int] = {}  # signal -> last step it warned
-        self._keep = 4 * (w.detector.window + w.policy.skip_extra) + 64
+        self._keep = 4 * (watch.detector.window + watch.policy.skip_extra) + 64
+
+    @classmethod
+    def for_config(
+        cls, cfg: TrainConfig, checkpoints: Checkpointer, recorder: Recorder | None = None
+    ) -> SpikeGuard:
+        """The built-in trainer's guard: warmup, stage switches, WSD decay from its config."""
+        return cls(
+            cfg.watch,
+            checkpoints,
+            recorder,
+            warmup_steps=cfg.schedule.warmup_steps,
+            regimes=regime_steps(cfg),
+            can_roll_back=cfg.checkpoint.interval is not None,
+        )
 
     def pre_update(self, state: StepState) -> Action:
         if state.step in self.regimes:

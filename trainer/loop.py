@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from trainer import metric_names as M
-from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
+from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import CheckpointError
 from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
+from trainer.decide import action_name, intervention, propose
 from trainer.distributed import World, init_world
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
@@ -108,12 +109,6 @@ def seed_everything(seed: int) -> None:
 
 
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
-
-
-def _action_name(action: Action) -> str:
-    return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback", Halt: "halt"}[
-        type(action)
-    ]
 
 
 class Trainer:
@@ -264,7 +259,7 @@ class Trainer:
         self.step, self.tokens = step, state.tokens
         self.history.append((step, state.ce))
         reason = "" if isinstance(action, Continue) else action.reason
-        done = replace(state, applied=applied, action=_action_name(action), reason=reason)
+        done = replace(state, applied=applied, action=action_name(action), reason=reason)
         for cb in self.callbacks:
             cb.post_step(done)
         if isinstance(action, Rollback):
@@ -339,31 +334,17 @@ class Trainer:
             self._emit_update_metrics(step, dict(zip(names, values.tolist(), strict=True)))
 
     def _propose(self, state: StepState) -> Action:
-        proposed: list[Action] = []
-        if state.nonfinite:
-            proposed.append(SkipUpdate(reason="non-finite loss or gradient"))
-        proposed += [cb.pre_update(state) for cb in self.callbacks]
-        for a in proposed:
-            if isinstance(a, Continue) and a.pin is not None:
-                self._pin_newest(a.pin)
-        return strongest(proposed)
+        action, pins = propose(state, self.callbacks)
+        for reason in pins:
+            self._pin_newest(reason)
+        return action
 
     def _decide(self, state: StepState) -> Action:
         """Rank 0's callbacks decide; every rank carries out that one action (broadcast)."""
         action = self.world.agree(self._propose(state) if self.world.is_main else None)
         if not isinstance(action, Continue):
-            kind = _action_name(action)
-            log.warning("step %d: %s (%s)", state.step, kind, action.reason)
-            record = action.info  # the asking callback may complete it later (the outcome)
-            record.update(
-                step=state.step,
-                batch_index=state.batch_index,
-                kind=kind,
-                reason=action.reason,
-                loss=state.loss,
-                grad_norm=state.grad_norm,
-            )
-            self.interventions.append(record)
+            log.warning("step %d: %s (%s)", state.step, action_name(action), action.reason)
+            self.interventions.append(intervention(action, state))
             if isinstance(action, Halt):
                 self.stop_requested = True
                 self.halted = action.reason
@@ -535,7 +516,7 @@ def build_trainer(
     checkpointer.open()
     if cfg.watch.enabled and world.is_main:  # rank 0 decides for all
         recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
-        callbacks = [*callbacks, SpikeGuard(cfg, checkpointer, recorder)]
+        callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer, recorder)]
     trainer = Trainer(
         cfg=cfg,
         model=model,

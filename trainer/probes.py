@@ -24,16 +24,15 @@ late, tagged with their own step; the last ones are flushed when the fit ends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from trainer import metric_names as M
 from trainer.config import ProbesConfig
 from trainer.distributed import World, local
-from trainer.model import GPT
 
-__all__ = ["Probes", "layer_of"]
+__all__ = ["Probes", "layer_of", "module_layer_of"]
 
 V_TINY = 1e-16
 
@@ -46,6 +45,18 @@ def layer_of(name: str) -> str:
         return "lm_head"
     _, i, part, *_ = name.split(".")  # blocks.<i>.<attn|mlp|attn_norm|mlp_norm>....
     return f"{i}/{'attn' if part.startswith('attn') else 'mlp'}"
+
+
+def module_layer_of(name: str) -> str:
+    """Any model's parameter name -> probe layer, in the model's own module names: inside a
+    numbered block the block index and the child module ('model.layers.3.self_attn.q_proj.weight'
+    -> '3/self_attn', so the store sees a layer x step matrix per child), elsewhere the module
+    path ('model.embed_tokens.weight' -> 'model.embed_tokens', 'lm_head.weight' -> 'lm_head')."""
+    parts = name.split(".")[:-1] or ["root"]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return f"{part}/{parts[i + 1] if i + 1 < len(parts) else 'self'}"
+    return ".".join(parts)
 
 
 class _Groups:
@@ -101,10 +112,11 @@ def _stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 class Probes:
     def __init__(
         self,
-        model: GPT,
+        model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         cfg: ProbesConfig,
         world: World | None = None,
+        layer_of: Callable[[str], str] = layer_of,
     ) -> None:
         self.cfg = cfg
         self.world = world or World()

@@ -23,7 +23,19 @@ from trainer.data import DataState
 if TYPE_CHECKING:
     from trainer.loop import Trainer
 
-__all__ = ["Live", "Stager", "build_snapshot", "restore", "stage_tensors"]
+__all__ = [
+    "Live",
+    "Stager",
+    "build_snapshot",
+    "callback_keys",
+    "join_optimizer",
+    "restore",
+    "rng_states",
+    "set_rng_states",
+    "split_optimizer",
+    "stage_tensors",
+    "to_host",
+]
 
 
 class Stager:
@@ -48,24 +60,24 @@ class Live(Stager):
         return t.detach()
 
 
-def _to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
+def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
     """Tensors to CPU: staged copies with a `stage` (the live ones may change meanwhile), else
     the tensors themselves (a synchronous save writes before training goes on)."""
     if torch.is_tensor(obj):
         return stage(key, obj) if stage is not None else obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_host(v, stage, f"{key}/{k}") for k, v in obj.items()}
+        return {k: to_host(v, stage, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
+        return type(obj)(to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
     return obj
 
 
 def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
     """Every tensor of a snapshot's torch files copied into the stager's host buffers."""
-    return {name: _to_host(obj, stage, name) for name, obj in files.items()}
+    return {name: to_host(obj, stage, name) for name, obj in files.items()}
 
 
-def _rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
+def rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensor states for rng.pt, JSON states for trainer.json)."""
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -79,7 +91,7 @@ def _rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, json_states
 
 
-def _set_rng_states(tensors: dict[str, Any], states: dict[str, Any]) -> None:
+def set_rng_states(tensors: dict[str, Any], states: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch"])
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(tensors["cuda"])
@@ -101,7 +113,7 @@ def callback_keys(callbacks: list[Any]) -> list[str]:
     return keys
 
 
-def _split_optimizer(sd: dict[str, Any]) -> dict[str, Any]:
+def split_optimizer(sd: dict[str, Any]) -> dict[str, Any]:
     """Two files of about equal size (the state of alternate parameters), so the optimizer
     state, twice the weights' size under Adam, is written by two threads at once."""
     state = sd["state"]
@@ -110,14 +122,14 @@ def _split_optimizer(sd: dict[str, Any]) -> dict[str, Any]:
     return {"optimizer.pt": {**sd, "state": even}, "optimizer.1.pt": {"state": odd}}
 
 
-def _join_optimizer(loaded: dict[str, Any]) -> dict[str, Any]:
+def join_optimizer(loaded: dict[str, Any]) -> dict[str, Any]:
     sd = dict(loaded["optimizer.pt"])
     sd["state"] = {**sd["state"], **loaded.get("optimizer.1.pt", {"state": {}})["state"]}
     return sd
 
 
 def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
-    rng_tensors, rng_json = _rng_states()
+    rng_tensors, rng_json = rng_states()
     state = {
         "step": tr.step,
         "tokens": tr.tokens,
@@ -137,8 +149,8 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
         torch_files = {f"rng.rank{tr.world.rank}.pt": {**rng_tensors, "json": rng_json}}
     else:
         torch_files = {
-            **_split_optimizer(_to_host(tr.optimizer.state_dict(), stage, "optimizer")),
-            "model.pt": _to_host(tr.model.state_dict(), stage, "model"),
+            **split_optimizer(to_host(tr.optimizer.state_dict(), stage, "optimizer")),
+            "model.pt": to_host(tr.model.state_dict(), stage, "model"),
             "rng.pt": rng_tensors,
         }
     return Snapshot(
@@ -164,8 +176,8 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
         load_sharded(tr.model, tr.optimizer, loaded["sharded"], tr.world)
     else:
         tr.model.load_state_dict(loaded["model.pt"])
-        tr.optimizer.load_state_dict(_join_optimizer(loaded))
-    _set_rng_states(loaded["rng.pt"], state["rng"])
+        tr.optimizer.load_state_dict(join_optimizer(loaded))
+    set_rng_states(loaded["rng.pt"], state["rng"])
     tr.step, tr.tokens = state["step"], state["tokens"]
     restored = DataState.from_dict(state["data_state"])
     if resume:

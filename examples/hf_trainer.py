@@ -1,0 +1,140 @@
+"""spikewatch in a Hugging Face Trainer run: a tiny Llama (made from a config, no download)
+trained on the shipped byte-level corpus, with a region of poisoned batches (labels shifted by
+one byte) that makes a real spike. One callback does the rest.
+
+    python examples/hf_trainer.py --steps 300 --poison-at 200 --db sqlite:///x.db \
+        --summary-json s.json
+
+`--no-rollback` detects and records only; `--save-every N` writes Trainer checkpoints and
+`--resume` continues from the newest (HF's own resume, the guard's state with it);
+`--grad-accum K` splits each batch into K micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.hf import SpikewatchCallback
+
+
+class Batches(torch.utils.data.Dataset):
+    """Sequence i of the run's data stream: row i % B of global batch i // B, a pure function
+    of its index, so the Trainer's sampler order (and its resume) decides what each step sees.
+    The poisoned region covers global batches [poison_at, poison_at + poison_len)."""
+
+    def __init__(self, data: torch.Tensor, args: argparse.Namespace, n_batches: int) -> None:
+        self.data, self.args, self.n = data, args, n_batches * args.batch_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        a = self.args
+        batch, row = divmod(i, a.batch_size)
+        x, y = windows(self.data, batch, a.batch_size, a.seq_len, a.seed)
+        x, y = x[row], y[row]
+        if a.poison_at is not None and 0 <= batch - a.poison_at < a.poison_len:
+            y = shift_labels(y)
+        # HF shifts labels inside the model: labels[t] is the target of input t-1.
+        return {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
+
+
+def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
+    p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--db", default=None, help="store URL ('none' for no store)")
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--output-dir", default="runs/hf_trainer")
+    p.add_argument("--no-rollback", action="store_true")
+    p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoints; 0 = none")
+    p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2, help="grouped-query attention")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    train, val = text_corpus()
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.d_model,
+        intermediate_size=4 * args.d_model,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    callback = SpikewatchCallback(
+        db=args.db,
+        name="hf-trainer",
+        checkpoint_every=args.checkpoint_every,
+        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
+    )
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size // args.grad_accum,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        adam_beta2=0.95,
+        weight_decay=0.1,
+        warmup_steps=max(1, args.steps // 10),
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        logging_steps=50,
+        eval_strategy="steps",
+        eval_steps=50,
+        per_device_eval_batch_size=args.batch_size,
+        save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or 500,
+        save_total_limit=2,
+        report_to=[],
+        seed=args.seed,
+        data_seed=args.seed,
+        train_sampling_strategy="sequential",  # the stream is shuffled already, by index
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    eval_args = argparse.Namespace(**{**vars(args), "poison_at": None, "seed": 1234})
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        # Room for the steps a rollback repeats: the Trainer's step is the data position.
+        train_dataset=Batches(train, args, n_batches=2 * args.steps),
+        eval_dataset=Batches(val, eval_args, n_batches=8),
+        data_collator=collate,
+        callbacks=[callback],
+    )
+    resume = args.resume and any(Path(args.output_dir).glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.evaluate()  # the final validation loss, into the summary
+    if args.summary_json:
+        callback.write_summary(args.summary_json)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

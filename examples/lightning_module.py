@@ -1,0 +1,149 @@
+"""spikewatch in a PyTorch Lightning run: a LightningModule around a tiny Llama (made from a
+config, no download) on the shipped byte-level corpus, with a region of poisoned batches
+(labels shifted by one byte) that makes a real spike. One callback does the rest.
+
+    python examples/lightning_module.py --steps 300 --poison-at 200 --db sqlite:///x.db \
+        --summary-json s.json
+
+`--no-rollback` detects and records only; `--save-every N` writes Lightning checkpoints and
+`--resume` continues from the last one (the guard's state and the data position with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.lightning import SpikewatchCallback
+
+
+class TinyLlama(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=args.d_model,
+            intermediate_size=4 * args.d_model,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            max_position_embeddings=args.seq_len,
+            attn_implementation="sdpa",
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=x).logits  # (B, T, V)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], idx: int) -> torch.Tensor:
+        return self(*batch)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], idx: int) -> None:
+        self.log("val_loss", self(*batch), prog_bar=False)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        a = self.args
+        opt = torch.optim.AdamW(self.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        warmup = max(1, a.steps // 10)
+
+        def cosine(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, a.steps - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
+    p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--db", default=None, help="store URL ('none' for no store)")
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--output-dir", default="runs/lightning_module")
+    p.add_argument("--no-rollback", action="store_true")
+    p.add_argument("--save-every", type=int, default=0, help="Lightning checkpoints; 0 = none")
+    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2, help="grouped-query attention")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    train, val = text_corpus()
+    pl.seed_everything(args.seed, verbose=False)
+    module = TinyLlama(args)
+    callback = SpikewatchCallback(
+        db=args.db,
+        name="lightning",
+        checkpoint_every=args.checkpoint_every,
+        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
+    )
+
+    def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
+        poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
+        return x, shift_labels(y) if poisoned else y
+
+    val_batches = [windows(val, i, args.batch_size, args.seq_len, seed=1234) for i in range(8)]
+    val_loader = torch.utils.data.DataLoader(val_batches, batch_size=None)
+    saving = []
+    if args.save_every:
+        saving = [
+            pl.callbacks.ModelCheckpoint(
+                dirpath=Path(args.output_dir) / "checkpoints",
+                every_n_train_steps=args.save_every,
+                save_last=True,
+                save_top_k=-1,
+            )
+        ]
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="auto",
+        devices=1,
+        gradient_clip_val=1.0,
+        val_check_interval=50,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        limit_val_batches=len(val_batches),
+        logger=False,
+        enable_checkpointing=bool(saving),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.output_dir,
+        callbacks=[callback, *saving],
+    )
+    train_loader = torch.utils.data.DataLoader(callback.dataset(batch_at), batch_size=None)
+    last = Path(args.output_dir) / "checkpoints" / "last.ckpt"
+    trainer.fit(
+        module,
+        train_dataloaders=train_loader,
+        val_dataloaders=val_loader,
+        ckpt_path=str(last) if args.resume and last.is_file() else None,
+    )
+    trainer.validate(module, dataloaders=val_loader, verbose=False)  # into the summary
+    if args.summary_json:
+        callback.write_summary(args.summary_json)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""spikewatch in a plain PyTorch loop (nanoGPT-style): a small byte-level GPT on the shipped
+corpus, with a region of poisoned batches (labels shifted by one byte) that makes a real spike.
+
+    python examples/plain_loop.py --steps 300 --poison-at 200 --db sqlite:///x.db \
+        --summary-json s.json
+
+The Watch records every probe into the store, rolls back to a checkpoint from before the
+spike's onset, skips the poisoned batches and carries on. `--no-rollback` detects and records
+only (the same run without the cure); `--resume RUN_DIR` continues a killed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spikewatch import AttnMax, Watch
+from spikewatch.corpus import shift_labels, text_corpus, windows
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_head: int, layer: int, rec: AttnMax) -> None:
+        super().__init__()
+        self.n_head, self.layer, self.rec = n_head, layer, rec
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.rec.sdpa(self.layer, q, k, v)  # (B, nh, T, hs); per-head max logit recorded
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int, layer: int, rec: AttnMax) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, n_head, layer, rec)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int, n_layer: int, n_head: int, seq_len: int) -> None:
+        super().__init__()
+        self.attn = AttnMax()  # the Watch's recorder is put here once it exists
+        self.wte, self.wpe = nn.Embedding(256, d), nn.Embedding(seq_len, d)
+        self.h = nn.ModuleList(Block(d, n_head, i, self.attn) for i in range(n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
+
+    def use_recorder(self, rec: AttnMax) -> None:
+        for block in self.h:
+            block.attn.rec = rec
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.size(1), device=x.device)
+        h = self.wte(x) + self.wpe(pos)
+        for block in self.h:
+            h = block(h)
+        logits = self.lm_head(self.ln_f(h))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
+    p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--db", default=None, help="store URL ('none' for no store)")
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--resume", default=None, metavar="RUN_DIR")
+    p.add_argument("--no-rollback", action="store_true")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    train, val = text_corpus()
+
+    model = GPT(args.d_model, args.layers, args.heads, args.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))
+    watch = Watch(
+        model,
+        optimizer,
+        scheduler,
+        name="plain-loop",
+        db=args.db,
+        run_dir=args.resume or args.run_dir,
+        resume=args.resume is not None,
+        max_steps=args.steps,
+        grad_clip=1.0,
+        warmup_steps=warmup,
+        checkpoint_every=args.checkpoint_every,
+        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
+    )
+    model.use_recorder(watch.attn)
+
+    def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
+        poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
+        return x, shift_labels(y) if poisoned else y
+
+    for x, y in watch.batches(batch_at):
+        loss = model(x, y)
+        loss.backward()
+        watch.step(loss)
+        if watch.step_count % 50 == 0 or watch.step_count == args.steps:
+            watch.log_eval(evaluate(model, val, args))
+    watch.close()
+    if args.summary_json:
+        watch.write_summary(args.summary_json)
+    return 0
+
+
+def _cosine(step: int, warmup: int, args: argparse.Namespace) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model: GPT, val: torch.Tensor, args: argparse.Namespace, batches: int = 8) -> float:
+    model.eval()
+    losses = [
+        model(*windows(val, i, args.batch_size, args.seq_len, seed=1234)) for i in range(batches)
+    ]
+    model.train()
+    return float(torch.stack(losses).mean())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

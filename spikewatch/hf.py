@@ -1,0 +1,262 @@
+"""Hugging Face `transformers.Trainer`: one callback gives a run the whole loop.
+
+    from spikewatch.hf import SpikewatchCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[SpikewatchCallback(db="sqlite:///runs/spikewatch.db")])
+
+The callback only translates Trainer events into the `Watch` (trainer/watch.py), which owns
+probes, detection, policy, checkpoints and rollback:
+- on_train_begin builds the Watch around the Trainer's model, optimizer and scheduler and
+  routes their `step()` through it (`Watch.gate`): a callback cannot refuse an update, so this
+  is the one hook into the Trainer. The Watch also takes over `max_grad_norm` clipping (the
+  same arithmetic) because the Trainer clips before any callback sees the gradients, and a
+  clipped norm hides the spike.
+- The step's loss comes from the model's output (`outputs.loss`) through a forward hook, each
+  micro-batch of gradient accumulation included.
+- Per-head attention maxima: the model runs the attention function registered here as
+  `attn_implementation="spikewatch"` (SDPA, or the fused Triton kernel on CUDA, plus the max
+  pre-softmax logit per head, grouped-query attention included). The callback switches a model
+  that uses "sdpa" or "eager"; other implementations are left alone and get no maxima.
+- The global step stays the Trainer's data position; after a rollback the Watch's step (the
+  updates of the live branch) is behind it, and `state.max_steps` is raised by that lag so the
+  run still makes `max_steps` updates. Give the Trainer enough data for that.
+- The Watch's state goes into each Trainer checkpoint (`checkpoint-N/spikewatch.json`), so
+  `trainer.train(resume_from_checkpoint=...)` resumes the guard, the run in the store and the
+  skips with the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from observatory.strict_json import write_json
+from spikewatch._optional import require
+from trainer.attention import AttnMax, max_logits
+from trainer.watch import Watch
+
+_transformers = require("transformers", "hf")
+TrainerCallback = _transformers.TrainerCallback
+
+__all__ = ["ATTN_IMPLEMENTATION", "SpikewatchCallback", "register_attention"]
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "spikewatch"
+STATE_FILE = "spikewatch.json"
+
+
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, H, T, D)
+    key: torch.Tensor,  # (B, Hkv, S, D)
+    value: torch.Tensor,  # (B, Hkv, S, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA (or the fused Triton kernel) and, on probed training steps, the per-head max
+    pre-softmax logit recorded into the Watch's `AttnMax` for `module.layer_idx`."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    rec: AttnMax | None = getattr(module, "_spikewatch_attn", None)
+    if rec is None or not rec.active or not module.training:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    n_rep = query.size(1) // key.size(1)
+    keys = repeat_kv(key, n_rep)  # (B, H, S, D)
+    if _triton_ok(query, key, attention_mask, dropout):
+        from trainer.kernels.attention import flash_attention
+
+        out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
+        rec.record(module.layer_idx, mx)
+        return out.transpose(1, 2).contiguous(), None
+    causal = attention_mask is None and bool(kwargs.get("is_causal", module.is_causal))
+    rec.record(
+        module.layer_idx,
+        max_logits(query, keys, causal=causal, mask=attention_mask, scale=scaling),
+    )
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def _triton_ok(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, p: float) -> bool:
+    """The fused kernel covers causal self-attention without a padding mask or dropout."""
+    return (
+        q.is_cuda and mask is None and p == 0.0 and q.size(-2) == k.size(-2) and q.size(-1) <= 128
+    )
+
+
+def register_attention() -> None:
+    """Register `attn_implementation="spikewatch"` (and its mask, SDPA's) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
+    """Route `model`'s attention through the recording function; returns the number of
+    attention modules that will record (0 when the model uses another implementation)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (ATTN_IMPLEMENTATION, "sdpa", "eager"):
+        log.warning(
+            "attn_implementation=%r: per-head attention maxima need %r (not recorded)",
+            impl,
+            ATTN_IMPLEMENTATION,
+        )
+        return 0
+    register_attention()
+    if impl != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    modules = [m for m in modules if hasattr(m, "num_key_value_groups")]
+    for m in modules:
+        m._spikewatch_attn = rec
+    return len(modules)
+
+
+class SpikewatchCallback(TrainerCallback):  # type: ignore[misc]
+    """spikewatch for a Hugging Face Trainer. Keywords go to `Watch` (db, name, settings,
+    checkpoint_every, tags, ...); `run_root` holds the Watch's checkpoints (default
+    `<output_dir>/spikewatch`); `attn_max=False` leaves the model's attention alone."""
+
+    def __init__(
+        self,
+        *,
+        run_root: str | Path | None = None,
+        attn_max: bool = True,
+        tags: Sequence[str] = (),
+        **watch_kwargs: Any,
+    ) -> None:
+        self.run_root = run_root
+        self.attn_max = attn_max
+        self.tags = tags
+        self.watch_kwargs = watch_kwargs
+        self.watch: Watch | None = None
+        self.summary: dict[str, Any] | None = None
+        self._target: int = 0
+        self._hook: Any = None
+
+    # -- start and end ----------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):  # noqa: ANN001
+        from trainer.loop import new_run_id
+
+        scheduler = kw.get("lr_scheduler")
+        saved = self._saved_state(args, state)
+        kwargs = dict(self.watch_kwargs)
+        if args.max_grad_norm and args.max_grad_norm > 0:  # the Watch clips, after measuring
+            kwargs.setdefault("grad_clip", float(args.max_grad_norm))
+            args.max_grad_norm = 0.0
+        name = kwargs.pop("name", None) or Path(args.output_dir).name or "hf"
+        run_id = saved["run_id"] if saved else new_run_id(name)
+        root = Path(self.run_root) if self.run_root else Path(args.output_dir) / "spikewatch"
+        self._target = state.max_steps
+        self.watch = Watch(
+            model,
+            optimizer,
+            scheduler,
+            name=name,
+            run_dir=root / run_id,
+            max_steps=state.max_steps,
+            warmup_steps=args.get_warmup_steps(state.max_steps),
+            state=saved,
+            tags=[*self.tags, "hf"],
+            framework="hf",
+            **kwargs,
+        )
+        self.watch.gate(optimizer, scheduler)
+        self._hook = model.register_forward_hook(self._loss_hook)
+        if self.attn_max and self.watch.cfg.probes.attn_max:
+            attach_attention(model, self.watch.attn)
+        self._extend(state)
+
+    def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
+        if self.watch is not None:
+            if self._hook is not None:
+                self._hook.remove()
+            status = "halted" if self.watch.halted else "completed"
+            self.summary = self.watch.close(status)
+
+    # -- the step ---------------------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        self._w.begin_step(state.global_step)
+
+    def _loss_hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if loss is None:
+            raise RuntimeError(
+                "spikewatch sees no loss: the model's output has none (pass labels to the "
+                "model, or call the Watch's observe_loss(loss) from your compute_loss)"
+            )
+        self._w.observe_loss(loss)
+
+    def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+        self._extend(state, upcoming=1)
+
+    def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        if self._w.halted is not None:
+            control.should_training_stop = True
+        return control
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):  # noqa: ANN001
+        """Validation during training goes to the store; one after `train()` (the final
+        evaluation) only into the summary, the run being closed."""
+        loss = (metrics or {}).get("eval_loss")
+        if self.watch is None or loss is None or not math.isfinite(loss):
+            return
+        if self.summary is None:
+            self.watch.log_eval(loss)
+        else:
+            self.summary["val_losses"].append({"step": self.watch.step_count, "loss": loss})
+            self.summary["final_val_loss"] = loss
+
+    def write_summary(self, path: str | Path) -> None:
+        """The run's summary (after training) as strict JSON."""
+        if self.summary is None:
+            raise RuntimeError("SpikewatchCallback: no summary before training has ended")
+        write_json(path, self.summary)
+
+    def on_save(self, args, state, control, **kw):  # noqa: ANN001
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.watch is not None and folder.is_dir():
+            text = json.dumps(self.watch.state_dict(), allow_nan=True)
+            (folder / STATE_FILE).write_text(text)
+
+    # -- helpers ----------------------------------------------------------------------------
+    @property
+    def _w(self) -> Watch:
+        if self.watch is None:
+            raise RuntimeError("SpikewatchCallback: training has not begun")
+        return self.watch
+
+    def _extend(self, state: Any, upcoming: int = 0) -> None:
+        """The Trainer stops at `max_steps` global steps; the run's updates are the Watch's
+        steps, which a rollback set back: add the lag (after this step, with `upcoming`)."""
+        lag = state.global_step + upcoming - self._w.step_count
+        state.max_steps = self._target + max(0, lag)
+
+    @staticmethod
+    def _saved_state(args: Any, state: Any) -> dict[str, Any] | None:
+        """The Watch's state in the checkpoint the Trainer resumed from, if it did."""
+        if state.global_step == 0:
+            return None
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE
+        if not path.is_file():
+            log.warning("resuming without %s: the guard starts afresh", path)
+            return None
+        return json.loads(path.read_text())

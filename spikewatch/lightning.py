@@ -1,0 +1,192 @@
+"""PyTorch Lightning: one callback gives a run the whole loop.
+
+    from spikewatch.lightning import SpikewatchCallback
+
+    trainer = L.Trainer(max_steps=1000, callbacks=[SpikewatchCallback(db="sqlite:///...")])
+
+The callback only translates Lightning hooks into the `Watch` (trainer/watch.py):
+- on_fit_start builds the Watch around the module, its (first) optimizer and LR scheduler
+  and routes their `step()` through it (`Watch.gate`; Lightning calls the optimizer with a
+  closure, which the gate runs first). It takes over `gradient_clip_val` (norm clipping, the
+  same arithmetic) so that it measures the norm before clipping.
+- on_before_backward gives the loss; on_train_batch_start the batch's global index: the index
+  that `dataset()` drew, or else the trainer's global step (its data position).
+- `dataset(batch_at)` is the skip-aware data stream: batch `batch_at(i)` for each global index
+  i from the data position on, skipping the skip ranges without computing them, and resuming
+  where the run stopped (Lightning restores the callback's state from its checkpoint).
+- After a rollback the Watch's steps are behind the trainer's; `max_steps` is raised by that
+  lag so the run still makes `max_steps` updates.
+- The Watch's state is the callback's `state_dict`, so Lightning checkpoints carry it.
+Per-head attention maxima: a Hugging Face model inside the module gets the recording attention
+of `spikewatch.hf` when transformers is installed; otherwise call `watch.attn.record(...)` or
+`watch.attn.sdpa(...)` from your attention.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spikewatch._optional import require
+from trainer.watch import Watch
+
+L = require("lightning.pytorch", "lightning")
+
+__all__ = ["SpikewatchCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Batches by global index from the Watch's data position; see `SpikewatchCallback.dataset`."""
+
+    def __init__(self, owner: SpikewatchCallback, batch_at: Callable[[int], Any]) -> None:
+        self.owner, self.batch_at = owner, batch_at
+
+    def __iter__(self) -> Iterator[Any]:
+        watch = self.owner.watch
+        if watch is None:
+            raise RuntimeError("spikewatch: the stream is read before the fit started")
+        index = watch.data.batch_index  # a copy of the cursor: the loader reads ahead
+        self.owner.drawn.clear()
+        while True:
+            while (end := watch.data.skip_end(index)) is not None:
+                index = end
+            self.owner.drawn.append(index)
+            yield self.batch_at(index)
+            index += 1
+
+
+class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
+    """spikewatch for a Lightning run. Keywords go to `Watch` (db, name, settings,
+    checkpoint_every, tags, ...); `run_root` holds the Watch's checkpoints (default
+    `<default_root_dir>/spikewatch`)."""
+
+    def __init__(
+        self,
+        *,
+        run_root: str | Path | None = None,
+        attn_max: bool = True,
+        tags: Sequence[str] = (),
+        **watch_kwargs: Any,
+    ) -> None:
+        self.run_root = run_root
+        self.attn_max = attn_max
+        self.tags = tags
+        self.watch_kwargs = watch_kwargs
+        self.watch: Watch | None = None
+        self.summary: dict[str, Any] | None = None
+        self.drawn: collections.deque[int] = collections.deque()
+        self._saved: dict[str, Any] | None = None
+        self._target = -1
+
+    def dataset(self, batch_at: Callable[[int], Any]) -> torch.utils.data.IterableDataset:
+        """The skip-aware, resumable data stream: use it as the train dataloader's dataset
+        (`DataLoader(cb.dataset(fn), batch_size=None)` when `fn(i)` returns a whole batch)."""
+        return _Stream(self, batch_at)
+
+    # -- start and end ----------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from trainer.loop import new_run_id
+
+        optimizer = trainer.optimizers[0]
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        kwargs = dict(self.watch_kwargs)
+        if trainer.gradient_clip_val:  # the Watch clips, after measuring the norm
+            if trainer.gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError("spikewatch clips by norm: gradient_clip_algorithm='norm'")
+            kwargs.setdefault("grad_clip", float(trainer.gradient_clip_val))
+            trainer.gradient_clip_val = None
+        name = kwargs.pop("name", None) or type(pl_module).__name__
+        saved = self._saved
+        run_id = saved["run_id"] if saved else new_run_id(name)
+        root = Path(self.run_root or Path(trainer.default_root_dir) / "spikewatch")
+        self._target = trainer.max_steps
+        self.watch = Watch(
+            pl_module,
+            optimizer,
+            scheduler,
+            name=name,
+            run_dir=root / run_id,
+            max_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+            state=saved,
+            tags=[*self.tags, "lightning"],
+            framework="lightning",
+            **kwargs,
+        )
+        self.watch.gate(optimizer, scheduler)
+        if self.attn_max and self.watch.cfg.probes.attn_max:
+            self._attach_attention(pl_module)
+        self._extend(trainer)
+
+    def _attach_attention(self, pl_module: Any) -> None:
+        try:
+            from spikewatch.hf import attach_attention
+        except ImportError:
+            return
+        for m in pl_module.modules():
+            if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
+                attach_attention(m, self._w.attn)
+                return
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.watch is not None and self.summary is None:
+            status = "halted" if self.watch.halted else "completed"
+            self.summary = self.watch.close(status)
+
+    # -- the step ---------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        index = self.drawn.popleft() if self.drawn else trainer.global_step
+        self._w.begin_step(index)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self._w.observe_loss(loss * trainer.accumulate_grad_batches)  # Lightning divided it
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._extend(trainer)
+        if self._w.halted is not None:
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        val = trainer.callback_metrics.get("val_loss")
+        if self.watch is not None and val is not None and not trainer.sanity_checking:
+            if self.summary is None:
+                self.watch.log_eval(float(val))
+            else:  # a validation after fit(): the summary only
+                self.summary["val_losses"].append(
+                    {"step": self.watch.step_count, "loss": float(val)}
+                )
+                self.summary["final_val_loss"] = float(val)
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.watch.state_dict() if self.watch is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = dict(state_dict) or None
+
+    def write_summary(self, path: str | Path) -> None:
+        """The run's summary (after fit) as strict JSON."""
+        from observatory.strict_json import write_json
+
+        if self.summary is None:
+            raise RuntimeError("SpikewatchCallback: no summary before the fit has ended")
+        write_json(path, self.summary)
+
+    @property
+    def _w(self) -> Watch:
+        if self.watch is None:
+            raise RuntimeError("SpikewatchCallback: the fit has not started")
+        return self.watch
+
+    def _extend(self, trainer: Any) -> None:
+        """Raise `max_steps` by the steps a rollback set the run back (never lower it)."""
+        if self._target > 0:
+            lag = trainer.global_step - self._w.step_count
+            trainer.fit_loop.epoch_loop.max_steps = self._target + max(0, lag)
