@@ -6,7 +6,7 @@ config, no download) on the shipped byte-level corpus, with a region of poisoned
         --summary-json s.json
 
 `--no-rollback` detects and records only; `--save-every N` writes Lightning checkpoints and
-`--resume` continues from the last one (the guard's state and the data position with it).
+`--resume` continues from the newest one (the guard's state and the data position with it).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             pl.callbacks.ModelCheckpoint(
                 dirpath=Path(args.output_dir) / "checkpoints",
                 every_n_train_steps=args.save_every,
-                save_last=True,
+                filename="{step}",
                 save_top_k=-1,
             )
         ]
@@ -131,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[callback, *saving],
     )
     train_loader = torch.utils.data.DataLoader(callback.dataset(batch_at), batch_size=None)
-    last = Path(args.output_dir) / "checkpoints" / "last.ckpt"
+    saved = sorted(
+        (Path(args.output_dir) / "checkpoints").glob("step=*.ckpt"),
+        key=lambda p: int(p.stem.split("=")[1]),
+    )
     trainer.fit(
         module,
         train_dataloaders=train_loader,
         val_dataloaders=val_loader,
-        ckpt_path=str(last) if args.resume and last.is_file() else None,
+        ckpt_path=str(saved[-1]) if args.resume and saved else None,
     )
     trainer.validate(module, dataloaders=val_loader, verbose=False)  # into the summary
     if args.summary_json:

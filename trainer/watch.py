@@ -134,6 +134,9 @@ class Watch:
         )
         self.callbacks: list[Callback] = [self.recorder, self.guard]
         self.probes = Probes(model, optimizer, cfg.probes, layer_of=layer_of)
+        if not self.model_info.get("n_layer"):  # no HF config: count the numbered blocks
+            blocks = {la.split("/")[0] for la in self.probes.layers}
+            self.model_info["n_layer"] = sum(b.isdigit() for b in blocks)
         self.attn = AttnMax()
         self.device = self.probes.params[0].device
         self.step_count = 0  # updates on the live branch

@@ -43,6 +43,23 @@ LINE_BUCKETS = 2000
 HEAT_BUCKETS = 300
 
 
+def resolve(metric: str, present: set[str]) -> str | None:
+    """The run's own spelling of a heatmap's template. The built-in GPT calls a block's
+    attention 'attn' (`layer/*/attn/grad_norm`); other models use their module names
+    (`layer/*/self_attn/grad_norm` in Hugging Face's Llama): the first such child is taken."""
+    if metric in present:
+        return metric
+    head, sep, stat = metric.partition("/attn/")
+    if not sep:
+        return None
+    for name in sorted(present):
+        parts = name.split("/")
+        if len(parts) == 4 and f"{parts[0]}/{parts[1]}" == head and parts[3] == stat:
+            if "attn" in parts[2] or "attention" in parts[2]:
+                return name
+    return None
+
+
 @router.get("/static/plotly.min.js", include_in_schema=False)
 def plotly_js() -> Response:
     """plotly.js from the installed plotly package: the dashboard works with no internet.
@@ -86,7 +103,7 @@ def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse
     events = store.events(session, run_id=run_id)
     present = set(store.metric_names(session, run_id=run_id))
     lines = [chart for chart, (metric, _) in LINES.items() if metric in present]
-    heatmaps = [chart for chart, (metric, _) in HEATMAPS.items() if metric in present]
+    heatmaps = [chart for chart, (metric, _) in HEATMAPS.items() if resolve(metric, present)]
     context = {
         "run": run,
         "charts": lines + heatmaps,
@@ -125,6 +142,7 @@ def figure(
         branches = store.branches(session, run_id=run_id)
         return charts.series_figure(series, events, branches, title=title)
     metric, title = HEATMAPS[chart]
+    metric = resolve(metric, set(store.metric_names(session, run_id=run_id))) or metric
     window = dict(
         run_id=run_id, metric=metric, buckets=buckets or HEAT_BUCKETS, start=start, end=end
     )
