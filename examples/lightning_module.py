@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         db=args.db,
         name="lightning",
         checkpoint_every=args.checkpoint_every,
+        warmup_steps=max(1, args.steps // 10),  # the LR warmup: no level to detect against yet
         settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
     )
 

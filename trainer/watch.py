@@ -306,14 +306,17 @@ class Watch:
         if hasattr(inner, "_wrapped_by_lr_sched"):  # torch's scheduler checks its own wrapper
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = step
-        if scheduler is not None:
-            inner_sched = scheduler.step
+        if scheduler is not None:  # a subclass, not an instance attribute: state_dict() is
+            watch = self  # the instance's __dict__, and frameworks save it with torch.save
 
-            def sched_step(*args: Any, **kwargs: Any) -> None:
-                if self.outcome in (APPLIED, REFUSED):
-                    inner_sched(*args, **kwargs)
+            def sched_step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+                if watch.outcome in (APPLIED, REFUSED):
+                    return super(gated, sched).step(*args, **kwargs)
+                return None
 
-            scheduler.step = sched_step
+            cls = type(scheduler)
+            gated = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
+            scheduler.__class__ = gated
 
     # -- measuring ------------------------------------------------------------------------
     def _measure(self, step: int) -> StepState:
@@ -390,9 +393,8 @@ class Watch:
             "model.pt": to_host(self.model.state_dict(), stage, "model"),
             "rng.pt": rng_tensors,
         }
-        if self.scheduler is not None:  # minus the gate (an instance attribute, see `gate`)
-            sched = self.scheduler.state_dict()
-            torch_files["scheduler.pt"] = {k: v for k, v in sched.items() if not callable(v)}
+        if self.scheduler is not None:
+            torch_files["scheduler.pt"] = self.scheduler.state_dict()
         last = self.history[-1][1] if self.history else None
         return Snapshot(
             step=self.step_count,
