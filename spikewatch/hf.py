@@ -39,7 +39,7 @@ import torch
 
 from observatory.strict_json import write_json
 from spikewatch._optional import require
-from trainer.attention import AttnMax, max_logits
+from trainer.attention import RECORD_CHUNK, AttnMax, max_logits
 from trainer.watch import Watch
 
 _transformers = require("transformers", "hf")
@@ -83,7 +83,9 @@ def _attention(
     causal = attention_mask is None and bool(kwargs.get("is_causal", module.is_causal))
     rec.record(
         module.layer_idx,
-        max_logits(query, keys, causal=causal, mask=attention_mask, scale=scaling),
+        max_logits(
+            query, keys, causal=causal, mask=attention_mask, scale=scaling, chunk=RECORD_CHUNK
+        ),
     )
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

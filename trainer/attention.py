@@ -143,6 +143,11 @@ def _masked(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return s + mask.to(s.dtype)
 
 
+# Query block of the recording attention functions: 64 rows keep a (B, H, 64, T) score block
+# in cache on CPU (1.7x faster than 128 at B=16, H=4, T=128, D=32).
+RECORD_CHUNK = 64
+
+
 class AttnMax:
     """Per-layer, per-head max pre-softmax attention logits of one step, kept on device.
 
@@ -169,7 +174,7 @@ class AttnMax:
         """A plain loop's attention in one call: `scaled_dot_product_attention(q, k, v)` (all
         (B, H, T, D)), recording the layer's per-head max logit on probed steps."""
         if self.active and torch.is_grad_enabled():
-            self.record(layer, max_logits(q, k, causal=causal))
+            self.record(layer, max_logits(q, k, causal=causal, chunk=RECORD_CHUNK))
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def take(self) -> tuple[list[str], list[str], torch.Tensor] | None:

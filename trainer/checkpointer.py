@@ -183,6 +183,29 @@ class Checkpointer:
                 dropped.append(s)
         return dropped
 
+    def rollback_point(self, to_step: int) -> tuple[int, Path, list[int]]:
+        """For a rollback: the newest intact checkpoint at or before `to_step`, after deleting
+        the newer ones (the abandoned branch: a later resume must never land on them).
+        Returns (its step, its path, the deleted steps)."""
+        if not self.enabled:
+            raise RuntimeError(f"Rollback(to_step={to_step}) needs checkpoints: set an interval")
+        found = self.latest(at_most=to_step)
+        if found is None:
+            raise ck.CheckpointError(f"no intact checkpoint at or before step {to_step}")
+        step, path = found
+        return step, path, self.drop_after(step)
+
+    def resume_point(self) -> tuple[int, Path]:
+        """For a resume: the newest intact checkpoint; newer ones failed verification and are
+        deleted, and it counts as the last save."""
+        found = self.latest()
+        if found is None:
+            raise ck.CheckpointError(f"no intact checkpoint under {self.root}")
+        step, path = found
+        self.drop_after(step)
+        self.last_saved = step
+        return step, path
+
     def retained(self) -> list[int]:
         """Steps of the checkpoints on disk, once the save in flight (and its pruning) is done."""
         self.wait()

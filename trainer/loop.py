@@ -28,7 +28,6 @@ import torch
 from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
-from trainer.checkpoint import CheckpointError
 from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
@@ -200,14 +199,9 @@ class Trainer:
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint in the run directory; returns its step."""
-        found = self.checkpointer.latest()
-        if found is None:
-            raise CheckpointError(f"no intact checkpoint under {self.checkpointer.root}")
-        step, path = found
+        step, path = self.checkpointer.resume_point()
         check_resume(self.cfg, path, self.world.size)
         restore(self, self.checkpointer.read(path, self.device), resume=True)
-        self.checkpointer.drop_after(step)  # newer ones failed verification: not to be kept
-        self.checkpointer.last_saved = step
         log.info("resumed from %s", path)
         return step
 
@@ -363,16 +357,8 @@ class Trainer:
 
     def _rollback(self, action: Rollback) -> None:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip."""
-        if not self.checkpointer.enabled:
-            raise RuntimeError(
-                f"Rollback(to_step={action.to_step}) needs checkpoints: set checkpoint.interval"
-            )
-        found = self.checkpointer.latest(at_most=action.to_step)
-        if found is None:
-            raise CheckpointError(f"no intact checkpoint at or before step {action.to_step}")
-        step, path = found
+        step, path, dropped = self.checkpointer.rollback_point(action.to_step)
         from_step = self.step
-        dropped = self.checkpointer.drop_after(step)  # first: never resume onto that branch
         restore(self, self.checkpointer.read(path, self.device), resume=False)
         if action.info.get("replay"):
             self._classify(action.info, step)

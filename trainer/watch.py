@@ -42,7 +42,7 @@ from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.attention import AttnMax
 from trainer.callbacks import Callback, EvalState, FitState, StepState
-from trainer.checkpoint import CheckpointError, Snapshot
+from trainer.checkpoint import Snapshot
 from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, WatchSettings
@@ -419,14 +419,8 @@ class Watch:
         """Restore the newest intact checkpoint at or before `to_step`, in-process; the data
         position goes on, so every batch after the restored step up to now is skipped, and
         the policy's ranges are skipped as they come."""
-        if not self.checkpointer.enabled:
-            raise RuntimeError(f"Rollback(to_step={action.to_step}) needs checkpoints")
-        found = self.checkpointer.latest(at_most=action.to_step)
-        if found is None:
-            raise CheckpointError(f"no intact checkpoint at or before step {action.to_step}")
-        step, path = found
+        step, path, dropped = self.checkpointer.rollback_point(action.to_step)
         from_step = self.step_count
-        dropped = self.checkpointer.drop_after(step)  # first: never resume onto that branch
         self._restore(self.checkpointer.read(path, self.device), resume=False)
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
@@ -460,13 +454,8 @@ class Watch:
         self.val_losses = [(s, v) for s, v in self.val_losses if s <= self.step_count]
 
     def _resume(self) -> None:
-        found = self.checkpointer.latest()
-        if found is None:
-            raise CheckpointError(f"no intact checkpoint under {self.checkpointer.root}")
-        step, path = found
+        step, path = self.checkpointer.resume_point()
         self._restore(self.checkpointer.read(path, self.device), resume=True)
-        self.checkpointer.drop_after(step)  # newer ones failed verification: not to be kept
-        self.checkpointer.last_saved = step
         log.info("resumed from %s", path)
 
     def state_dict(self) -> dict[str, Any]:
