@@ -31,16 +31,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from observatory.strict_json import write_json
+from spikewatch._adapter import Adapter
 from spikewatch._optional import require
 from trainer.attention import RECORD_CHUNK, AttnMax, max_logits
-from trainer.watch import Watch
 
 _transformers = require("transformers", "hf")
 TrainerCallback = _transformers.TrainerCallback
@@ -130,73 +129,45 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
     return len(modules)
 
 
-class SpikewatchCallback(TrainerCallback):  # type: ignore[misc]
-    """spikewatch for a Hugging Face Trainer. Keywords go to `Watch` (db, name, settings,
-    checkpoint_every, tags, ...); `run_root` holds the Watch's checkpoints (default
-    `<output_dir>/spikewatch`); `attn_max=False` leaves the model's attention alone."""
+class SpikewatchCallback(Adapter, TrainerCallback):  # type: ignore[misc]
+    """spikewatch for a Hugging Face Trainer; options as `Adapter`'s."""
 
-    def __init__(
-        self,
-        *,
-        run_root: str | Path | None = None,
-        attn_max: bool = True,
-        tags: Sequence[str] = (),
-        **watch_kwargs: Any,
-    ) -> None:
-        self.run_root = run_root
-        self.attn_max = attn_max
-        self.tags = tags
-        self.watch_kwargs = watch_kwargs
-        self.watch: Watch | None = None
-        self.summary: dict[str, Any] | None = None
-        self._target: int = 0
-        self._hook: Any = None
+    _hook: Any = None
+    _clip: float | None = None
 
     # -- start and end ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):  # noqa: ANN001
-        from trainer.loop import new_run_id
-
-        scheduler = kw.get("lr_scheduler")
-        saved = self._saved_state(args, state)
-        kwargs = dict(self.watch_kwargs)
-        if args.max_grad_norm and args.max_grad_norm > 0:  # the Watch clips, after measuring
-            kwargs.setdefault("grad_clip", float(args.max_grad_norm))
-            args.max_grad_norm = 0.0
-        name = kwargs.pop("name", None) or Path(args.output_dir).name or "hf"
-        run_id = saved["run_id"] if saved else new_run_id(name)
-        root = Path(self.run_root) if self.run_root else Path(args.output_dir) / "spikewatch"
+        if self._clip is None:  # the first train() of these args: what the user asked for
+            self._clip = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
+        args.max_grad_norm = 0.0  # the Watch clips, after measuring the norm
         self._target = state.max_steps
-        self.watch = Watch(
+        watch = self._open(
             model,
             optimizer,
-            scheduler,
-            name=name,
-            run_dir=root / run_id,
-            max_steps=state.max_steps,
-            warmup_steps=args.get_warmup_steps(state.max_steps),
-            state=saved,
-            tags=[*self.tags, "hf"],
+            kw.get("lr_scheduler"),
             framework="hf",
-            **kwargs,
+            output_dir=args.output_dir,
+            default_name=Path(args.output_dir).name or "hf",
+            max_steps=state.max_steps,
+            saved=self._saved_state(args, state),
+            clip=self._clip,
+            warmup_steps=args.get_warmup_steps(state.max_steps),
         )
-        self.watch.gate(optimizer, scheduler)
-        self._hook = model.register_forward_hook(self._loss_hook)
-        if self.attn_max and self.watch.cfg.probes.attn_max:
-            attach_attention(model, self.watch.attn)
+        self._hook = model.register_forward_hook(self._loss_hook, with_kwargs=True)
+        if self.attn_max and watch.cfg.probes.attn_max:
+            attach_attention(model, watch.attn)
         self._extend(state)
 
     def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
-        if self.watch is not None:
-            if self._hook is not None:
-                self._hook.remove()
-            status = "halted" if self.watch.halted else "completed"
-            self.summary = self.watch.close(status)
+        if self._hook is not None:
+            self._hook.remove()
+        self._close()
 
     # -- the step ---------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
         self._w.begin_step(state.global_step)
 
-    def _loss_hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    def _loss_hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -205,7 +176,8 @@ class SpikewatchCallback(TrainerCallback):  # type: ignore[misc]
                 "spikewatch sees no loss: the model's output has none (pass labels to the "
                 "model, or call the Watch's observe_loss(loss) from your compute_loss)"
             )
-        self._w.observe_loss(loss)
+        # With num_items_in_batch the model divides by the whole step's tokens: a share.
+        self._w.observe_loss(loss, share=kwargs.get("num_items_in_batch") is not None)
 
     def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
         self._extend(state, upcoming=1)
@@ -216,36 +188,18 @@ class SpikewatchCallback(TrainerCallback):  # type: ignore[misc]
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):  # noqa: ANN001
-        """Validation during training goes to the store; one after `train()` (the final
-        evaluation) only into the summary, the run being closed."""
         loss = (metrics or {}).get("eval_loss")
-        if self.watch is None or loss is None or not math.isfinite(loss):
-            return
-        if self.summary is None:
-            self.watch.log_eval(loss)
-        else:
-            self.summary["val_losses"].append({"step": self.watch.step_count, "loss": loss})
-            self.summary["final_val_loss"] = loss
-
-    def write_summary(self, path: str | Path) -> None:
-        """The run's summary (after training) as strict JSON."""
-        if self.summary is None:
-            raise RuntimeError("SpikewatchCallback: no summary before training has ended")
-        write_json(path, self.summary)
+        if loss is not None and math.isfinite(loss):
+            self._eval(loss)
 
     def on_save(self, args, state, control, **kw):  # noqa: ANN001
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if self.watch is not None and folder.is_dir():
-            text = json.dumps(self.watch.state_dict(), allow_nan=True)
-            (folder / STATE_FILE).write_text(text)
+        if self.watch is not None and folder.is_dir():  # NaN kept: a state, not a report
+            tmp = folder / f".{STATE_FILE}.tmp"
+            tmp.write_text(json.dumps(self.watch.state_dict(), allow_nan=True))
+            tmp.replace(folder / STATE_FILE)
 
     # -- helpers ----------------------------------------------------------------------------
-    @property
-    def _w(self) -> Watch:
-        if self.watch is None:
-            raise RuntimeError("SpikewatchCallback: training has not begun")
-        return self.watch
-
     def _extend(self, state: Any, upcoming: int = 0) -> None:
         """The Trainer stops at `max_steps` global steps; the run's updates are the Watch's
         steps, which a rollback set back: add the lag (after this step, with `upcoming`)."""

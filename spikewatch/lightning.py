@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.watch import Watch
 
 L = require("lightning.pytorch", "lightning")
 
@@ -62,28 +61,13 @@ class _Stream(torch.utils.data.IterableDataset):
             index += 1
 
 
-class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
-    """spikewatch for a Lightning run. Keywords go to `Watch` (db, name, settings,
-    checkpoint_every, tags, ...); `run_root` holds the Watch's checkpoints (default
-    `<default_root_dir>/spikewatch`)."""
+class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[misc,name-defined]
+    """spikewatch for a Lightning run; options as `Adapter`'s."""
 
-    def __init__(
-        self,
-        *,
-        run_root: str | Path | None = None,
-        attn_max: bool = True,
-        tags: Sequence[str] = (),
-        **watch_kwargs: Any,
-    ) -> None:
-        self.run_root = run_root
-        self.attn_max = attn_max
-        self.tags = tags
-        self.watch_kwargs = watch_kwargs
-        self.watch: Watch | None = None
-        self.summary: dict[str, Any] | None = None
-        self.drawn: collections.deque[int] = collections.deque()
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.drawn: collections.deque[int] = collections.deque()  # indices the stream gave
         self._saved: dict[str, Any] | None = None
-        self._target = -1
 
     def dataset(self, batch_at: Callable[[int], Any]) -> torch.utils.data.IterableDataset:
         """The skip-aware, resumable data stream: use it as the train dataloader's dataset
@@ -92,36 +76,24 @@ class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
 
     # -- start and end ----------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from trainer.loop import new_run_id
-
-        optimizer = trainer.optimizers[0]
+        clip = trainer.gradient_clip_val
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("spikewatch clips by norm: use gradient_clip_algorithm='norm'")
+        trainer.gradient_clip_val = None  # the Watch clips, after measuring the norm
         configs = trainer.lr_scheduler_configs
-        scheduler = configs[0].scheduler if configs else None
-        kwargs = dict(self.watch_kwargs)
-        if trainer.gradient_clip_val:  # the Watch clips, after measuring the norm
-            if trainer.gradient_clip_algorithm not in (None, "norm"):
-                raise ValueError("spikewatch clips by norm: gradient_clip_algorithm='norm'")
-            kwargs.setdefault("grad_clip", float(trainer.gradient_clip_val))
-            trainer.gradient_clip_val = None
-        name = kwargs.pop("name", None) or type(pl_module).__name__
-        saved = self._saved
-        run_id = saved["run_id"] if saved else new_run_id(name)
-        root = Path(self.run_root or Path(trainer.default_root_dir) / "spikewatch")
         self._target = trainer.max_steps
-        self.watch = Watch(
+        watch = self._open(
             pl_module,
-            optimizer,
-            scheduler,
-            name=name,
-            run_dir=root / run_id,
-            max_steps=trainer.max_steps if trainer.max_steps > 0 else None,
-            state=saved,
-            tags=[*self.tags, "lightning"],
+            trainer.optimizers[0],
+            configs[0].scheduler if configs else None,
             framework="lightning",
-            **kwargs,
+            output_dir=trainer.default_root_dir,
+            default_name=type(pl_module).__name__,
+            max_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+            saved=self._saved,
+            clip=clip,
         )
-        self.watch.gate(optimizer, scheduler)
-        if self.attn_max and self.watch.cfg.probes.attn_max:
+        if self.attn_max and watch.cfg.probes.attn_max:
             self._attach_attention(pl_module)
         self._extend(trainer)
 
@@ -136,9 +108,7 @@ class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
                 return
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.watch is not None and self.summary is None:
-            status = "halted" if self.watch.halted else "completed"
-            self.summary = self.watch.close(status)
+        self._close()
 
     # -- the step ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
@@ -155,14 +125,8 @@ class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         val = trainer.callback_metrics.get("val_loss")
-        if self.watch is not None and val is not None and not trainer.sanity_checking:
-            if self.summary is None:
-                self.watch.log_eval(float(val))
-            else:  # a validation after fit(): the summary only
-                self.summary["val_losses"].append(
-                    {"step": self.watch.step_count, "loss": float(val)}
-                )
-                self.summary["final_val_loss"] = float(val)
+        if val is not None and not trainer.sanity_checking:
+            self._eval(float(val))
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -170,20 +134,6 @@ class SpikewatchCallback(L.Callback):  # type: ignore[misc,name-defined]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved = dict(state_dict) or None
-
-    def write_summary(self, path: str | Path) -> None:
-        """The run's summary (after fit) as strict JSON."""
-        from observatory.strict_json import write_json
-
-        if self.summary is None:
-            raise RuntimeError("SpikewatchCallback: no summary before the fit has ended")
-        write_json(path, self.summary)
-
-    @property
-    def _w(self) -> Watch:
-        if self.watch is None:
-            raise RuntimeError("SpikewatchCallback: the fit has not started")
-        return self.watch
 
     def _extend(self, trainer: Any) -> None:
         """Raise `max_steps` by the steps a rollback set the run back (never lower it)."""

@@ -151,6 +151,7 @@ class Watch:
         self.outcome = APPLIED
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
+        self._loss_share: torch.Tensor | None = None
         self._state: StepState | None = None
         self._action: Action = Continue()
         self._started = self._began = self._closed = False
@@ -217,13 +218,18 @@ class Watch:
         if index is not None:
             self.index = index
             self.data.batch_index = index + 1
-        self._loss_sum, self._loss_n = None, 0
+        self._loss_sum, self._loss_n, self._loss_share = None, 0, None
         self.attn.active = self.probes.wants_attn_max(self.step_count + 1)
         self._began = True
 
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """The loss of one forward (one micro-batch); the step's loss is their mean."""
+    def observe_loss(self, loss: torch.Tensor, *, share: bool = False) -> None:
+        """The loss of one forward (one micro-batch); the step's loss is their mean. With
+        `share`, the loss was already divided by the whole step's token count (Hugging Face's
+        `num_items_in_batch`), so the step's loss is the sum of the shares."""
         value = loss.detach().float()
+        if share:
+            self._loss_share = value if self._loss_share is None else self._loss_share + value
+            return
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_n += 1
 
@@ -322,10 +328,14 @@ class Watch:
     def _measure(self, step: int) -> StepState:
         """Clip (after measuring), then the step's one host transfer."""
         norm, factor, per_tensor = clip_by_global_norm(self.probes.params, self.cfg.grad_clip)
-        if self._loss_sum is None:
-            loss = torch.full((), math.nan, device=self.device)
-        else:
+        if self._loss_share is not None:
+            loss = self._loss_share
+        elif self._loss_sum is not None:
             loss = self._loss_sum / self._loss_n
+        else:
+            raise RuntimeError(
+                "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"
+            )
         xfer = HostTransfer()
         xfer.add([M.LOSS, M.GRAD_NORM, M.CLIP_FACTOR], torch.stack([loss, norm, factor]))
         attn = self.attn.take()

@@ -1,6 +1,5 @@
-"""spikewatch.hf in a Hugging Face Trainer run (examples/hf_trainer.py): detection, rollback and
-recovery, gradient accumulation, per-head attention maxima against the model's own q and k,
-and HF's own resume after SIGKILL."""
+"""spikewatch.hf beyond what test_examples.py covers: gradient accumulation, and per-head
+attention maxima against the model's own q and k (grouped-query attention)."""
 
 from __future__ import annotations
 
@@ -18,50 +17,18 @@ from trainer.attention import AttnMax  # noqa: E402
 from .conftest import (  # noqa: E402
     POISON,
     STEPS,
-    assert_same_weights,
-    final_weights,
-    kill_when,
-    launch,
     run_example,
     the_rollback,
 )
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("hf")
-    db = ("--db", "none")
-    return {
-        "clean": run_example("hf_trainer", tmp / "clean", *STEPS, *db),
-        "guarded": run_example("hf_trainer", tmp / "guarded", *STEPS, *POISON, *db),
-        "unguarded": run_example(
-            "hf_trainer", tmp / "unguarded", *STEPS, *POISON, "--no-rollback", *db
-        ),
-    }
-
-
-def test_a_poisoned_region_is_rolled_back_and_the_run_recovers(runs) -> None:
-    clean, guarded, unguarded = runs["clean"], runs["guarded"], runs["unguarded"]
-    rb = the_rollback(guarded)
-    assert 100 < rb["onset_step"] <= 106
-    assert rb["to_step"] < rb["onset_step"]
-    (start, end), *_ = rb["skip_ranges"]
-    assert start <= 100 < end
-    assert guarded["steps"] == clean["steps"] == 150  # the Trainer ran on past the lag
-    assert not unguarded["interventions"]
-    assert guarded["final_val_loss"] <= clean["final_val_loss"] * 1.02
-    assert unguarded["final_val_loss"] >= clean["final_val_loss"] * 1.02
-
-
-def test_probes_use_the_models_module_names(runs) -> None:
-    names = set(runs["guarded"]["metric_names"])
-    assert {"layer/0/head/3/attn_max", "layer/1/attn_max"} <= names
-    assert {"layer/0/self_attn/grad_norm", "layer/1/mlp/grad_norm"} <= names
-    assert "layer/model.embed_tokens/grad_norm" in names
-    assert "layer/0/self_attn/adam_sqrt_v_max" in names
-
-
 def test_gradient_accumulation(tmp_path) -> None:
+    """Two micro-batches of 4 rows make the same step as one batch of 8: the same loss (HF
+    divides each micro-batch's loss by the whole step's tokens, so the Watch adds the shares)."""
+    short = ("--steps", "6", "--db", "none")
+    one = run_example("hf_trainer", tmp_path / "one", *short)
+    two = run_example("hf_trainer", tmp_path / "two", *short, "--grad-accum", "2")
+    assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], rel=1e-4)
     s = run_example("hf_trainer", tmp_path, *STEPS, *POISON, "--grad-accum", "2", "--db", "none")
     rb = the_rollback(s)
     assert rb["to_step"] < rb["onset_step"] and 100 < rb["onset_step"] <= 106
@@ -105,25 +72,3 @@ def test_attention_maxima_equal_the_models_own_q_and_k() -> None:
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
         want = s.masked_fill(future, float("-inf")).amax(dim=(0, 2, 3))  # (H,)
         torch.testing.assert_close(got[i], want.detach(), rtol=1e-5, atol=1e-5)
-
-
-def test_sigkill_then_hf_resume_equals_an_uninterrupted_run(tmp_path) -> None:
-    args = ("--steps", "60", "--save-every", "10", "--db", "none", "--poison-at", "30")
-    args = (*args, "--poison-len", "14")
-    args = (*args, "--output-dir", "out")
-    whole = run_example("hf_trainer", tmp_path / "whole", *args)
-    killed = tmp_path / "killed"
-    proc = launch("hf_trainer", killed, *args)
-    kill_when(proc, (killed / "out" / "checkpoint-40" / "spikewatch.json").exists)
-    resumed = run_example("hf_trainer", killed, *args, "--resume")
-    (run,) = (killed / "out" / "spikewatch").iterdir()  # the resume went on with the same run
-    assert resumed["run_id"] == run.name
-    assert resumed["final_train_loss"] == whole["final_train_loss"]
-    assert resumed["final_val_loss"] == whole["final_val_loss"]
-    assert [i["to_step"] for i in resumed["interventions"]] == [
-        i["to_step"] for i in whole["interventions"]
-    ]
-    assert_same_weights(
-        final_weights(killed / resumed["run_dir"]),
-        final_weights(tmp_path / "whole" / whole["run_dir"]),
-    )

@@ -1,6 +1,6 @@
-"""`Watch` in a plain PyTorch loop (examples/plain_loop.py): detection, rollback to a retained
-pre-onset checkpoint, skipped batches, refusal of non-finite updates, bit-exact resume after
-SIGKILL, and the run in the store as the dashboard reads it."""
+"""`Watch` in a plain PyTorch loop of the test's own: the weights right after a rollback, the
+skipped batches, the refusal of non-finite updates, and a run in the store as the dashboard
+reads it (recovery and resume of all three ways in: test_examples.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,6 @@ from .conftest import (
     STEPS,
     assert_same_weights,
     example,
-    final_weights,
-    kill_when,
-    launch,
     run_example,
     the_rollback,
 )
@@ -34,33 +31,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("plain")
     db = f"sqlite:///{tmp / 'sw.db'}"
     return {
-        "clean": run_example("plain_loop", tmp / "clean", *STEPS, "--db", "none"),
         "guarded": run_example("plain_loop", tmp / "guarded", *STEPS, *POISON, "--db", db),
-        "unguarded": run_example(
-            "plain_loop", tmp / "unguarded", *STEPS, *POISON, "--no-rollback", "--db", "none"
-        ),
         "db": {"url": db},
     }
-
-
-def test_a_poisoned_region_is_rolled_back_and_the_run_recovers(runs) -> None:
-    clean, guarded, unguarded = runs["clean"], runs["guarded"], runs["unguarded"]
-    rb = the_rollback(guarded)
-    assert 100 < rb["onset_step"] <= 106  # batch 100 is trained as step 101
-    assert rb["to_step"] < rb["onset_step"]
-    (start, end), *_ = rb["skip_ranges"]
-    assert start <= 100 < end
-    assert guarded["steps"] == clean["steps"] == 150
-    assert not unguarded["interventions"]
-    assert guarded["final_val_loss"] <= clean["final_val_loss"] * 1.02
-    assert unguarded["final_val_loss"] >= clean["final_val_loss"] * 1.02
-
-
-def test_probes_are_named_by_the_models_modules(runs) -> None:
-    names = set(runs["guarded"]["metric_names"])
-    assert {"layer/0/head/3/attn_max", "layer/1/attn_max", "train/loss"} <= names
-    assert {"layer/0/attn/grad_norm", "layer/1/mlp/grad_norm", "layer/wte/grad_norm"} <= names
-    assert "layer/0/attn/update_ratio" in names and "layer/0/attn/adam_sqrt_v_max" in names
 
 
 def test_the_run_is_in_the_store_as_the_dashboard_reads_it(runs) -> None:
@@ -131,21 +104,3 @@ def test_a_nonfinite_update_is_refused_before_the_optimizer_step(tmp_path) -> No
         assert torch.equal(states[40][k], v), k
     assert watch.interventions[0]["reason"] == "non-finite loss or gradient"
     assert not torch.equal(states[41]["lm_head.weight"], states[40]["lm_head.weight"])
-
-
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path) -> None:
-    args = ("--steps", "60", "--checkpoint-every", "5", "--db", "none", *POISON[:1], "30")
-    whole = tmp_path / "whole"
-    ref = run_example("plain_loop", whole, *args, "--run-dir", "run")
-    killed = tmp_path / "killed"
-    proc = launch("plain_loop", killed, *args, "--run-dir", "run")
-    mark = killed / "run" / "checkpoints" / "step00000040" / "meta.json"
-    kill_when(proc, mark.exists)
-    resumed = run_example("plain_loop", killed, *args, "--resume", "run")
-    assert resumed["run_id"] == ref["run_id"] == "run"
-    assert resumed["final_train_loss"] == ref["final_train_loss"]
-    assert resumed["final_val_loss"] == ref["final_val_loss"]
-    assert [i["to_step"] for i in resumed["interventions"]] == [
-        i["to_step"] for i in ref["interventions"]
-    ]
-    assert_same_weights(final_weights(killed / "run"), final_weights(whole / "run"))

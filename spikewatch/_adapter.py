@@ -1,0 +1,103 @@
+"""What the framework callbacks share: their options, the Watch they open, the run's summary.
+Only wiring: the Watch (trainer/watch.py) owns everything else."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from observatory.strict_json import write_json
+from trainer.watch import Watch
+
+__all__ = ["Adapter"]
+
+
+class Adapter:
+    """Keywords go to `Watch` (db, name, settings, checkpoint_every, warmup_steps, ...);
+    `run_root` holds the Watch's checkpoints (default: `spikewatch/` in the framework's output
+    directory); `attn_max=False` leaves the model's attention alone."""
+
+    def __init__(
+        self,
+        *,
+        run_root: str | Path | None = None,
+        attn_max: bool = True,
+        tags: Sequence[str] = (),
+        **watch_kwargs: Any,
+    ) -> None:
+        self.run_root = run_root
+        self.attn_max = attn_max
+        self.tags = tags
+        self.watch_kwargs = watch_kwargs
+        self.watch: Watch | None = None
+        self.summary: dict[str, Any] | None = None
+        self._target = 0  # the framework's max_steps as asked for
+
+    def _open(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        framework: str,
+        output_dir: str | Path,
+        default_name: str,
+        max_steps: int | None,
+        saved: Mapping[str, Any] | None,
+        clip: float | None,
+        **extra: Any,
+    ) -> Watch:
+        """The Watch around the framework's objects, their `step()` routed through it. `clip`:
+        the framework's norm clipping, which the Watch takes over (after measuring)."""
+        from trainer.loop import new_run_id
+
+        kwargs = {**extra, **self.watch_kwargs}
+        if clip:
+            kwargs.setdefault("grad_clip", float(clip))
+        name = kwargs.pop("name", None) or default_name
+        run_id = str(saved["run_id"]) if saved else new_run_id(name)
+        root = Path(self.run_root) if self.run_root else Path(output_dir) / "spikewatch"
+        self.watch = Watch(
+            model,
+            optimizer,
+            scheduler,
+            name=name,
+            run_dir=root / run_id,
+            max_steps=max_steps,
+            state=saved,
+            tags=[*self.tags, framework],
+            framework=framework,
+            **kwargs,
+        )
+        self.watch.gate(optimizer, scheduler)
+        return self.watch
+
+    def _close(self) -> None:
+        if self.watch is not None and self.summary is None:
+            self.summary = self.watch.close("halted" if self.watch.halted else "completed")
+
+    def _eval(self, loss: float) -> None:
+        """A validation loss: into the store while training, into the summary after it (the
+        final evaluation, once the run is closed)."""
+        if self.watch is None:
+            return
+        if self.summary is None:
+            self.watch.log_eval(loss)
+        else:
+            self.summary["val_losses"].append({"step": self.watch.step_count, "loss": loss})
+            self.summary["final_val_loss"] = loss
+
+    def write_summary(self, path: str | Path) -> None:
+        """The run's summary (once training has ended) as strict JSON."""
+        if self.summary is None:
+            raise RuntimeError(f"{type(self).__name__}: no summary before training has ended")
+        write_json(path, self.summary)
+
+    @property
+    def _w(self) -> Watch:
+        if self.watch is None:
+            raise RuntimeError(f"{type(self).__name__}: training has not begun")
+        return self.watch
