@@ -107,6 +107,11 @@ class BaseSink:
         known.add(branch)
         self._put(Record("branch", run_id, data))
 
+    def know_branches(self, run_id: str, branches: Iterable[int]) -> None:
+        """Branches the store holds already (a resumed run whose forks are not known): accept
+        records for them without writing the branches again."""
+        self._known_branches(run_id).update(check_branch(b) for b in branches)
+
     def log_metrics(
         self, run_id: str, branch: int, step: int, metrics: Mapping[str, float]
     ) -> None:

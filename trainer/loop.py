@@ -67,6 +67,7 @@ class FitResult:
     metric_names: list[str] = field(default_factory=list)
     halted: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # from the callbacks' summary()
+    fit_tokens: int = 0  # tokens trained by this fit() call (a resumed run's are fewer)
 
     def summary(self) -> dict[str, Any]:
         """The summary JSON (`spikewatch train --summary-json`)."""
@@ -77,7 +78,9 @@ class FitResult:
             "final_train_loss": self.final_train_loss,
             "final_val_loss": self.final_val_loss,
             "tokens": self.tokens,
-            "tokens_per_s": self.tokens / self.elapsed_s if self.elapsed_s > 0 else None,
+            "tokens_per_s": (
+                self.fit_tokens / self.elapsed_s if self.fit_tokens and self.elapsed_s > 0 else None
+            ),
             "elapsed_s": self.elapsed_s,
             "val_losses": [{"step": s, "loss": v} for s, v in self.val_losses],
             "interventions": self.interventions,
@@ -153,6 +156,7 @@ class Trainer:
         self.seconds_per_step = 0.0
         self.val_losses: list[tuple[int, float]] = []
         self.metric_names: set[str] = set()
+        self.resumed_loss = math.nan  # the loss of the step a resume started from
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -160,7 +164,7 @@ class Trainer:
         last = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
         for cb in self.callbacks:
             cb.on_fit_start(self._fit_state())
-        t0, steps_done = time.perf_counter(), 0
+        t0, steps_done, tokens0 = time.perf_counter(), 0, self.tokens
         with stop_on_signals(self):
             try:
                 if self.checkpointer.enabled and self.checkpointer.latest() is None:
@@ -188,7 +192,7 @@ class Trainer:
         status = "halted" if self.halted else "stopped" if self.stop_requested else "completed"
         for cb in self.callbacks:
             cb.on_fit_end(self._fit_state(status))
-        return self._result(elapsed)
+        return self._result(elapsed, self.tokens - tokens0)
 
     def _save(self) -> None:
         stall = self.checkpointer.save(self.step, lambda stage: build_snapshot(self, stage))
@@ -452,12 +456,12 @@ class Trainer:
             status=status,
         )
 
-    def _result(self, elapsed: float) -> FitResult:
+    def _result(self, elapsed: float, fit_tokens: int) -> FitResult:
         return FitResult(
             run_id=self.run_id,
             run_dir=str(self.run_dir),
             steps=self.step,
-            final_train_loss=self.history[-1][1] if self.history else math.nan,
+            final_train_loss=self.history[-1][1] if self.history else self.resumed_loss,
             final_val_loss=self.val_losses[-1][1] if self.val_losses else math.nan,
             tokens=self.tokens,
             config=self.cfg.to_dict(),
@@ -468,6 +472,7 @@ class Trainer:
             metric_names=sorted(self.metric_names),
             halted=self.halted,
             extra={k: v for cb in self.callbacks for k, v in cb.summary().items()},
+            fit_tokens=fit_tokens,
         )
 
 

@@ -55,6 +55,7 @@ class Recorder(Callback):
         self.handled: list[str] = []
         self.run_id = ""
         self.branch = 0
+        self.forks: list[dict[str, Any]] = []  # every branch started: number, parent, fork_step
 
     def on_fit_start(self, state: FitState) -> None:
         self.run_id = state.run_id
@@ -66,10 +67,12 @@ class Recorder(Callback):
             run_dir=state.run_dir,
             sweep_group=self.sweep_group,
         )
-        # A resumed run's branches are in the store already (the first record of a key is kept);
-        # the sink only needs to know them again.
-        for b in range(1, self.branch + 1):
-            self.sink.start_branch(state.run_id, b, parent=b - 1, fork_step=0, reason="resume")
+        # A resumed run's branches are in the store already; the sink is told them again exactly
+        # as they were (a branch record is an upsert: a made-up fork step would overwrite).
+        for fork in self.forks:
+            self.sink.start_branch(state.run_id, **fork)
+        if len(self.forks) < self.branch:  # a checkpoint from before forks were kept
+            self.sink.know_branches(state.run_id, range(1, self.branch + 1))
         if self.requests_from is not None:
             self.poller = RequestPoller(self.requests_from, state.run_id)
             self.poller.seen.update(self.handled)
@@ -134,13 +137,10 @@ class Recorder(Callback):
             message=str(record.get("reason", "")),
             data=_jsonable(record),
         )
-        self.sink.start_branch(
-            self.run_id,
-            self.branch,
-            parent=old,
-            fork_step=step,
-            reason=str(record.get("reason", "")),
-        )
+        fork = {"branch": self.branch, "parent": old, "fork_step": step}
+        fork["reason"] = str(record.get("reason", ""))
+        self.forks.append(fork)
+        self.sink.start_branch(self.run_id, **fork)
 
     def log_verdict(self, verdict: Mapping[str, Any]) -> None:
         """A detector verdict: spikes and non-finite values as such, the rest as notes."""
@@ -185,8 +185,9 @@ class Recorder(Callback):
             log.warning("the store has not taken every record yet; the rest is spooled")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"branch": self.branch, "handled": self.handled}
+        return {"branch": self.branch, "handled": self.handled, "forks": self.forks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.branch = int(state["branch"])
         self.handled = list(state.get("handled", []))
+        self.forks = [dict(f) for f in state.get("forks", [])]

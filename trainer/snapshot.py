@@ -11,6 +11,7 @@ writes them with torch.distributed.checkpoint, and each rank adds its own RNG st
 
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +182,8 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
     tr.step, tr.tokens = state["step"], state["tokens"]
     restored = DataState.from_dict(state["data_state"])
     if resume:
+        last = loaded.get("meta", {}).get("loss")
+        tr.resumed_loss = math.nan if last is None else float(last)
         tr.data_state = restored
         tr.lr_scale = state["lr_scale"]
         tr.interventions = list(state["interventions"])

@@ -114,3 +114,31 @@ def test_nonfinite_steps_are_recorded_without_breaking_the_run(tmp_path) -> None
         assert "nonfinite" in kinds and "skip" in kinds and "rollback" in kinds
         rollback = next(e for e in events if e.kind == "rollback")
         assert rollback.data["loss"] == "nan"  # non-finite values travel as strings
+
+
+def _strict(text: str) -> dict:
+    def no(value: str) -> None:
+        raise ValueError(f"not strict JSON: {value}")
+
+    return json.loads(text, parse_constant=no)
+
+
+def test_a_resume_keeps_the_rollback_history_and_a_finished_resume_its_loss(tmp_path) -> None:
+    """Killed (here: stopped) after a rollback and resumed, branch 1 still forks at the rollback
+    target; a finished run resumed writes strict JSON that repeats its final loss."""
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    common = ["--set", "train.progress=false", "--set", "train.max_steps=200", "--db", db]
+    common += ["--set", "checkpoint.interval=10", "--set", FAULT, "--summary-json"]
+    run = tmp_path / "r2"
+    first = [*common, str(tmp_path / "a.json"), "--set", "train.stop_after=180"]
+    assert main(["train", "tiny_cpu", *first, "--run-dir", str(run)]) == 0
+    to_step = _strict((tmp_path / "a.json").read_text())["interventions"][0]["to_step"]
+    assert main(["train", "--resume", str(run), *common, str(tmp_path / "b.json")]) == 0
+    with session_factory(db)() as s:
+        (_, b1) = store.branches(s, run_id="r2")
+        assert (b1.fork_step, b1.parent) == (to_step, 0) and "resume" not in b1.reason
+    done = _strict((tmp_path / "b.json").read_text())
+    assert main(["train", "--resume", str(run), *common, str(tmp_path / "c.json")]) == 0
+    again = _strict((tmp_path / "c.json").read_text())
+    assert again["steps"] == 200 and again["final_train_loss"] == done["final_train_loss"]
+    assert again["tokens_per_s"] is None  # no token was trained by that call
