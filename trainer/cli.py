@@ -31,12 +31,14 @@ def _configure_logging(verbose: bool) -> None:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    pkg = logging.getLogger("trainer")
     level = logging.DEBUG if verbose else logging.INFO
-    pkg.setLevel(level if _is_main_rank() else logging.ERROR)
-    if not pkg.handlers:
-        pkg.addHandler(RichHandler(show_path=False, console=Console(stderr=True)))
-    pkg.propagate = False
+    handler = RichHandler(show_path=False, console=Console(stderr=True))
+    for name in ("trainer", "observatory", "spikewatch"):  # ours only, never the root logger
+        pkg = logging.getLogger(name)
+        pkg.setLevel(level if _is_main_rank() else logging.ERROR)
+        if not pkg.handlers:
+            pkg.addHandler(handler)
+        pkg.propagate = False
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -389,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--keep-serving",
         action=argparse.BooleanOptionalAction,
-        default=sys.stdin.isatty(),
-        help="keep the dashboard up after training (default: on a terminal)",
+        default=True,
+        help="keep the dashboard up after training, until Ctrl-C (default: on)",
     )
 
     sweep = sub.add_parser("sweep", help="ablation grid: variants x learning rates x seeds")

@@ -125,3 +125,32 @@ def test_demo_trains_with_the_dashboard_up(tmp_path) -> None:
     t.join()
     assert seen and '"run_id"' in seen[0]
     assert (tmp_path / "runs" / "spikewatch.db").exists()
+
+
+def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "trainer.cli", "demo", "--port", str(port)]
+    cmd += ["--set", "train.max_steps=40", "--set", "train.progress=false"]
+    cmd += ["--run-dir", str(tmp_path / "runs" / "d")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.monotonic() + 120
+    while not any("Ctrl-C" in ln for ln in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        lines.append(proc.stderr.readline())
+    time.sleep(1)
+    assert proc.poll() is None  # training is over, the dashboard is still up
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=5) as r:
+        runs = json.loads(r.read())
+    assert [run["status"] for run in runs] == ["completed"]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
