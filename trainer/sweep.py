@@ -168,8 +168,12 @@ class _Runner:
     def run(self, cells: list[CellSpec], sessions: Any, console: Console) -> SweepResult:
         self.home.mkdir(parents=True, exist_ok=True)
         todo = [_Job(c, self.home / c.key) for c in cells]
+        with sessions() as session:
+            stored = {r.run_id for r in list_runs(session, sweep_group=self.group)}
         for job in todo:
-            if (job.run_dir / "summary.json").is_file():
+            if job.run_dir.exists() and job.run_dir.name not in stored:
+                self._set_aside(job.run_dir)  # from a sweep into another store: not this one's
+            elif (job.run_dir / "summary.json").is_file():
                 job.state = "done"
         live = Live(console=console, refresh_per_second=2, transient=False)
         use_live = console.is_terminal
@@ -208,6 +212,16 @@ class _Runner:
                     job.log_file.close()
         result.cells = {j.cell.key: j.state for j in todo}
         return result
+
+    @staticmethod
+    def _set_aside(run_dir: Path) -> None:
+        """Keep (never delete) a run directory whose run this store has never seen, and run
+        the cell afresh: skipping it would report a cell done that the store cannot show."""
+        n = 1
+        while (aside := run_dir.with_name(f"{run_dir.name}.other-store-{n}")).exists():
+            n += 1
+        run_dir.rename(aside)
+        log.warning("%s: not in this store; moved to %s and run again", run_dir.name, aside.name)
 
     def _command(self, job: _Job) -> list[str]:
         cmd = [sys.executable, "-m", "trainer.cli", "train"]

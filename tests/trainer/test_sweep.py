@@ -106,3 +106,19 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path) -> None:
             "tiny_cpu", variants=["baseline"], lrs=[1e-2], overrides=["optim.lrr=1"], root=tmp_path
         )
     assert not any(tmp_path.iterdir())
+
+
+def test_the_same_grid_into_a_new_store_runs_again(tmp_path) -> None:
+    """The group name is derived from the grid, so a new database meets the old run
+    directories: they are set aside (kept) and every cell runs into the new store."""
+    db = f"sqlite:///{tmp_path / 'new.db'}"
+    small = dict(variants=["baseline"], lrs=[1e-2], overrides=TINY)
+    first = run_sweep(
+        "tiny_cpu", root=tmp_path / "r", db_url=f"sqlite:///{tmp_path / 'a.db'}", **small
+    )
+    again = run_sweep("tiny_cpu", root=tmp_path / "r", db_url=db, **small)
+    assert again.group == first.group and again.cells == {"baseline-lr0.01-s0": "ok"}
+    assert (tmp_path / "r" / first.group / "baseline-lr0.01-s0.other-store-1").is_dir()
+    with store.session_factory(db)() as s:
+        report = sweep_report(s, again.group)
+    assert [c.final_val is not None for c in report.cells] == [True]
