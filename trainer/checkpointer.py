@@ -21,7 +21,7 @@ import torch
 from trainer import checkpoint as ck
 from trainer.config import CheckpointConfig
 from trainer.retention import keep
-from trainer.snapshot import Live, Stager, stage_tensors
+from trainer.staging import Live, Stager, stage_tensors
 from trainer.young_daly import daly
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]

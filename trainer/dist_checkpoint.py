@@ -38,7 +38,7 @@ from trainer import checkpoint as ck
 from trainer.checkpointer import Checkpointer
 from trainer.config import CheckpointConfig
 from trainer.distributed import World
-from trainer.snapshot import Stager
+from trainer.staging import Stager
 
 __all__ = ["ShardedCheckpointer", "load_sharded", "write_sharded"]
 

@@ -7,13 +7,20 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from trainer.checkpoint import read_meta
 from trainer.config import ConfigError, DistributedConfig, TrainConfig
 
-if TYPE_CHECKING:
-    from trainer.loop import Trainer
+
+class Stoppable(Protocol):
+    """What a signal handler needs of the loop (trainer/loop.py's Trainer)."""
+
+    stop_requested: bool
+    stop_asked: bool
+
+    def request_stop(self) -> None: ...
+
 
 __all__ = ["RESUMABLE_KEYS", "check_resumable", "check_resume", "stop_on_signals"]
 
@@ -85,7 +92,7 @@ def check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None
 class stop_on_signals:
     """SIGTERM / SIGINT end the run cleanly after the current step, with a checkpoint."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Stoppable) -> None:
         self.trainer = trainer
         self.saved: dict[int, Any] = {}
 

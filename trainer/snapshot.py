@@ -13,20 +13,44 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from trainer.callbacks import Callback
 from trainer.checkpoint import Snapshot
+from trainer.config import TrainConfig
 from trainer.data import DataState
+from trainer.distributed import World
+from trainer.staging import Stager, to_host
 
-if TYPE_CHECKING:
-    from trainer.loop import Trainer
+
+class Trainer(Protocol):
+    """What a snapshot is taken from and restored into: the loop's Trainer (trainer/loop.py),
+    named by its fields so that this module does not import the loop."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    world: World
+    callbacks: Sequence[Callback]
+    run_id: str
+    run_dir: Path
+    step: int
+    tokens: int
+    lr_scale: float
+    data_state: DataState
+    interventions: list[dict[str, Any]]
+    val_losses: list[tuple[int, float]]
+    history: list[tuple[int, float]]
+    resumed_loss: float
+
 
 __all__ = [
-    "Live",
-    "Stager",
+    "Trainer",
     "build_snapshot",
     "callback_keys",
     "join_optimizer",
@@ -34,48 +58,7 @@ __all__ = [
     "rng_states",
     "set_rng_states",
     "split_optimizer",
-    "stage_tensors",
-    "to_host",
 ]
-
-
-class Stager:
-    """Host buffers reused from save to save: an async save copies into memory that is already
-    mapped (first-touch page faults cost more than the copy itself). The caller guarantees that
-    no earlier write still reads the buffers (one save in flight, joined before the next)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        return buf.copy_(t.detach())
-
-
-class Live(Stager):
-    """No copy at all: the live tensors, for a background thread to stage later."""
-
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
-
-
-def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
-    """Tensors to CPU: staged copies with a `stage` (the live ones may change meanwhile), else
-    the tensors themselves (a synchronous save writes before training goes on)."""
-    if torch.is_tensor(obj):
-        return stage(key, obj) if stage is not None else obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_host(v, stage, f"{key}/{k}") for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
-    return obj
-
-
-def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
-    """Every tensor of a snapshot's torch files copied into the stager's host buffers."""
-    return {name: to_host(obj, stage, name) for name, obj in files.items()}
 
 
 def rng_states() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -52,14 +52,13 @@ from trainer.guard import SpikeGuard
 from trainer.probes import Probes, module_layer_of
 from trainer.recorder import Recorder
 from trainer.snapshot import (
-    Stager,
     callback_keys,
     join_optimizer,
     rng_states,
     set_rng_states,
     split_optimizer,
-    to_host,
 )
+from trainer.staging import Stager, to_host
 from trainer.step import HostTransfer, clip_by_global_norm
 
 __all__ = ["Watch"]

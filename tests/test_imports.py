@@ -1,0 +1,74 @@
+"""The house rules of ARCHITECTURE.md, read from the source: no import cycle among the modules
+of our packages (counting imports under TYPE_CHECKING and inside functions: a cycle there
+still ties the modules together), and imports that go one way only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+PACKAGES = ("trainer", "observatory", "web", "spikewatch")
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the modules of our packages it imports (anywhere in its file)."""
+    modules: dict[str, set[str]] = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            deps = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    deps.add(node.module)
+                    deps.update(f"{node.module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names)
+            modules[name] = deps
+    return {m: {d for d in deps if d in modules and d != m} for m, deps in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*stack[stack.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    graph = _imports()
+    assert "trainer.loop" in graph and "trainer.snapshot" in graph["trainer.loop"]
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_go_one_way() -> None:
+    """observatory imports neither trainer nor web; trainer never imports web; nothing imports
+    web but web itself."""
+    for module, deps in _imports().items():
+        pkg = module.split(".")[0]
+        used = {d.split(".")[0] for d in deps}
+        if pkg == "observatory":
+            assert not used & {"trainer", "web", "spikewatch"}, module
+        if pkg != "web":
+            assert "web" not in used, module
