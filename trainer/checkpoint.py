@@ -204,10 +204,19 @@ def list_checkpoints(root: Path) -> dict[int, Path]:
 
 
 def find_intact(root: Path, at_most: int | None = None) -> tuple[int, Path] | None:
-    """The newest checkpoint (with step <= at_most) that verifies; corrupted ones are logged."""
-    for step, path in sorted(list_checkpoints(root).items(), reverse=True):
+    """The checkpoint to continue from (with step <= at_most): the newest *generation* first,
+    then the newest step. A rollback rewrites its target with the next generation before it
+    deletes the abandoned newer steps, so a crash in between still resumes from the target.
+    Corrupted checkpoints are logged and passed over."""
+    candidates = []
+    for step, path in list_checkpoints(root).items():
         if at_most is not None and step > at_most:
             continue
+        try:
+            candidates.append((int(read_meta(path).get("generation", 0)), step, path))
+        except CheckpointError as e:
+            log.warning("skipping corrupted checkpoint: %s", e)
+    for _, step, path in sorted(candidates, reverse=True):
         try:
             verify_checkpoint(path)
         except CheckpointError as e:

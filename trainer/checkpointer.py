@@ -184,20 +184,22 @@ class Checkpointer:
         return dropped
 
     def rollback_point(self, to_step: int) -> tuple[int, Path, list[int]]:
-        """For a rollback: the newest intact checkpoint at or before `to_step`, after deleting
-        the newer ones (the abandoned branch: a later resume must never land on them).
-        Returns (its step, its path, the deleted steps)."""
+        """For a rollback: the newest intact checkpoint at or before `to_step`, and the steps
+        of the newer ones (the abandoned branch). Those are deleted (`drop_after`) only once
+        the target has been saved again with the next generation, so that a crash at any
+        moment resumes from the target, with what the rollback decided."""
         if not self.enabled:
             raise RuntimeError(f"Rollback(to_step={to_step}) needs checkpoints: set an interval")
         found = self.latest(at_most=to_step)
         if found is None:
             raise ck.CheckpointError(f"no intact checkpoint at or before step {to_step}")
         step, path = found
-        return step, path, self.drop_after(step)
+        return step, path, [s for s in ck.list_checkpoints(self.root) if s > step]
 
     def resume_point(self) -> tuple[int, Path]:
-        """For a resume: the newest intact checkpoint; newer ones failed verification and are
-        deleted, and it counts as the last save."""
+        """For a resume: the newest intact checkpoint of the newest generation; newer steps
+        failed verification or belong to a branch a rollback abandoned, and are deleted; it
+        counts as the last save."""
         found = self.latest()
         if found is None:
             raise ck.CheckpointError(f"no intact checkpoint under {self.root}")

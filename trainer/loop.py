@@ -157,6 +157,7 @@ class Trainer:
         self.val_losses: list[tuple[int, float]] = []
         self.metric_names: set[str] = set()
         self.resumed_loss = math.nan  # the loss of the step a resume started from
+        self.generation = 0  # rollbacks carried out: checkpoints of a newer one supersede
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -361,7 +362,7 @@ class Trainer:
 
     def _rollback(self, action: Rollback) -> None:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip."""
-        step, path, dropped = self.checkpointer.rollback_point(action.to_step)
+        step, path, abandoned = self.checkpointer.rollback_point(action.to_step)
         from_step = self.step
         restore(self, self.checkpointer.read(path, self.device), resume=False)
         if action.info.get("replay"):
@@ -376,14 +377,18 @@ class Trainer:
             to_step=step,
             skip_ranges=[list(r) for r in action.skip_ranges],
             lr_scale=action.lr_scale,
-            dropped_checkpoints=dropped,
+            dropped_checkpoints=abandoned,
         )
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
             cb.on_rollback(step, self.interventions[-1])
         # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
-        # scale, policy and detector states): a crash now must not train the bad batches again.
+        # scale, policy and detector states) as the next generation, which a resume prefers to
+        # the abandoned newer steps; only then delete those. A crash at any moment must not
+        # train the bad batches again.
+        self.generation += 1
         self._save()
+        self.checkpointer.drop_after(step)
 
     def _classify(self, record: dict[str, Any], from_step: int) -> None:
         """Replay the spike's steps once from the restored state, on the same batches: a spike

@@ -47,6 +47,7 @@ class Trainer(Protocol):
     val_losses: list[tuple[int, float]]
     history: list[tuple[int, float]]
     resumed_loss: float
+    generation: int
 
 
 __all__ = [
@@ -122,6 +123,7 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
         "data_state": tr.data_state.to_dict(),
         "interventions": tr.interventions,
         "val_losses": tr.val_losses,
+        "generation": tr.generation,
         "rng": rng_json,
         "callbacks": {
             key: cb.state_dict()
@@ -146,6 +148,7 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
             "loss": last,
             "tokens": tr.tokens,
             "data_state": tr.data_state.to_dict(),
+            "generation": tr.generation,
         },
     )
 
@@ -167,6 +170,7 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
     if resume:
         last = loaded.get("meta", {}).get("loss")
         tr.resumed_loss = math.nan if last is None else float(last)
+        tr.generation = int(state.get("generation", 0))
         tr.data_state = restored
         tr.lr_scale = state["lr_scale"]
         tr.interventions = list(state["interventions"])

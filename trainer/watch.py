@@ -1,18 +1,15 @@
 """`Watch`: spikewatch's loop around training it does not own (a plain loop, HF, Lightning).
 
-It wraps the user's model, optimizer and optional LR scheduler and gives their training what
-the built-in trainer has, through the same pieces: `Probes` (per-layer telemetry named by the
-model's own modules), `SpikeGuard` (detector and policy), `Recorder` (the store, through the
-sink), `Checkpointer` (retained, exponentially spaced, pinned, atomic and checksummed
-checkpoints) and `decide.propose` (the step's one decision rule).
+It gives the user's model, optimizer and LR scheduler what the built-in trainer has, through
+the same pieces: `Probes` (named by the model's own modules), `SpikeGuard` (detector, policy),
+`Recorder` (the store), `Checkpointer` (retention, pins) and `decide.propose`.
 
 One step, whoever runs the loop:
   begin_step(index)  the batch's global index; a due checkpoint of the previous step is saved
   observe_loss(loss) once per forward (micro-batch), on device
   decide()           after backward, before optimizer.step: clip (measuring the norm first),
                      one host transfer, the callbacks' decision; True = apply the update
-  conclude(applied)  record the step; carry out a rollback (restore model, optimizer,
-                     scheduler and RNG in-process) or a halt
+  conclude()         record the step; carry out a rollback (in-process restore) or a halt
 A plain loop calls `step(loss)`, which does the last three; a framework's optimizer and
 scheduler are routed through `gate`, so the framework's own `optimizer.step()` asks first.
 
@@ -142,6 +139,7 @@ class Watch:
         self.data = DataState()  # the data position (next global batch index) and skips
         self.index = 0  # this step's batch index
         self.lr_scale = 1.0
+        self.generation = 0  # rollbacks carried out (see trainer/checkpoint.find_intact)
         self.interventions: list[dict[str, Any]] = []
         self.history: list[tuple[int, float]] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -323,7 +321,6 @@ class Watch:
             gated = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
             scheduler.__class__ = gated
 
-    # -- measuring ------------------------------------------------------------------------
     def _measure(self, step: int) -> StepState:
         """Clip (after measuring), then the step's one host transfer."""
         norm, factor, per_tensor = clip_by_global_norm(self.probes.params, self.cfg.grad_clip)
@@ -417,6 +414,7 @@ class Watch:
                 "loss": last,
                 "tokens": 0,
                 "data_state": self.data.to_dict(),
+                "generation": self.generation,
             },
         )
 
@@ -428,7 +426,7 @@ class Watch:
         """Restore the newest intact checkpoint at or before `to_step`, in-process; the data
         position goes on, so every batch after the restored step up to now is skipped, and
         the policy's ranges are skipped as they come."""
-        step, path, dropped = self.checkpointer.rollback_point(action.to_step)
+        step, path, abandoned = self.checkpointer.rollback_point(action.to_step)
         from_step = self.step_count
         self._restore(self.checkpointer.read(path, self.device), resume=False)
         self.checkpointer.pin(step, "rollback target")
@@ -441,13 +439,17 @@ class Watch:
             to_step=step,
             skip_ranges=[list(r) for r in action.skip_ranges],
             lr_scale=action.lr_scale,
-            dropped_checkpoints=dropped,
+            dropped_checkpoints=abandoned,
             resumed_at_batch=self.data.batch_index,
         )
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
             cb.on_rollback(step, record)
-        self._save()  # the target again, with what the run learned: a crash must not forget
+        # The target again, as the next generation (which a resume prefers to the abandoned
+        # newer steps), with what the run learned; only then are those deleted.
+        self.generation += 1
+        self._save()
+        self.checkpointer.drop_after(step)
 
     def _restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
         state = loaded["trainer.json"]
@@ -475,6 +477,7 @@ class Watch:
             "step": self.step_count,
             "data_state": self.data.to_dict(),
             "lr_scale": self.lr_scale,
+            "generation": self.generation,
             "interventions": self.interventions,
             "val_losses": self.val_losses,
             "halted": self.halted,
@@ -489,6 +492,7 @@ class Watch:
         self.step_count = int(state["step"])
         self.data = DataState.from_dict(state["data_state"])
         self.lr_scale = float(state["lr_scale"])
+        self.generation = int(state.get("generation", 0))
         self.interventions = list(state["interventions"])
         self.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
         self.halted = state.get("halted")
@@ -497,7 +501,6 @@ class Watch:
             if key in saved:
                 cb.load_state_dict(saved[key])
 
-    # -- the end --------------------------------------------------------------------------
     def close(self, status: str | None = None) -> dict[str, Any]:
         """Flush the last update statistics, save the final state, close the run in the store;
         returns the summary (the built-in trainer's keys)."""
