@@ -77,7 +77,7 @@ BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 64, 3: 256, 4: 4096}
 COARSEST_LEVEL = max(BLOCK_LEVELS)
 
 RUN_STATUSES = ("running", "completed", "failed", "halted", "stopped")
-CHECKSUM_STATUSES = ("unverified", "ok", "mismatch", "missing")
+CHECKSUM_STATUSES = ("unverified", "ok", "mismatch", "missing", "writing", "deleted")
 INTERVENTION_KINDS = ("rollback", "skip", "lr_change", "halt")
 EVENT_KINDS = (
     "spike",

@@ -75,6 +75,10 @@ class Callback:
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         """A checkpoint of `step` was handed to the writer (written, or being written)."""
 
+    def on_checkpoint_change(self, step: int, path: str, status: str, pinned: bool) -> None:
+        """A checkpoint landed on disk, checksummed (`status` "ok"), or was deleted by
+        retention or a rollback ("deleted")."""
+
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""
 

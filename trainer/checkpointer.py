@@ -12,7 +12,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self._error: BaseException | None = None
+        self._changes: list[tuple[int, str, str]] = []  # (step, path, "ok" | "deleted")
+        self._changes_lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -140,6 +142,7 @@ class Checkpointer:
         snap.meta["pins"] = sorted(pins.get(snap.step, ()))
         path = ck.write_checkpoint(self.root, snap, fsync=self.cfg.fsync)
         log.debug("saved %s", path)
+        self._changed(snap.step, "ok", path)
         self._prune(snap.step, pins)
 
     def _prune(self, now: int, pins: dict[int, set[str]]) -> None:
@@ -148,6 +151,26 @@ class Checkpointer:
         for step, path in existing.items():
             if step not in kept:
                 ck.delete_checkpoint(path)
+                self._changed(step, "deleted", path)
+
+    def _changed(self, step: int, status: str, path: Path) -> None:
+        with self._changes_lock:  # the writer thread of an async save notes them too
+            self._changes.append((step, str(path), status))
+
+    def report(self, callbacks: Iterable[Any]) -> None:
+        """Tell the callbacks (`on_checkpoint_change`) which checkpoints landed or were deleted
+        since the last report; called from the loop's thread."""
+        for step, path, status in self.take_changes():
+            pinned = step in self.pins
+            for cb in callbacks:
+                cb.on_checkpoint_change(step, path, status, pinned)
+
+    def take_changes(self) -> list[tuple[int, str, str]]:
+        """Checkpoints that landed ("ok") or were deleted ("deleted") since the last call, as
+        (step, path, status): the loop tells its callbacks (the run's record) from its thread."""
+        with self._changes_lock:
+            out, self._changes = self._changes, []
+        return out
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; re-raise its error."""
@@ -181,6 +204,7 @@ class Checkpointer:
                 ck.delete_checkpoint(path)
                 self.pins.pop(s, None)
                 dropped.append(s)
+                self._changed(s, "deleted", path)
         return dropped
 
     def rollback_point(self, to_step: int) -> tuple[int, Path, list[int]]:

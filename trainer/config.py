@@ -431,6 +431,29 @@ class WatchSettings(_Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def build(
+        cls,
+        settings: WatchSettings | dict[str, Any] | None,
+        name: str | None = None,
+        max_steps: int | None = None,
+        grad_clip: float | None = None,
+        warmup_steps: int | None = None,
+        checkpoint_every: int | None = None,
+    ) -> WatchSettings:
+        """`settings` (a WatchSettings or its dict), the keywords that are not None on top."""
+        base = settings.to_dict() if isinstance(settings, WatchSettings) else dict(settings or {})
+        given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
+        given["warmup_steps"] = warmup_steps
+        base.update({k: v for k, v in given.items() if v is not None})
+        if checkpoint_every is not None:
+            section = base.get("checkpoint", {"interval": 25})
+            base["checkpoint"] = {**section, "interval": checkpoint_every}
+        try:
+            return cls.model_validate(base)
+        except ValidationError as e:
+            raise ConfigError(f"invalid Watch settings: {e}") from e
+
 
 def _format_error(err: ValidationError) -> str:
     lines = []

@@ -144,6 +144,7 @@ class ShardedCheckpointer(Checkpointer):
         fsync = self.cfg.fsync
         path = write_sharded(self.root, snap, self.world, self.model, self.optimizer, fsync=fsync)
         if self.world.is_main:
+            self._changed(step, "ok", path)
             self._prune(step, pins)
         self.world.barrier()
         log.debug("saved %s", path)

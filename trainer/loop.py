@@ -180,6 +180,8 @@ class Trainer:
                         self._evaluate()
                     if self.checkpointer.due(self.step, self.seconds_per_step):
                         self._save()
+                    else:
+                        self.checkpointer.report(self.callbacks)  # an asynchronous save that landed
                 if self.stop_requested:
                     log.warning("stopping at step %d: %s", self.step, self.halted or "on request")
                     if not self.val_losses or self.val_losses[-1][0] != self.step:
@@ -189,6 +191,7 @@ class Trainer:
             finally:
                 self._flush_probes()
                 self.checkpointer.wait()
+                self.checkpointer.report(self.callbacks)
         elapsed = time.perf_counter() - t0
         status = "halted" if self.halted else "stopped" if self.stop_requested else "completed"
         for cb in self.callbacks:
@@ -201,6 +204,7 @@ class Trainer:
         path = str(self.checkpointer.root / f"step{self.step:08d}")
         for cb in self.callbacks:
             cb.on_checkpoint(self.step, path, self.step in self.checkpointer.pins)
+        self.checkpointer.report(self.callbacks)
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint in the run directory; returns its step."""
@@ -389,6 +393,7 @@ class Trainer:
         self.generation += 1
         self._save()
         self.checkpointer.drop_after(step)
+        self.checkpointer.report(self.callbacks)
 
     def _classify(self, record: dict[str, Any], from_step: int) -> None:
         """Replay the spike's steps once from the restored state, on the same batches: a spike

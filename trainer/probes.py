@@ -25,6 +25,7 @@ late, tagged with their own step; the last ones are flushed when the fit ends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from trainer import metric_names as M
 from trainer.config import ProbesConfig
 from trainer.distributed import World, local
 
-__all__ = ["Probes", "layer_of", "module_layer_of"]
+__all__ = ["Probes", "describe_model", "layer_of", "module_layer_of"]
 
 V_TINY = 1e-16
 
@@ -57,6 +58,23 @@ def module_layer_of(name: str) -> str:
         if part.isdigit():
             return f"{part}/{parts[i + 1] if i + 1 < len(parts) else 'self'}"
     return ".".join(parts)
+
+
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Class, layers and heads for the dashboard (its layer chooser), from a Hugging Face style
+    config when the model has one."""
+    cfg = getattr(model, "config", None)
+
+    def get(key: str) -> Any:
+        return getattr(cfg, key, None)
+
+    return {
+        "class": type(model).__name__,
+        "n_layer": get("num_hidden_layers") or get("n_layer") or 0,
+        "n_head": get("num_attention_heads") or get("n_head") or 0,
+        "n_kv_head": get("num_key_value_heads"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 class _Groups:

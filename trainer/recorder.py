@@ -56,6 +56,7 @@ class Recorder(Callback):
         self.run_id = ""
         self.branch = 0
         self.forks: list[dict[str, Any]] = []  # every branch started: number, parent, fork_step
+        self._branch_of: dict[str, int] = {}  # checkpoint path -> the branch that wrote it
 
     def on_fit_start(self, state: FitState) -> None:
         self.run_id = state.run_id
@@ -167,13 +168,27 @@ class Recorder(Callback):
         )
 
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
+        """Recorded as "writing" until the checkpointer says it landed (`on_checkpoint_change`):
+        an asynchronous save is still in flight here."""
+        self._branch_of[path] = self.branch
         self.sink.log_checkpoint(
             self.run_id,
             step=step,
             path=path,
             branch=self.branch,
             pinned=pinned,
-            checksum_status="ok",
+            checksum_status="writing",
+        )
+
+    def on_checkpoint_change(self, step: int, path: str, status: str, pinned: bool) -> None:
+        branch = self._branch_of.pop(path, self.branch) if status == "deleted" else None
+        self.sink.log_checkpoint(
+            self.run_id,
+            step=step,
+            path=path,
+            branch=self._branch_of.get(path, self.branch) if branch is None else branch,
+            pinned=pinned,
+            checksum_status=status,
         )
 
     def on_fit_end(self, state: FitState) -> None:

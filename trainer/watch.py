@@ -46,7 +46,7 @@ from trainer.config import ConfigError, WatchSettings
 from trainer.data import DataState
 from trainer.decide import action_name, intervention, propose
 from trainer.guard import SpikeGuard
-from trainer.probes import Probes, module_layer_of
+from trainer.probes import Probes, describe_model, module_layer_of
 from trainer.recorder import Recorder
 from trainer.snapshot import (
     callback_keys,
@@ -105,7 +105,9 @@ class Watch:
         `state_dict()` saved in a framework's own checkpoint (its resume restores the rest)."""
         from trainer.loop import new_run_id  # the run id rule of the built-in trainer
 
-        cfg = _settings(settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every)
+        cfg = WatchSettings.build(
+            settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every
+        )
         if resume and run_dir is None:
             raise ValueError("resume needs the run directory")
         self.cfg = cfg
@@ -116,7 +118,7 @@ class Watch:
         self.run_dir = Path(run_dir) if run_dir else Path("runs") / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.framework = framework
-        self.model_info = dict(model_info or _model_info(model))
+        self.model_info = dict(model_info or describe_model(model))
         self.sink = sink if sink is not None else open_run_sink(self.run_dir, db)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.checkpointer.open()
@@ -385,12 +387,15 @@ class Watch:
             elapsed = time.perf_counter() - self._t0
             if ck.due(self.step_count, elapsed / max(self.step_count, 1)):
                 self._save()
+                return
+        self.checkpointer.report(self.callbacks)  # an asynchronous save that landed meanwhile
 
     def _save(self) -> None:
         self.checkpointer.save(self.step_count, self._snapshot)
         path = str(self.checkpointer.root / f"step{self.step_count:08d}")
         for cb in self.callbacks:
             cb.on_checkpoint(self.step_count, path, self.step_count in self.checkpointer.pins)
+        self.checkpointer.report(self.callbacks)
 
     def _snapshot(self, stage: Stager | None) -> Snapshot:
         rng_tensors, rng_json = rng_states()
@@ -450,6 +455,7 @@ class Watch:
         self.generation += 1
         self._save()
         self.checkpointer.drop_after(step)
+        self.checkpointer.report(self.callbacks)
 
     def _restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
         state = loaded["trainer.json"]
@@ -517,6 +523,7 @@ class Watch:
                 self._save()
         finally:
             self.checkpointer.wait()
+            self.checkpointer.report(self.callbacks)
             status = status or ("halted" if self.halted else "completed")
             for cb in self.callbacks:
                 cb.on_fit_end(self._fit_state(status))
@@ -562,38 +569,3 @@ class Watch:
             config=self.run_config(),
             status=status,
         )
-
-
-def _settings(
-    settings: WatchSettings | Mapping[str, Any] | None,
-    name: str | None,
-    max_steps: int | None,
-    grad_clip: float | None,
-    warmup_steps: int | None,
-    checkpoint_every: int | None,
-) -> WatchSettings:
-    base = settings.to_dict() if isinstance(settings, WatchSettings) else dict(settings or {})
-    given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
-    given["warmup_steps"] = warmup_steps
-    base.update({k: v for k, v in given.items() if v is not None})
-    if checkpoint_every is not None:
-        section = base.get("checkpoint", {"interval": 25})
-        base["checkpoint"] = {**section, "interval": checkpoint_every}
-    try:
-        return WatchSettings.model_validate(base)
-    except Exception as e:
-        raise ConfigError(f"invalid Watch settings: {e}") from e
-
-
-def _model_info(model: torch.nn.Module) -> dict[str, Any]:
-    """Layers and heads for the dashboard's layer chooser, from a Hugging Face style config if
-    the model has one."""
-    cfg = getattr(model, "config", None)
-    get = (lambda k: getattr(cfg, k, None)) if cfg is not None else (lambda k: None)
-    return {
-        "class": type(model).__name__,
-        "n_layer": get("num_hidden_layers") or get("n_layer") or 0,
-        "n_head": get("num_attention_heads") or get("n_head") or 0,
-        "n_kv_head": get("num_key_value_heads"),
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }

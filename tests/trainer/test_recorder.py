@@ -142,3 +142,26 @@ def test_a_resume_keeps_the_rollback_history_and_a_finished_resume_its_loss(tmp_
     again = _strict((tmp_path / "c.json").read_text())
     assert again["steps"] == 200 and again["final_train_loss"] == done["final_train_loss"]
     assert again["tokens_per_s"] is None  # no token was trained by that call
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_store_lists_the_checkpoints_on_disk(tmp_path, async_save: bool) -> None:
+    """Every checkpoint ever written has a row; those on disk now are 'ok' (an async save is
+    'writing' until it landed), those deleted by retention or the rollback are 'deleted'."""
+    from trainer import checkpoint as ck
+
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    run = tmp_path / "r3"
+    args = ["train", "tiny_cpu", "--set", "train.progress=false", "--set", "train.max_steps=200"]
+    args += ["--set", "checkpoint.interval=5", "--set", "checkpoint.keep_last=2", "--set", FAULT]
+    args += ["--set", f"checkpoint.async_save={str(async_save).lower()}", "--db", db]
+    assert main([*args, "--run-dir", str(run)]) == 0
+    on_disk = {str(p) for p in ck.list_checkpoints(run / "checkpoints").values()}
+    with session_factory(db)() as s:
+        rows = store.checkpoints(s, run_id="r3")
+    status = {r.path: r.checksum_status for r in rows}
+    assert {p for p, st in status.items() if st == "ok"} == on_disk
+    assert set(status.values()) == {"ok", "deleted"}  # nothing left 'writing'
+    assert len(status) >= 40  # one row per step directory ever written (every 5 of 200)
+    pinned = {r.step for r in rows if r.pinned and r.checksum_status == "ok"}
+    assert pinned  # the rollback target (and pre-spike anchors) stay, pinned
