@@ -306,7 +306,8 @@ def _start_dashboard(db: str, host: str, port: int):
 
     import uvicorn
 
-    os.environ["SPIKEWATCH_DB_URL"] = db
+    before = os.environ.get("SPIKEWATCH_DB_URL")
+    os.environ["SPIKEWATCH_DB_URL"] = db  # read by the app factory as the server starts
     config = uvicorn.Config(
         "web.app:create_default_app", factory=True, host=host, port=port, log_level="warning"
     )
@@ -316,6 +317,10 @@ def _start_dashboard(db: str, host: str, port: int):
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
+    if before is None:  # the environment as it was: nothing else of this process sees it
+        os.environ.pop("SPIKEWATCH_DB_URL", None)
+    else:
+        os.environ["SPIKEWATCH_DB_URL"] = before
     if not server.started:
         log.error("the dashboard did not start on %s:%d (port taken?); training anyway", host, port)
         return None

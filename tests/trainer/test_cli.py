@@ -141,6 +141,7 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
     cmd += ["--set", "train.max_steps=40", "--set", "train.progress=false"]
     cmd += ["--run-dir", str(tmp_path / "runs" / "d")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    env.pop("SPIKEWATCH_DB_URL", None)  # the store beside the run directory
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.monotonic() + 120
