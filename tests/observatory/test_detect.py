@@ -34,12 +34,14 @@ def test_a_spike_is_found_with_its_onset() -> None:
 
 
 def test_onset_walks_back_over_a_gradual_rise() -> None:
+    """Steps 500 and 501 rise by 6-7% (about 5 sigmas: rising, not yet an excursion), the
+    excursion starts at 502 and is a spike at 504: the onset is 500, found by walking back."""
     losses = _curve(800)
-    for k, s in enumerate(range(500, 512)):
-        losses[s - 1] *= 1 + 0.04 * (k + 1) ** 1.6  # the rise starts slowly
+    for s, factor in zip(range(500, 512), [1.06, 1.07, 1.3, 1.5, 1.8, *[2.0] * 7], strict=True):
+        losses[s - 1] *= factor
     v = _run(Detector(DetectorConfig(ignore_before=30)), losses)
     assert v and v[0].kind == "spike"
-    assert v[0].onset_step <= 502 < v[0].step
+    assert (v[0].onset_step, v[0].step) == (500, 504)
 
 
 def test_one_noisy_step_is_not_a_spike() -> None:
@@ -97,14 +99,19 @@ def test_leading_signals_warn() -> None:
 
 
 def test_state_round_trips_and_continues_identically() -> None:
+    """A spike right after the hand-over: only a detector with the state (its level and noise
+    scale) can see it; a fresh one is not armed yet."""
     losses = _curve(700)
-    for s in range(600, 606):
+    for s in range(405, 411):
         losses[s - 1] *= 2.5
     a = Detector(DetectorConfig(ignore_before=30))
     _run(a, losses[:400])
-    b = Detector()
+    b, fresh = Detector(), Detector(DetectorConfig(ignore_before=30))
     b.load_state_dict(a.state_dict())
-    assert _run(a, losses[400:], start=401) == _run(b, losses[400:], start=401) != []
+    went_on = _run(a, losses[400:], start=401)
+    assert went_on and went_on[0].onset_step == 405
+    assert _run(b, losses[400:], start=401) == went_on
+    assert _run(fresh, losses[400:], start=401) != went_on
 
 
 def test_bad_input() -> None:

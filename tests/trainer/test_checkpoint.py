@@ -97,13 +97,33 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, async_save) -
         _assert_same(opt_a[i], opt_s[i])
 
 
-def test_async_save_writes_the_same_checkpoints_as_sync(tmp_path) -> None:
-    fit(tiny_config(*CK), run_dir=tmp_path / "sync")
-    fit(tiny_config(*CK, "checkpoint.async_save=true"), run_dir=tmp_path / "async")
-    a = ck.read_checkpoint(tmp_path / "sync" / "checkpoints" / "step00000012")
-    b = ck.read_checkpoint(tmp_path / "async" / "checkpoints" / "step00000012")
-    _assert_same(a["model.pt"], b["model.pt"])
-    assert a["trainer.json"]["data_state"] == b["trainer.json"]["data_state"]
+def test_async_save_writes_the_same_checkpoints_as_sync(tmp_path, monkeypatch) -> None:
+    """Every checkpoint, not only the last: an async save copies the weights while the next
+    step already runs. The copy is slowed down here, so that an update that did not wait for
+    it would land in the middle checkpoints."""
+    import time
+
+    from trainer import checkpointer
+
+    real = checkpointer.stage_tensors
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "stage_tensors", slow)
+    keep = ("checkpoint.keep_last=20",)
+    fit(tiny_config(*CK, *keep), run_dir=tmp_path / "sync")
+    fit(tiny_config(*CK, *keep, "checkpoint.async_save=true"), run_dir=tmp_path / "async")
+    sync = ck.list_checkpoints(tmp_path / "sync" / "checkpoints")
+    both = ck.list_checkpoints(tmp_path / "async" / "checkpoints")
+    assert list(sync) == list(both) == [0, 4, 8, 12]
+    for step in sync:
+        a, b = ck.read_checkpoint(sync[step]), ck.read_checkpoint(both[step])
+        _assert_same(a["model.pt"], b["model.pt"])
+        for pid, moments in a["optimizer.pt"]["state"].items():
+            _assert_same(moments, b["optimizer.pt"]["state"][pid])
+        assert a["trainer.json"]["data_state"] == b["trainer.json"]["data_state"]
 
 
 def test_resume_refuses_a_changed_config(tmp_path) -> None:

@@ -24,10 +24,10 @@ ARGS = ("checkpoint.interval=1", "train.max_steps=40", "eval.interval=none")
 REPO = Path(__file__).parents[2]
 
 
-def _launch(run_dir: Path) -> subprocess.Popen:
-    """The CLI in a subprocess, training exactly tiny_config(*ARGS) (written out as JSON)."""
+def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """The CLI in a subprocess, training exactly tiny_config(*ARGS, *extra) (as JSON)."""
     cfg_file = run_dir.parent / f"{run_dir.name}.json"
-    cfg_file.write_text(json.dumps(tiny_config(*ARGS).to_dict()))
+    cfg_file.write_text(json.dumps(tiny_config(*ARGS, *extra).to_dict()))
     cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file), "--run-dir", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
@@ -35,14 +35,14 @@ def _launch(run_dir: Path) -> subprocess.Popen:
     )
 
 
-def _final_weights(run_dir: Path, resume: bool) -> dict[str, torch.Tensor]:
-    tr = build_trainer(tiny_config(*ARGS), run_dir=run_dir, resume=resume)
+def _final_weights(run_dir: Path, resume: bool, *extra: str) -> dict[str, torch.Tensor]:
+    tr = build_trainer(tiny_config(*ARGS, *extra), run_dir=run_dir, resume=resume)
     tr.fit()
     return tr.model.state_dict()
 
 
-def _trial(tmp: Path, rng: random.Random, reference: dict, window: float) -> str:
-    proc = _launch(tmp)
+def _trial(tmp: Path, rng: random.Random, reference: dict, window: float, *extra: str) -> str:
+    proc = _launch(tmp, *extra)
     first = tmp / "checkpoints" / "step00000000" / "meta.json"
     deadline = time.monotonic() + 60
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -54,24 +54,30 @@ def _trial(tmp: Path, rng: random.Random, reference: dict, window: float) -> str
     for path in ck.list_checkpoints(tmp / "checkpoints").values():
         ck.verify_checkpoint(path)  # raises if a torn checkpoint was ever published
     has_any = ck.find_intact(tmp / "checkpoints") is not None
-    weights = _final_weights(tmp, resume=has_any)
+    weights = _final_weights(tmp, has_any, *extra)
     for k, v in reference.items():
         assert torch.equal(weights[k], v), k
     return "finished" if finished else "killed"
 
 
-def _run_trials(tmp_path: Path, n: int, seed: int) -> list[str]:
-    reference = _final_weights(tmp_path / "reference", resume=False)
+def _run_trials(tmp_path: Path, n: int, seed: int, *extra: str) -> list[str]:
+    reference = _final_weights(tmp_path / "reference", False, *extra)
     t0 = time.perf_counter()
-    _final_weights(tmp_path / "timing", resume=False)
+    _final_weights(tmp_path / "timing", False, *extra)
     window = 1.2 * (time.perf_counter() - t0)  # the kill lands anywhere in a run's lifetime
     rng = random.Random(seed)
-    return [_trial(tmp_path / f"t{i}", rng, reference, window) for i in range(n)]
+    return [_trial(tmp_path / f"t{i}", rng, reference, window, *extra) for i in range(n)]
 
 
 def test_sigkill_always_resumes_from_an_intact_checkpoint(tmp_path) -> None:
     outcomes = _run_trials(tmp_path, n=10, seed=0)
     assert outcomes.count("killed") >= 5
+
+
+def test_sigkill_during_async_saves(tmp_path) -> None:
+    """With a save every step in a background thread, most kills land while one is writing."""
+    outcomes = _run_trials(tmp_path, 8, 2, "checkpoint.async_save=true")
+    assert outcomes.count("killed") >= 4
 
 
 @pytest.mark.slow

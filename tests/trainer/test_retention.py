@@ -50,8 +50,10 @@ def test_checkpoint_every_step_leaves_log_n(n: int) -> None:
 @settings(max_examples=50, deadline=None)
 @given(n=st.integers(10, 3000), gap=st.integers(1, 50))
 def test_old_checkpoints_remain_for_rollback(n: int, gap: int) -> None:
-    """Sequential pruning keeps the oldest anchor, and consecutive kept ages grow at most ~4x
-    (one per octave, each the oldest of its octave): a rollback target ~100 steps back exists."""
+    """Sequential pruning keeps the oldest anchor, and consecutive kept ages grow at most ~8x:
+    each octave keeps its oldest member, and an octave is empty for a while once its member
+    aged into an octave that holds an older one (found by this test at n=427, gap=7: ages 91
+    then 427). A rollback target ~100 steps back exists."""
     on_disk: set[int] = set()
     for step in range(0, n + 1, gap):
         on_disk = keep(on_disk | {step}, step, keep_last=2)
@@ -59,7 +61,7 @@ def test_old_checkpoints_remain_for_rollback(n: int, gap: int) -> None:
     assert 0 in on_disk
     ages = sorted(now - s for s in on_disk)
     for a, b in zip(ages, ages[1:], strict=False):
-        assert b <= 4 * a + 4 * gap, (ages, gap)
+        assert b <= 8 * a + 8 * gap, (ages, gap)
 
 
 def test_bad_arguments() -> None:
