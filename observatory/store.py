@@ -344,7 +344,7 @@ def series(
     _check_buckets(buckets)
     run = _run(session, run_id)
     tree = branch_tree(session, run.id)
-    ids = _series_ids(session, run.id, parse_name(metric), metric)
+    ids = _series_ids(session, run.id, _key(metric), metric)
     if branch == "all":
         plan = {b: [(b, 0, END)] for b in sorted(ids)}
     else:
@@ -415,9 +415,18 @@ def head_matrix(
 
 
 def _template(metric: str, prefix: str, *, per_head: bool) -> str:
+    """A matrix's template; any other string names no matrix of any run (not found)."""
     if not metric.startswith(prefix) or ("/head/*/" in metric) != per_head:
-        raise ValueError(f"expected a metric template starting with {prefix!r}, got {metric!r}")
+        raise NotFoundError(f"no matrix {metric!r}: a template starts with {prefix!r}")
     return metric
+
+
+def _key(metric: str) -> MetricKey:
+    """A flat metric name's key; a name the store cannot hold is a metric no run has."""
+    try:
+        return parse_name(metric)
+    except ValueError as e:
+        raise NotFoundError(f"no metric {metric!r}: {e}") from None
 
 
 def _matrix(

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from observatory.store import NotFoundError, session_factory
 from web.routes import compare, control, pages, runs
+from web.schemas import errors
 from web.settings import Settings, get_settings
 
 __all__ = ["create_app", "create_default_app"]
@@ -36,9 +37,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.sessions = session_factory(settings.db_url)
     reader = [Depends(control.require_read_token)]
-    app.include_router(runs.router, dependencies=reader)
-    app.include_router(pages.router, dependencies=reader)
-    app.include_router(compare.router, dependencies=reader)
+    read_errors = errors(400, 401, 403, 404)
+    app.include_router(runs.router, dependencies=reader, responses=read_errors)
+    app.include_router(pages.router, dependencies=reader, responses=read_errors)
+    app.include_router(compare.router, dependencies=reader, responses=read_errors)
     app.include_router(control.router)
     app.state.writer = control.make_writer(settings.db_url)
 
@@ -57,7 +59,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(ValueError)
     def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"detail": str(exc)})
+        """400, not 422: 422 is FastAPI's own validation error, with its own body shape."""
+        return JSONResponse(status_code=400, content={"detail": str(exc)})
 
     return app
 

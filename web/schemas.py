@@ -10,7 +10,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "BranchOut",
@@ -36,6 +36,22 @@ Num = Annotated[float | str | None, BeforeValidator(_json_number)]
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorOut(BaseModel):
+    detail: str = Field(description="What was wrong, in words.")
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route can answer."""
+    what = {
+        400: "a value the store cannot use",
+        401: "a bearer token is required",
+        403: "control is off, or the token is wrong",
+        404: "no such run, metric, branch or sweep",
+        409: "the run is not running",
+    }
+    return {code: {"model": ErrorOut, "description": what[code]} for code in codes}
 
 
 class RunOut(_Out):

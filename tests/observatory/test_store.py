@@ -135,8 +135,10 @@ def test_layer_and_head_matrices(db_url: str, tmp_path: Path) -> None:
             top = fn(session, run_id="m", metric=full.metric, buckets=4, extremes="max", **kw)
             assert (top.max_value, top.max_step, top.n) == (full.max_value, full.max_step, full.n)
             assert {v for row in top.min_value + top.min_step for v in row} == {None}
-        with pytest.raises(ValueError, match="layer/\\*/"):
+        with pytest.raises(store.NotFoundError, match="layer/\\*/"):  # no such matrix
             store.layer_matrix(session, run_id="m", metric="update_ratio")
+        with pytest.raises(store.NotFoundError, match="may not contain"):  # no such metric
+            store.series(session, run_id="m", metric="layer/*/attn_max")
         with pytest.raises(store.NotFoundError):
             store.head_matrix(session, run_id="m", metric="layer/*/head/*/attn_max", layer=7)
 

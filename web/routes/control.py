@@ -18,6 +18,7 @@ from observatory import store
 from observatory.ingest import Writer
 from observatory.records import RecordError, event_record
 from web.deps import SessionDep
+from web.schemas import errors
 
 __all__ = ["router"]
 
@@ -58,7 +59,12 @@ def require_read_token(
         )
 
 
-router = APIRouter(prefix="/api/runs", tags=["control"], dependencies=[Depends(require_token)])
+router = APIRouter(
+    prefix="/api/runs",
+    tags=["control"],
+    dependencies=[Depends(require_token)],
+    responses=errors(400, 401, 403, 404, 409),
+)
 
 
 class AnnotationIn(BaseModel):
@@ -86,7 +92,7 @@ def annotate(request: Request, session: SessionDep, run_id: str, body: Annotatio
             data={},
         )
     except RecordError as e:
-        raise HTTPException(422, str(e)) from None
+        raise HTTPException(400, str(e)) from None
     writer = request.app.state.writer
     writer.write([rec])
     return {"uid": rec.data["uid"]}

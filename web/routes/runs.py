@@ -26,7 +26,12 @@ Branch = Annotated[
     int | Literal["all"] | None,
     Query(description="A branch number, 'all' (each branch's own steps) or none (the newest)."),
 ]
-Step = Annotated[int | None, Query(ge=0, description="First / last step to include.")]
+MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers
+MAX_BRANCH = 32767  # branches as 16-bit ones
+Step = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="First / last step to include.")]
+BranchNumber = Annotated[int | None, Query(ge=0, le=MAX_BRANCH)]
+# A flat metric name as the store holds them (observatory/names.py): no '*', no surrounding space
+METRIC = r"^[^*\s](?:[^*]*[^*\s])?$"
 
 
 @router.get("", response_model=list[RunOut])
@@ -53,7 +58,7 @@ def metric_names(session: SessionDep, run_id: str) -> list[str]:
 def series(
     session: SessionDep,
     run_id: str,
-    metric: Annotated[str, Query(min_length=1, max_length=200)],
+    metric: Annotated[str, Query(min_length=1, max_length=200, pattern=METRIC)],
     branch: Branch = None,
     buckets: Buckets = 2000,
     start: Step = None,
@@ -72,7 +77,7 @@ def matrix(
     layer: Annotated[
         int | None, Query(ge=0, description="Heads of this layer; none = layers.")
     ] = None,
-    branch: Annotated[int | None, Query(ge=0)] = None,
+    branch: BranchNumber = None,
     buckets: Buckets = 1000,
     start: Step = None,
     end: Step = None,
@@ -92,7 +97,7 @@ def events(
     session: SessionDep,
     run_id: str,
     kind: Annotated[list[str] | None, Query(description="Only these kinds.")] = None,
-    branch: Annotated[int | None, Query(ge=0)] = None,
+    branch: BranchNumber = None,
     start: Step = None,
     end: Step = None,
     limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
@@ -112,17 +117,29 @@ def checkpoints(session: SessionDep, run_id: str) -> list[store.CheckpointRow]:
     return store.checkpoints(session, run_id=run_id)
 
 
-@router.get("/{run_id}/logbook", response_class=PlainTextResponse)
+_JSON_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
+
+
+@router.get(
+    "/{run_id}/logbook",
+    response_class=PlainTextResponse,
+    # the page is text, its errors JSON: say so (the router's error models would be text/plain)
+    responses={code: {"content": _JSON_ERROR} for code in (400, 401, 403, 404)},
+)
 def run_logbook(session: SessionDep, run_id: str) -> str:
     return logbook(session, run_id=run_id)
 
 
-@router.get("/{run_id}/stream", include_in_schema=True)
+@router.get(
+    "/{run_id}/stream",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "points as they come"}},
+)
 async def stream(
     request: Request,
     run_id: str,
-    metric: Annotated[str, Query(min_length=1, max_length=200)] = "train/loss",
-    after: Annotated[int, Query(ge=0)] = 0,
+    metric: Annotated[str, Query(min_length=1, max_length=200, pattern=METRIC)] = "train/loss",
+    after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
 ) -> StreamingResponse:
     """Server-Sent Events: each new point of `metric` after step `after`, about every second."""
     sessions = request.app.state.sessions
