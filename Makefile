@@ -25,6 +25,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: install lint
 	$(PY) -m pytest -q -m "not slow and not gpu"

@@ -64,6 +64,7 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
 def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a protobuf message, without a schema."""
     i = 0
+    value: int | bytes
     while i < len(buf):
         key, i = _varint(buf, i)
         field, wire = key >> 3, key & 7

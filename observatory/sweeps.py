@@ -193,9 +193,10 @@ def lr_sensitivity(losses: Sequence[float | None], init_loss: float | None) -> f
     """
     if init_loss is None or not math.isfinite(init_loss) or not losses:
         return None
-    if any(v is None for v in losses):
+    known = [v for v in losses if v is not None]
+    if len(known) < len(losses):
         return None
-    capped = [min(v, init_loss) if math.isfinite(v) else init_loss for v in losses]  # type: ignore[arg-type]
+    capped = [min(v, init_loss) if math.isfinite(v) else init_loss for v in known]
     return sum(capped) / len(capped) - min(capped)
 
 

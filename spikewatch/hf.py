@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,8 +41,10 @@ from spikewatch._adapter import Adapter
 from spikewatch._optional import require
 from trainer.attention import RECORD_CHUNK, AttnMax, max_logits
 
-_transformers = require("transformers", "hf")
-TrainerCallback = _transformers.TrainerCallback
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+else:
+    TrainerCallback = require("transformers", "hf").TrainerCallback
 
 __all__ = ["ATTN_IMPLEMENTATION", "SpikewatchCallback", "register_attention"]
 
@@ -77,11 +79,11 @@ def _attention(
         from trainer.kernels.attention import flash_attention
 
         out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
-        rec.record(module.layer_idx, mx)
+        rec.record(_layer(module), mx)
         return out.transpose(1, 2).contiguous(), None
     causal = attention_mask is None and bool(kwargs.get("is_causal", module.is_causal))
     rec.record(
-        module.layer_idx,
+        _layer(module),
         max_logits(
             query, keys, causal=causal, mask=attention_mask, scale=scaling, chunk=RECORD_CHUNK
         ),
@@ -89,6 +91,10 @@ def _attention(
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def _layer(module: torch.nn.Module) -> int:
+    return int(cast(int, module.layer_idx))
 
 
 def _triton_ok(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, p: float) -> bool:
@@ -121,15 +127,15 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
         return 0
     register_attention()
     if impl != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cast(Any, model).set_attn_implementation(ATTN_IMPLEMENTATION)
     modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
     modules = [m for m in modules if hasattr(m, "num_key_value_groups")]
     for m in modules:
-        m._spikewatch_attn = rec
+        m.__dict__["_spikewatch_attn"] = rec  # a plain attribute (nn.Module's setattr agrees)
     return len(modules)
 
 
-class SpikewatchCallback(Adapter, TrainerCallback):  # type: ignore[misc]
+class SpikewatchCallback(Adapter, TrainerCallback):
     """spikewatch for a Hugging Face Trainer; options as `Adapter`'s."""
 
     _hook: Any = None

@@ -61,7 +61,7 @@ class _Stream(torch.utils.data.IterableDataset):
             index += 1
 
 
-class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[misc,name-defined]
+class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
     """spikewatch for a Lightning run; options as `Adapter`'s."""
 
     def __init__(self, **options: Any) -> None:

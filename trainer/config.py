@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -434,7 +435,7 @@ class WatchSettings(_Section):
     @classmethod
     def build(
         cls,
-        settings: WatchSettings | dict[str, Any] | None,
+        settings: WatchSettings | Mapping[str, Any] | None,
         name: str | None = None,
         max_steps: int | None = None,
         grad_clip: float | None = None,

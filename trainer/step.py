@@ -7,7 +7,7 @@ device: the loop makes the step's single host transfer from what `forward_backwa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +99,7 @@ def _max(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 def clip_by_global_norm(
-    params: list[torch.Tensor], max_norm: float | None
+    params: Sequence[torch.Tensor], max_norm: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.nn.utils.clip_grad_norm_'s arithmetic, keeping the per-tensor norms it computes
     (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""

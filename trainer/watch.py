@@ -314,14 +314,15 @@ class Watch:
         if scheduler is not None:  # a subclass, not an instance attribute: state_dict() is
             watch = self  # the instance's __dict__, and frameworks save it with torch.save
 
+            cls = type(scheduler)
+            unguarded = cls.step
+
             def sched_step(sched: Any, *args: Any, **kwargs: Any) -> Any:
                 if watch.outcome in (APPLIED, REFUSED):
-                    return super(gated, sched).step(*args, **kwargs)
+                    return unguarded(sched, *args, **kwargs)
                 return None
 
-            cls = type(scheduler)
-            gated = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
-            scheduler.__class__ = gated
+            scheduler.__class__ = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
 
     def _measure(self, step: int) -> StepState:
         """Clip (after measuring), then the step's one host transfer."""

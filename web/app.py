@@ -45,7 +45,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.writer = control.make_writer(settings.db_url)
 
     @app.middleware("http")
-    async def remember_token(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def remember_token(request: Request, call_next):
         """`?token=` on a page sets the read cookie, so scripts and live streams carry it."""
         response = await call_next(request)
         token = request.query_params.get("token")

@@ -35,14 +35,13 @@ def _finite(v: float | None) -> bool:
 
 def _points(s: SeriesData) -> tuple[list[int], list[float], list[int]]:
     """x, y through every bucket's min and max (in step order), and the non-finite steps."""
-    xs, ys, bad = [], [], []
+    xs: list[int] = []
+    ys: list[float] = []
+    bad: list[int] = []
     for b in s.buckets:
-        pts = sorted(
-            {(b.min_step, b.min_value), (b.max_step, b.max_value)} - {(None, None)},
-            key=lambda p: p[0],
-        )
-        for step, value in pts:
-            if _finite(value):
+        pts = {(b.min_step, b.min_value), (b.max_step, b.max_value)}
+        for step, value in sorted((s, v) for s, v in pts if s is not None):
+            if value is not None and _finite(value):
                 xs.append(step)
                 ys.append(value)
             elif value is not None:
@@ -148,7 +147,9 @@ def series_figure(
     }
 
 
-def _markers(name: str, xs: list[int], y: float, symbol: str, color: str) -> dict[str, Any]:
+def _markers(
+    name: str, xs: Sequence[int | None], y: float, symbol: str, color: str
+) -> dict[str, Any]:
     return {
         "type": "scatter",
         "mode": "markers",

@@ -130,11 +130,13 @@ def _max_logit_panels(
             m = store.layer_matrix(session, run_id=c.run_id, metric=ATTN_MAX, buckets=200)
         except store.NotFoundError:
             continue
-        xs, ys = [], []
+        xs: list[int] = []
+        ys: list[float] = []
         for k, start in enumerate(m.starts):
-            col = [row[k] for row in m.max_value if row[k] is not None and math.isfinite(row[k])]
+            col = [v for row in m.max_value if (v := row[k]) is not None and math.isfinite(v)]
+            first = m.max_step[0][k]
             if col:
-                xs.append(m.max_step[0][k] if m.bucket_width == 1 else start)
+                xs.append(first if m.bucket_width == 1 and first is not None else start)
                 ys.append(max(col))
         label = f"lr {c.lr:g}" + (f" s{c.seed}" if c.seed else "")
         panels.setdefault(c.variant, []).append((label, xs, ys))

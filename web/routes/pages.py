@@ -134,8 +134,15 @@ def figure(
     head x step of `layer`). `start`/`end` narrow the steps (the page asks again on zoom)."""
     if chart in LINES:
         metric, title = LINES[chart]
-        window = dict(buckets=buckets or LINE_BUCKETS, start=start, end=end)
-        series = store.series(session, run_id=run_id, metric=metric, branch="all", **window)
+        series = store.series(
+            session,
+            run_id=run_id,
+            metric=metric,
+            branch="all",
+            buckets=buckets or LINE_BUCKETS,
+            start=start,
+            end=end,
+        )
         events = store.events(session, run_id=run_id)
         if metric != LOSS_METRIC:
             events = [e for e in events if e.kind != "spike"]
@@ -143,11 +150,20 @@ def figure(
         return charts.series_figure(series, events, branches, title=title)
     metric, title = HEATMAPS[chart]
     metric = resolve(metric, set(store.metric_names(session, run_id=run_id))) or metric
-    window = dict(
-        run_id=run_id, metric=metric, buckets=buckets or HEAT_BUCKETS, start=start, end=end
-    )
+    n = buckets or HEAT_BUCKETS
     if chart == "heat-heads":
-        m = store.head_matrix(session, layer=layer, extremes="max", **window)
+        m = store.head_matrix(
+            session,
+            run_id=run_id,
+            metric=metric,
+            layer=layer,
+            buckets=n,
+            start=start,
+            end=end,
+            extremes="max",
+        )
         return charts.heatmap_figure(m, title=title.format(layer=layer), row_label="head")
-    m = store.layer_matrix(session, extremes="max", **window)
+    m = store.layer_matrix(
+        session, run_id=run_id, metric=metric, buckets=n, start=start, end=end, extremes="max"
+    )
     return charts.heatmap_figure(m, title=title)

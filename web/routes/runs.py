@@ -86,10 +86,28 @@ def matrix(
         Query(description="'max' leaves the minima out (null): what a heatmap of maxima needs."),
     ] = "both",
 ) -> store.Matrix:
-    window = dict(branch=branch, buckets=buckets, start=start, end=end, extremes=extremes)
     if layer is None:
-        return store.layer_matrix(session, run_id=run_id, metric=metric, **window)
-    return store.head_matrix(session, run_id=run_id, metric=metric, layer=layer, **window)
+        return store.layer_matrix(
+            session,
+            run_id=run_id,
+            metric=metric,
+            branch=branch,
+            buckets=buckets,
+            start=start,
+            end=end,
+            extremes=extremes,
+        )
+    return store.head_matrix(
+        session,
+        run_id=run_id,
+        metric=metric,
+        layer=layer,
+        branch=branch,
+        buckets=buckets,
+        start=start,
+        end=end,
+        extremes=extremes,
+    )
 
 
 @router.get("/{run_id}/events", response_model=list[EventOut])
