@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from observatory import metric_names as M
+
 __all__ = ["Detector", "DetectorConfig", "Verdict"]
 
 Kind = Literal["spike", "nonfinite", "warning", "divergence"]
@@ -201,7 +203,7 @@ class Detector:
                     step,
                     step,
                     score,
-                    "grad_norm",
+                    M.GRAD_NORM,
                     f"grad norm {score:.1f} robust sigmas above its level",
                 )
             ]
@@ -212,7 +214,7 @@ class Detector:
         """Leading signals from the probes: per-layer update norms and attention maxima."""
         out = []
         for name, value in metrics.items():
-            if name.endswith("/update_norm") and math.isfinite(value) and value > 0:
+            if M.is_per_layer(name, M.STAT_UPDATE_NORM) and math.isfinite(value) and value > 0:
                 hist = self.updates.setdefault(name, deque(maxlen=self.cfg.window))
                 if len(hist) >= self.cfg.min_history and step >= self.cfg.ignore_before:
                     med = statistics.median(hist)
@@ -231,8 +233,7 @@ class Detector:
                         continue
                 hist.append(value)
             elif (
-                name.endswith("/attn_max")
-                and "/head/" not in name
+                M.is_per_layer(name, M.STAT_ATTN_MAX)
                 and self.cfg.attn_warn is not None
                 and value > self.cfg.attn_warn
             ):

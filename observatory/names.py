@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from observatory import metric_names as M
+
 __all__ = ["MAX_INDEX", "NO_INDEX", "MetricKey", "format_name", "parse_name"]
 
 NO_INDEX = -1
@@ -38,9 +40,9 @@ def parse_name(name: str) -> MetricKey:
     if "*" in name or name != name.strip():
         raise ValueError(f"metric name may not contain '*' or surrounding spaces: {name!r}")
     if m := _LAYER_HEAD.match(name):
-        key = MetricKey(f"layer/*/head/*/{m[3]}", int(m[1]), int(m[2]))
+        key = MetricKey(f"{M.HEAD_PREFIX}{m[3]}", int(m[1]), int(m[2]))
     elif m := _LAYER.match(name):
-        key = MetricKey(f"layer/*/{m[2]}", int(m[1]), NO_INDEX)
+        key = MetricKey(f"{M.LAYER_PREFIX}{m[2]}", int(m[1]), NO_INDEX)
     else:
         return MetricKey(name, NO_INDEX, NO_INDEX)
     if key.layer > MAX_INDEX or key.head > MAX_INDEX:

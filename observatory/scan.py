@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from observatory import metric_names as M
 from observatory.detect import Detector, DetectorConfig
 
 __all__ = ["ScanError", "read_csv", "read_tensorboard", "scan", "scan_path"]
@@ -140,10 +141,10 @@ def read_tensorboard(path: Path, metric: str | None = None) -> tuple[str, list[t
         for record in _records(f):
             for step, tag, value in _scalars(record):
                 series.setdefault(tag, {})[step] = value  # a restart's re-logged step wins
-    name = metric or next((t for t in ("train/loss", "loss") if t in series), None)
+    name = metric or next((t for t in (M.LOSS, M.LOSS_FALLBACK) if t in series), None)
     if name is None or name not in series:
         raise ScanError(
-            f"{path}: no scalar {metric or 'train/loss'!r}; tags: "
+            f"{path}: no scalar {metric or M.LOSS!r}; tags: "
             f"{', '.join(sorted(series)) or 'none'}"
         )
     return name, sorted(series[name].items())

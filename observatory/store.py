@@ -23,6 +23,7 @@ from typing import Any, Literal
 from sqlalchemy import Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from observatory import metric_names as M
 from observatory.db import make_engine
 from observatory.downsample import END, MAX_BUCKETS, Tree, branch_tree, downsample, lineage
 from observatory.models import (
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 Extremes = Literal["both", "max"]
-LOSS_METRIC = "train/loss"  # the trainer's trainer.metric_names.LOSS (observatory cannot import it)
+LOSS_METRIC = M.LOSS
 
 
 class NotFoundError(LookupError):
@@ -389,7 +390,7 @@ def layer_matrix(
 
     `extremes="max"` leaves the minima out (None): a heatmap of maxima costs half the reads.
     """
-    key = _template(metric, "layer/*/", per_head=False)
+    key = _template(metric, M.LAYER_PREFIX, per_head=False)
     keep = lambda s: s.layer >= 0 and s.head == NO_INDEX  # noqa: E731
     window = (buckets, start, end, extremes)
     return _matrix(session, run_id, key, branch, window, keep, "layer")
@@ -408,7 +409,7 @@ def head_matrix(
     extremes: Extremes = "both",
 ) -> Matrix:
     """head x step of one layer for a per-head template such as `layer/*/head/*/attn_max`."""
-    key = _template(metric, "layer/*/head/*/", per_head=True)
+    key = _template(metric, M.HEAD_PREFIX, per_head=True)
     keep = lambda s: s.layer == layer and s.head >= 0  # noqa: E731
     window = (buckets, start, end, extremes)
     return _matrix(session, run_id, key, branch, window, keep, "head")

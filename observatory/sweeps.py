@@ -32,6 +32,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from observatory import metric_names as M
 from observatory.downsample import branch_tree, lineage
 from observatory.models import (
     COARSEST_LEVEL,
@@ -60,8 +61,8 @@ __all__ = [
     "sweep_report",
 ]
 
-VAL_METRIC = "val/loss"  # trainer.metric_names.VAL_LOSS (observatory cannot import the trainer)
-ATTN_MAX_TEMPLATE = "layer/*/attn_max"
+VAL_METRIC = M.VAL_LOSS
+ATTN_MAX_TEMPLATE = M.LAYER_ATTN_MAX
 VARIANT_TAG = "variant="
 FINISHED = ("completed", "halted")  # a crashed ("failed") or stopped run is retried, not counted
 DIVERGED = ("halted",)  # the rollback policy gave up: counts as diverged for LR sensitivity

@@ -5,6 +5,7 @@ still ties the modules together), and imports that go one way only."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]
@@ -72,3 +73,23 @@ def test_imports_go_one_way() -> None:
             assert not used & {"trainer", "web", "spikewatch"}, module
         if pkg != "web":
             assert "web" not in used, module
+
+
+METRIC_NAME = re.compile(r"^(train|optim|perf|val)/\w+$|^layer/(\*|\d+)/(\S+/)?\w+$")
+
+
+def test_metric_names_are_spelled_in_one_module() -> None:
+    """No string literal in our packages is a metric name or template, except in
+    observatory/metric_names.py, which every package imports (tests aside)."""
+    home = REPO / "observatory" / "metric_names.py"
+    found = []
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            if path == home:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    if METRIC_NAME.match(node.value):
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)
+    assert METRIC_NAME.match("layer/*/self_attn/grad_norm") and METRIC_NAME.match("val/loss")

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer import metric_names as M
+from observatory import metric_names as M
 
 __all__ = ["AttnMax", "attention", "max_logits"]
 

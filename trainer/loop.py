@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import metric_names as M
+from observatory import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import list_checkpoints as ck_list

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainer import metric_names as M
+from observatory import metric_names as M
 from trainer.config import ProbesConfig
 from trainer.distributed import World, local
 
@@ -154,7 +154,7 @@ class Probes:
         self.muon_groups = _Groups(
             self.layers, [o for o, m in zip(owner, self.is_muon, strict=True) if m], device
         )
-        self._grad_names = [M.layer(layer, "grad_norm") for layer in self.layers]
+        self._grad_names = [M.layer(layer, M.STAT_GRAD_NORM) for layer in self.layers]
         self._prev: list[torch.Tensor] | None = None
         self.pending: tuple[int, list[str], torch.Tensor] | None = None
 
@@ -197,7 +197,12 @@ class Probes:
             pn = self._norm(self.groups, self._prev)
             torch._foreach_sub_(self._prev, [local(p).detach() for p in self.params])  # -(update)
             un = self._norm(self.groups, self._prev)
-            for stat, v in (("param_norm", pn), ("update_norm", un), ("update_ratio", un / pn)):
+            stats = (
+                (M.STAT_PARAM_NORM, pn),
+                (M.STAT_UPDATE_NORM, un),
+                (M.STAT_UPDATE_RATIO, un / pn),
+            )
+            for stat, v in stats:
                 names += [M.layer(layer, stat) for layer in self.layers]
                 parts.append(v)
         if self.cfg.optimizer_state:
@@ -231,10 +236,10 @@ class Probes:
             tiny = w.sum_shards(g.sum(_stack([_tiny_count(x) for x in v])))
             tiny = tiny / w.sum_shards(g.sample_count(v))
             for stat, val in (
-                ("adam_m_norm", m_norm),
-                ("adam_sqrt_v_mean", mean),
-                ("adam_sqrt_v_max", vmax),
-                ("adam_v_tiny_frac", tiny),
+                (M.STAT_ADAM_M_NORM, m_norm),
+                (M.STAT_ADAM_SQRT_V_MEAN, mean),
+                (M.STAT_ADAM_SQRT_V_MAX, vmax),
+                (M.STAT_ADAM_V_TINY_FRAC, tiny),
             ):
                 names += g.names(stat)
                 parts.append(val[g.index])
@@ -242,7 +247,7 @@ class Probes:
             g = self.muon_groups
             buf = [local(state[p]["momentum_buffer"]) for p in muon]
             norm = self._norm(g, buf)
-            names += g.names("muon_momentum_norm")
+            names += g.names(M.STAT_MUON_MOMENTUM_NORM)
             parts.append(norm[g.index])
         return names, (torch.cat(parts) if parts else torch.zeros(0))
 

@@ -13,9 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from observatory import metric_names as M
 from observatory.control import RequestPoller
 from observatory.sink import BaseSink
-from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 

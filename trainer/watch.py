@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from observatory import metric_names as M
 from observatory.sink import BaseSink, open_run_sink
 from observatory.strict_json import write_json
-from trainer import metric_names as M
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.attention import AttnMax
 from trainer.callbacks import Callback, EvalState, FitState, StepState

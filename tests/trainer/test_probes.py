@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer import metric_names as M
+from observatory import metric_names as M
 from trainer.callbacks import Callback, StepState
 from trainer.loop import build_trainer, fit
 from trainer.model import GPT

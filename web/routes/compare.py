@@ -13,6 +13,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
+from observatory import metric_names as M
 from observatory import store
 from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_report
 from web import charts
@@ -23,7 +24,7 @@ from web.schemas import SweepOut, SweepReportOut
 __all__ = ["router"]
 
 router = APIRouter(tags=["compare"])
-ATTN_MAX = "layer/*/attn_max"
+ATTN_MAX = M.LAYER_ATTN_MAX
 
 
 @router.get("/api/sweeps", response_model=list[SweepOut])
@@ -44,7 +45,7 @@ def compare_page(
     session: SessionDep,
     run: Annotated[list[str] | None, Query(max_length=200)] = None,
     group: Annotated[str | None, Query(max_length=200)] = None,
-    metric: Annotated[str, Query(min_length=1, max_length=200)] = "train/loss",
+    metric: Annotated[str, Query(min_length=1, max_length=200)] = M.LOSS,
     align: Literal["step", "tokens"] = "step",
 ) -> HTMLResponse:
     all_runs = store.list_runs(session)

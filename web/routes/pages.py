@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
 from observatory.store import LOSS_METRIC
@@ -25,19 +26,25 @@ templates = Jinja2Templates(directory=Path(__file__).parents[1] / "templates")
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 
 LINES = {
-    "chart-loss": (LOSS_METRIC, "training loss"),
-    "chart-val": ("val/loss", "validation loss"),
-    "chart-grad": ("optim/grad_norm", "gradient norm"),
-    "chart-lr": ("optim/lr", "learning rate"),
-    "chart-clip": ("optim/clip_factor", "clip factor"),
+    "chart-loss": (M.LOSS, "training loss"),
+    "chart-val": (M.VAL_LOSS, "validation loss"),
+    "chart-grad": (M.GRAD_NORM, "gradient norm"),
+    "chart-lr": (M.LR, "learning rate"),
+    "chart-clip": (M.CLIP_FACTOR, "clip factor"),
 }
 HEATMAPS = {
-    "heat-grad": ("layer/*/attn/grad_norm", "attention grad norm (layer × step)"),
-    "heat-update": ("layer/*/attn/update_ratio", "attention update/param (layer × step)"),
-    "heat-attn": ("layer/*/attn_max", "max attention logit (layer × step)"),
-    "heat-adam-m": ("layer/*/attn/adam_m_norm", "Adam first moment norm, attention"),
-    "heat-adam-v": ("layer/*/attn/adam_sqrt_v_max", "Adam max √v, attention"),
-    "heat-heads": ("layer/*/head/*/attn_max", "max logit, layer {layer} (head × step)"),
+    "heat-grad": (M.template(M.STAT_GRAD_NORM, M.ATTN_PART), "attention grad norm (layer × step)"),
+    "heat-update": (
+        M.template(M.STAT_UPDATE_RATIO, M.ATTN_PART),
+        "attention update/param (layer × step)",
+    ),
+    "heat-attn": (M.LAYER_ATTN_MAX, "max attention logit (layer × step)"),
+    "heat-adam-m": (
+        M.template(M.STAT_ADAM_M_NORM, M.ATTN_PART),
+        "Adam first moment norm, attention",
+    ),
+    "heat-adam-v": (M.template(M.STAT_ADAM_SQRT_V_MAX, M.ATTN_PART), "Adam max √v, attention"),
+    "heat-heads": (M.HEAD_ATTN_MAX, "max logit, layer {layer} (head × step)"),
 }
 LINE_BUCKETS = 2000
 HEAT_BUCKETS = 300
@@ -49,7 +56,7 @@ def resolve(metric: str, present: set[str]) -> str | None:
     (`layer/*/self_attn/grad_norm` in Hugging Face's Llama): the first such child is taken."""
     if metric in present:
         return metric
-    head, sep, stat = metric.partition("/attn/")
+    head, sep, stat = metric.partition(f"/{M.ATTN_PART}/")
     if not sep:
         return None
     for name in sorted(present):

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
 from web.deps import SessionDep
@@ -73,7 +74,10 @@ def series(
 def matrix(
     session: SessionDep,
     run_id: str,
-    metric: Annotated[str, Query(min_length=1, max_length=200, examples=["layer/*/grad_norm"])],
+    metric: Annotated[
+        str,
+        Query(min_length=1, max_length=200, examples=[M.template(M.STAT_GRAD_NORM, M.ATTN_PART)]),
+    ],
     layer: Annotated[
         int | None, Query(ge=0, description="Heads of this layer; none = layers.")
     ] = None,
@@ -156,7 +160,7 @@ def run_logbook(session: SessionDep, run_id: str) -> str:
 async def stream(
     request: Request,
     run_id: str,
-    metric: Annotated[str, Query(min_length=1, max_length=200, pattern=METRIC)] = "train/loss",
+    metric: Annotated[str, Query(min_length=1, max_length=200, pattern=METRIC)] = M.LOSS,
     after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
 ) -> StreamingResponse:
     """Server-Sent Events: each new point of `metric` after step `after`, about every second."""

@@ -1,0 +1,66 @@
+"""Metric names, spelled in one place, on the ground floor: the trainer writes them, the
+observatory detects and reports on them, the dashboard draws them, and all three import them
+from here (observatory/ imports neither trainer/ nor web/).
+
+Names are namespaced `group/name`; per layer `layer/<layer>/<stat>`, where <layer> is a block
+index with the child module (`3/attn`, `3/self_attn`) or a module path (`embed`,
+`model.embed_tokens`); per head `layer/<i>/head/<h>/attn_max`. The store keeps per-layer and
+per-head values under *templates* with `*` for the indices (`layer/*/attn/grad_norm`).
+"""
+
+from __future__ import annotations
+
+LOSS = "train/loss"  # what backward saw: ce + z-loss term
+CE = "train/ce"
+Z_MEAN = "train/z_mean"  # mean log-sum-exp of the output logits
+LOGIT_MAX = "train/logit_max"  # max output logit
+GRAD_NORM = "optim/grad_norm"  # global, before clipping
+CLIP_FACTOR = "optim/clip_factor"  # 1.0 = not clipped
+LR = "optim/lr"
+TOKENS_PER_S = "perf/tokens_per_s"
+VAL_LOSS = "val/loss"
+LOSS_FALLBACK = "loss"  # what other trainers' logs call it (spikewatch scan)
+
+# Per-layer statistics (the <stat> of `layer/<layer>/<stat>`)
+STAT_GRAD_NORM = "grad_norm"
+STAT_PARAM_NORM = "param_norm"
+STAT_UPDATE_NORM = "update_norm"
+STAT_UPDATE_RATIO = "update_ratio"
+STAT_ADAM_M_NORM = "adam_m_norm"
+STAT_ADAM_SQRT_V_MEAN = "adam_sqrt_v_mean"
+STAT_ADAM_SQRT_V_MAX = "adam_sqrt_v_max"
+STAT_ADAM_V_TINY_FRAC = "adam_v_tiny_frac"
+STAT_MUON_MOMENTUM_NORM = "muon_momentum_norm"
+STAT_ATTN_MAX = "attn_max"
+
+ATTN_PART = "attn"  # the built-in GPT's name for a block's attention module
+LAYER_PREFIX = "layer/*/"  # every per-layer template starts so
+HEAD_PREFIX = "layer/*/head/*/"  # and every per-head one so
+LAYER_ATTN_MAX = f"{LAYER_PREFIX}{STAT_ATTN_MAX}"  # template: max logit over a layer's heads
+HEAD_ATTN_MAX = f"{HEAD_PREFIX}{STAT_ATTN_MAX}"  # template: max logit of each head
+
+
+def attn_max(layer: int, head: int) -> str:
+    """Max pre-softmax attention logit of one head."""
+    return f"layer/{layer}/head/{head}/{STAT_ATTN_MAX}"
+
+
+def layer_attn_max(layer: int) -> str:
+    """Max pre-softmax attention logit over the heads of one block."""
+    return f"layer/{layer}/{STAT_ATTN_MAX}"
+
+
+def layer(name: str, stat: str) -> str:
+    """A per-layer statistic; `name` is 'embed', '<i>/attn', '<i>/mlp', 'lm_head', or a
+    module of the user's model ('<i>/self_attn', 'model.embed_tokens')."""
+    return f"layer/{name}/{stat}"
+
+
+def template(stat: str, part: str | None = None) -> str:
+    """The store's template of a per-layer statistic: `layer/*/<part>/<stat>`."""
+    return f"{LAYER_PREFIX}{part}/{stat}" if part else f"{LAYER_PREFIX}{stat}"
+
+
+def is_per_layer(name: str, stat: str) -> bool:
+    """A flat per-layer name of this statistic (not a per-head one)."""
+    return name.endswith(f"/{stat}") and "/head/" not in name
