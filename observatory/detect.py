@@ -203,7 +203,7 @@ class Detector:
                     step,
                     step,
                     score,
-                    M.GRAD_NORM,
+                    M.STAT_GRAD_NORM,  # the signal's name (the verdict's, not a metric's)
                     f"grad norm {score:.1f} robust sigmas above its level",
                 )
             ]
