@@ -144,8 +144,7 @@ def read_tensorboard(path: Path, metric: str | None = None) -> tuple[str, list[t
     name = metric or next((t for t in (M.LOSS, M.LOSS_FALLBACK) if t in series), None)
     if name is None or name not in series:
         raise ScanError(
-            f"{path}: no scalar {metric or M.LOSS!r}; tags: "
-            f"{', '.join(sorted(series)) or 'none'}"
+            f"{path}: no scalar {metric or M.LOSS!r}; tags: {', '.join(sorted(series)) or 'none'}"
         )
     return name, sorted(series[name].items())
 
