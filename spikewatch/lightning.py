@@ -113,7 +113,10 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
     # -- the step ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         index = self.drawn.popleft() if self.drawn else trainer.global_step
-        self._w.begin_step(index)
+        if idx % max(1, trainer.accumulate_grad_batches) == 0:  # a step's first micro-batch
+            self._w.begin_step(index)
+        else:  # a later micro-batch of the same step: only the data position moves
+            self._w.data.batch_index = index + 1
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._w.observe_loss(loss * trainer.accumulate_grad_batches)  # Lightning divided it
