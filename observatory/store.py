@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import Engine, delete, func, select, text
+from sqlalchemy import Engine, bindparam, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from observatory import metric_names as M
@@ -184,14 +184,23 @@ def list_runs(
         q = q.where(Run.status == status)
     if sweep_group is not None:
         q = q.where(Run.sweep_group == sweep_group)
-    runs = list(session.scalars(q))
-    counts = _event_counts(session, [r.id for r in runs])
-    return [_summary(session, r, counts) for r in runs]
+    return _summaries(session, list(session.scalars(q)))
 
 
 def get_run(session: Session, *, run_id: str) -> RunSummary:
-    run = _run(session, run_id)
-    return _summary(session, run, _event_counts(session, [run.id]))
+    return _summaries(session, [_run(session, run_id)])[0]
+
+
+def _summaries(session: Session, runs: list[Run]) -> list[RunSummary]:
+    """Summaries of `runs` in three statements, however many runs there are."""
+    if not runs:
+        return []
+    ids = [r.id for r in runs]
+    counts = _event_counts(session, ids)
+    q = select(Branch.run_id, func.count()).where(Branch.run_id.in_(ids)).group_by(Branch.run_id)
+    n_branches = {rid: n for rid, n in session.execute(q)}
+    last = _last_losses(session, ids)
+    return [_summary(r, counts, n_branches.get(r.id, 0), last.get(r.id)) for r in runs]
 
 
 def _utc(dt: datetime) -> datetime:
@@ -215,9 +224,13 @@ def _event_counts(session: Session, run_ids: list[int]) -> dict[tuple[int, str],
     return {(rid, kind): n for rid, kind, n in session.execute(q)}
 
 
-def _summary(session: Session, run: Run, counts: dict[tuple[int, str], int]) -> RunSummary:
-    numbers = list(session.scalars(select(Branch.number).where(Branch.run_id == run.id)))
-    last_step, last_loss = _last_loss(session, run.id)
+def _summary(
+    run: Run,
+    counts: dict[tuple[int, str], int],
+    n_branches: int,
+    last: tuple[int, float] | None,
+) -> RunSummary:
+    last_step, last_loss = last if last is not None else (None, None)
     return RunSummary(
         run_id=run.key,
         name=run.name,
@@ -230,7 +243,7 @@ def _summary(session: Session, run: Run, counts: dict[tuple[int, str], int]) -> 
         created_at=_utc(run.created_at),
         updated_at=_utc(run.updated_at),
         ended_at=_utc(run.ended_at) if run.ended_at else None,
-        branches=len(numbers),
+        branches=n_branches,
         last_step=last_step,
         last_loss=last_loss,
         spikes=counts.get((run.id, "spike"), 0),
@@ -238,18 +251,20 @@ def _summary(session: Session, run: Run, counts: dict[tuple[int, str], int]) -> 
     )
 
 
-def _last_loss(session: Session, run_pk: int) -> tuple[int | None, float | None]:
-    """The newest branch's last loss point (branches without points yet are skipped)."""
+def _last_losses(session: Session, run_pks: list[int]) -> dict[int, tuple[int, float]]:
+    """Each run's newest branch's last loss point (branches without points yet are skipped),
+    in one statement for all runs."""
     q = text(
-        "SELECT p.step, p.value FROM series s JOIN metric_names m ON m.id = s.metric_id "
-        "JOIN points p ON p.series_id = s.id WHERE s.run_id = :run AND m.name = :name "
-        "AND p.step = (SELECT MAX(step) FROM points WHERE series_id = s.id) "
-        "ORDER BY s.branch DESC LIMIT 1"
-    )
-    row = session.execute(q, {"run": run_pk, "name": LOSS_METRIC}).first()
-    if row is None:
-        return None, None
-    return row[0], (math.nan if row[1] is None else row[1])
+        "SELECT s.run_id, s.branch, p.step, p.value FROM series s "
+        "JOIN metric_names m ON m.id = s.metric_id JOIN points p ON p.series_id = s.id "
+        "WHERE s.run_id IN :runs AND m.name = :name "
+        "AND p.step = (SELECT MAX(step) FROM points WHERE series_id = s.id)"
+    ).bindparams(bindparam("runs", expanding=True))
+    newest: dict[int, tuple[int, int, float]] = {}
+    for run_pk, branch, step, value in session.execute(q, {"runs": run_pks, "name": LOSS_METRIC}):
+        if run_pk not in newest or branch > newest[run_pk][0]:
+            newest[run_pk] = (branch, step, math.nan if value is None else value)
+    return {rid: (step, value) for rid, (_, step, value) in newest.items()}
 
 
 def branches(session: Session, *, run_id: str) -> list[BranchRow]:

@@ -313,3 +313,48 @@ def test_unknown_names_are_clear_errors(sqlite_url: str) -> None:
             store.series(session, run_id="r", metric="train/loss")
         with pytest.raises(ValueError, match="buckets"):
             store.series(session, run_id="r", metric="x", buckets=0)
+
+
+def test_the_run_list_costs_the_same_statements_for_1_or_6_runs(db_url: str, tmp_path) -> None:
+    """Summaries (branches, last loss of the newest branch, spikes, rollbacks) are read for all
+    runs at once: the run list's statement count does not grow with the runs."""
+    from sqlalchemy import event
+
+    with _sink(db_url, tmp_path) as sink:
+        for i in range(6):
+            run = f"run-{i}"
+            sink.start_run(run, name=run, config={}, tags=[], run_dir=tmp_path)
+            for step in range(1, 6):
+                sink.log_metrics(run, 0, step, {"train/loss": float(i + step)})
+            if i % 2:
+                sink.start_branch(run, 1, parent=0, fork_step=3, reason="rollback")
+                sink.log_metrics(run, 1, 4, {"train/loss": 0.5})
+                sink.log_event(run, "rollback", step=5, branch=0, message="back to 3")
+        assert sink.flush(30)
+    engine = db.make_engine(db_url)
+    statements: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+
+    def counted(limit: int) -> tuple[int, list]:
+        statements.clear()
+        runs = store.list_runs(session, limit=limit)
+        return len(statements), runs
+
+    with store.session_factory(db_url, engine=engine)() as session:  # closed: no open transaction
+        counted(1)  # the connection's own set-up statements, once
+        one, _ = counted(1)
+        six, runs = counted(6)
+    engine.dispose()
+    assert one == six <= 4, statements  # runs, events, branches, last losses
+    by_id = {r.run_id: r for r in runs}
+    assert (by_id["run-1"].branches, by_id["run-1"].last_step, by_id["run-1"].last_loss) == (
+        2,
+        4,
+        0.5,
+    )
+    assert (by_id["run-2"].branches, by_id["run-2"].last_step, by_id["run-2"].rollbacks) == (
+        1,
+        5,
+        0,
+    )
+    assert by_id["run-3"].rollbacks == 1
