@@ -7,6 +7,7 @@ known to be storable, and it survives the spool file as one JSON line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import numbers
 import uuid
@@ -40,6 +41,8 @@ class Record(NamedTuple):
         kind, run, data = json.loads(line)
         if kind not in KINDS:
             raise RecordError(f"unknown record kind {kind!r}")
+        if not isinstance(run, str) or not isinstance(data, dict):
+            raise RecordError(f"not a record: {line[:80]!r}")
         return cls(kind, run, data)
 
 
@@ -130,6 +133,12 @@ def new_uid() -> str:
     return uuid.uuid4().hex
 
 
+def content_uid(run: str, fields: Mapping[str, Any]) -> str:
+    """An event's uid from everything it says: the same event, sent again, has the same uid."""
+    body = json.dumps([run, fields], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
 RUN_FIELDS = {
     "name": 200,
     "sweep_group": 200,
@@ -158,8 +167,10 @@ def status_record(run: str, status: object) -> Record:
 
 
 def event_record(run: str, kind: object, **fields: Any) -> Record:
+    """Without a uid, the event's uid is `content_uid`: sent again (a resumed run recomputing
+    its steps), it is stored once."""
+    uid = check_text("uid", fields["uid"], max_len=64)
     data = {
-        "uid": check_text("uid", fields["uid"], max_len=64) or new_uid(),
         "kind": check_choice("event kind", kind, EVENT_KINDS),
         "branch": check_branch(fields["branch"]),
         "step": None if fields["step"] is None else check_step(fields["step"]),
@@ -167,7 +178,8 @@ def event_record(run: str, kind: object, **fields: Any) -> Record:
         "message": check_text("message", fields["message"]) or "",
         "data": check_json("event data", dict(fields["data"] or {})),
     }
-    return Record("event", check_run_key(run), data)
+    data["uid"] = uid or content_uid(check_run_key(run), data)
+    return Record("event", run, data)
 
 
 def checkpoint_record(run: str, **fields: Any) -> Record:

@@ -135,7 +135,11 @@ class BaseSink:
         source: str = "trainer",
         uid: str | None = None,
     ) -> str:
-        """A spike verdict, an intervention or an annotation; returns its uid (the replay key)."""
+        """A spike verdict, an intervention or an annotation; returns its uid (the replay key).
+
+        Without `uid`, the uid is a digest of the event's content: a resumed run that
+        recomputes the steps after its checkpoint sends the same events again, and the store
+        keeps them once. (Two events identical in every field at one step are one event.)"""
         self._known_branches(run_id)
         rec = event_record(
             run_id,
@@ -180,6 +184,10 @@ class BaseSink:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything logged so far is in the database; False on timeout."""
         return True
+
+    def persist(self, timeout: float = 10.0) -> None:
+        """Make everything logged so far survive a SIGKILL of this process: in the database,
+        or (if the database has not taken it within `timeout`) in the spool file."""
 
     def close(self, timeout: float | None = None) -> None:
         """Write (or spool) what is queued and stop."""
@@ -241,6 +249,7 @@ class DbSink(BaseSink):
         self._retry_at = 0.0
         self._backoff = retry_s[0]
         self._waiting: list[threading.Event] = []  # flushes waiting for the spool to drain
+        self._inflight: list[Record] | None = None  # the batch being written now
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="spikewatch-sink", daemon=True)
         self._thread.start()
@@ -267,7 +276,38 @@ class DbSink(BaseSink):
             return False
         return done.wait(timeout)
 
+    def persist(self, timeout: float = 10.0) -> None:
+        if self._closed or self.flush(timeout):
+            return
+        n = self._spool_queued()
+        log.warning(
+            "sink: the database has not taken the records within %.1fs; %d kept in the spool "
+            "file until it does",
+            timeout,
+            n,
+        )
+
+    def _spool_queued(self) -> int:
+        """From the caller's thread, while the writer is stuck in a write: move what is queued
+        to the spool file, with a copy of the batch being written (a replay of what did land
+        changes nothing). The writer replays the spool before its next batch, so order holds."""
+        records: list[Record] = list(self._inflight or ())
+        markers: list[Any] = []
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            (records if isinstance(item, Record) else markers).append(item)
+        if records:
+            self._spill(records)
+        for marker in markers:  # flush requests and the stop sentinel, for the writer
+            self._q.put(marker)
+        return len(records)
+
     def close(self, timeout: float | None = None) -> None:
+        """Write what is queued and stop; after `timeout` seconds with the database still busy,
+        what it has not taken is in the spool file (replayed by the next sink on it)."""
         if self._closed:
             return
         self._closed = True
@@ -275,7 +315,13 @@ class DbSink(BaseSink):
         self._q.put(None)  # blocks only while the queue is full; the writer is draining it
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.error("sink: writer still busy after %ss; its records are being spooled", timeout)
+            n = self._spool_queued()
+            log.error(
+                "sink: the database is still busy after %ss; %d records kept in %s",
+                timeout,
+                n,
+                self._spool.dir,
+            )
             return
         self._writer.engine.dispose()
         if self._spool.pending():
@@ -302,6 +348,7 @@ class DbSink(BaseSink):
                 log.exception(
                     "sink: could not write or spool %d records; they are lost", len(batch)
                 )
+            self._inflight = None
             self._settle(flushes)
         if self._spool.pending():
             self._retry_at = 0.0
@@ -311,6 +358,7 @@ class DbSink(BaseSink):
     def _collect(self) -> tuple[list[Record], list[threading.Event], bool]:
         """Block for the first record, then take what arrives within linger_s (or a full batch)."""
         batch: list[Record] = []
+        self._inflight = batch  # taken off the queue, not yet in the database
         flushes: list[threading.Event] = []
         size = 0
         deadline = None

@@ -96,18 +96,21 @@ class Spool:
 
     @staticmethod
     def read(path: Path, chunk: int) -> Iterator[list[Record]]:
-        """Records of a segment in chunks of about `chunk` metric values; skips a torn last line."""
+        """Records of a segment in chunks of about `chunk` metric values. A torn last line (a
+        crash mid-write) is skipped; a line that is not a record is set aside in
+        `<segment>.rejected-lines` (kept on disk, named in the log) and the rest is read on."""
         batch: list[Record] = []
         size = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.endswith("\n"):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.endswith(b"\n"):
                     log.warning("spool: %s:%d is incomplete (torn write), skipped", path, lineno)
                     break
                 try:
-                    rec = Record.from_json(line)
-                except (ValueError, RecordError) as e:
-                    raise RecordError(f"{path.name}:{lineno}: {e}") from e
+                    rec = Record.from_json(raw.decode("utf-8"))
+                except (ValueError, TypeError, RecordError) as e:
+                    Spool._set_aside(path, lineno, raw, e)
+                    continue
                 batch.append(rec)
                 size += len(rec.data.get("values", ())) + 1
                 if size >= chunk:
@@ -115,3 +118,10 @@ class Spool:
                     batch, size = [], 0
         if batch:
             yield batch
+
+    @staticmethod
+    def _set_aside(path: Path, lineno: int, raw: bytes, why: Exception) -> None:
+        target = path.with_suffix(".rejected-lines")
+        with open(target, "ab") as out:
+            out.write(raw)
+        log.error("spool: %s:%d is not a record (%s); kept in %s", path.name, lineno, why, target)

@@ -32,9 +32,19 @@ AUTO_FIRST_SAVE = 5  # with interval="auto", the first save (at this step) measu
 
 
 class Checkpointer:
-    def __init__(self, root: Path, cfg: CheckpointConfig) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cfg: CheckpointConfig,
+        *,
+        before_commit: Callable[[], object] | None = None,
+    ) -> None:
+        """`before_commit`: called (on the thread that writes) right before a checkpoint is
+        published; the run's record makes everything logged so far durable there, so that a
+        resume from this checkpoint, which re-sends only the steps after it, loses nothing."""
         self.root = root
         self.cfg = cfg
+        self.before_commit = before_commit
         self.pins: dict[int, set[str]] = {}
         self.last_saved: int | None = None
         self.save_seconds: float | None = None  # what a save costs the loop (stall if async)
@@ -140,6 +150,8 @@ class Checkpointer:
 
     def _write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
         snap.meta["pins"] = sorted(pins.get(snap.step, ()))
+        if self.before_commit is not None:
+            self.before_commit()
         path = ck.write_checkpoint(self.root, snap, fsync=self.cfg.fsync)
         log.debug("saved %s", path)
         self._changed(snap.step, "ok", path)

@@ -120,8 +120,10 @@ class ShardedCheckpointer(Checkpointer):
         world: World,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        *,
+        before_commit: Callable[[], object] | None = None,
     ) -> None:
-        super().__init__(root, cfg)
+        super().__init__(root, cfg, before_commit=before_commit)
         self.world = world
         self.model = model
         self.optimizer = optimizer
@@ -141,6 +143,8 @@ class ShardedCheckpointer(Checkpointer):
         pins = {s: set(p) for s, p in self.pins.items()}
         snap = build(None)
         snap.meta["pins"] = sorted(pins.get(step, ()))
+        if self.before_commit is not None and self.world.is_main:
+            self.before_commit()
         fsync = self.cfg.fsync
         path = write_sharded(self.root, snap, self.world, self.model, self.optimizer, fsync=fsync)
         if self.world.is_main:

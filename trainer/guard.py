@@ -177,6 +177,9 @@ class SpikeGuard(Callback):
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
+        # the restored branch has not seen the warnings raised after `step`: a warning there
+        # starts a new episode (and pins a new anchor)
+        self._warned = {k: s for k, s in self._warned.items() if s <= step}
         for s in [s for s in self.batch_of if s > step]:
             del self.batch_of[s]
             self.loss_of.pop(s, None)
@@ -191,6 +194,8 @@ class SpikeGuard(Callback):
             "batch_of": [[s, b] for s, b in self.batch_of.items()],
             "loss_of": [[s, v] for s, v in self.loss_of.items()],
             "verdicts": self.verdicts,
+            "watching": [[record, level] for record, level in self.watching],
+            "warned": self._warned,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -199,3 +204,5 @@ class SpikeGuard(Callback):
         self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
         self.loss_of = {int(s): float(v) for s, v in state["loss_of"]}
         self.verdicts = list(state["verdicts"])
+        self.watching = [(dict(r), float(lv)) for r, lv in state.get("watching", [])]
+        self._warned = {str(k): int(s) for k, s in state.get("warned", {}).items()}

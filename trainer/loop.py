@@ -170,6 +170,7 @@ class Trainer:
             try:
                 if self.checkpointer.enabled and self.checkpointer.latest() is None:
                     self._save()  # the step-0 anchor: an early spike can roll back to it
+                self._last_step_end = time.perf_counter()  # the first step is timed too
                 while self.step < last and not self.stop_requested:
                     rolled_back = self._train_step()
                     steps_done += 1
@@ -199,6 +200,10 @@ class Trainer:
         return self._result(elapsed, self.tokens - tokens0)
 
     def _save(self) -> None:
+        # The step's update statistics go out now, not with the next step's transfer: a resume
+        # from this checkpoint never recomputes them. The checkpointer commits only once every
+        # record logged so far is durable (`Recorder.persist`).
+        self._flush_probes()
         stall = self.checkpointer.save(self.step, lambda stage: build_snapshot(self, stage))
         log.debug("checkpoint at step %d (loop blocked %.3fs)", self.step, stall)
         path = str(self.checkpointer.root / f"step{self.step:08d}")
@@ -331,10 +336,9 @@ class Trainer:
             cb.on_update_metrics(step, metrics)
 
     def _flush_probes(self) -> None:
-        pending = self.probes.take_pending()
+        pending = self.probes.take_pending_metrics()
         if pending is not None:
-            step, names, values = pending
-            self._emit_update_metrics(step, dict(zip(names, values.tolist(), strict=True)))
+            self._emit_update_metrics(*pending)
 
     def _propose(self, state: StepState) -> Action:
         action, pins = propose(state, self.callbacks)
@@ -507,16 +511,17 @@ def build_trainer(
     model = build_model(cfg.model, cfg.train.seed, device)
     world.wrap(model, device)  # before the optimizer: fsdp2 swaps in sharded parameters
     optimizer = build_optimizer(model, cfg.optim)
-    checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint)
+    recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
+    durable = None if recorder is None else recorder.persist
+    checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint, before_commit=durable)
     if world.distributed:
         from trainer.dist_checkpoint import ShardedCheckpointer
 
         checkpointer = ShardedCheckpointer(
-            path / "checkpoints", cfg.checkpoint, world, model, optimizer
+            path / "checkpoints", cfg.checkpoint, world, model, optimizer, before_commit=durable
         )
     checkpointer.open()
     if cfg.watch.enabled and world.is_main:  # rank 0 decides for all
-        recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
         callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer, recorder)]
     trainer = Trainer(
         cfg=cfg,

@@ -254,3 +254,12 @@ class Probes:
     def take_pending(self) -> tuple[int, list[str], torch.Tensor] | None:
         out, self.pending = self.pending, None
         return out
+
+    def take_pending_metrics(self) -> tuple[int, dict[str, float]] | None:
+        """The waiting statistics as host values, (step, {name: value}): one sync, for the
+        moments when they cannot ride the next step's transfer (a checkpoint, the end)."""
+        pending = self.take_pending()
+        if pending is None:
+            return None
+        step, names, values = pending
+        return step, dict(zip(names, values.tolist(), strict=True))

@@ -23,6 +23,7 @@ __all__ = ["Recorder"]
 
 log = logging.getLogger(__name__)
 
+PERSIST_TIMEOUT_S = 10.0  # a store slower than this: the rest goes to the spool file
 _EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
 
 
@@ -190,6 +191,11 @@ class Recorder(Callback):
             pinned=pinned,
             checksum_status=status,
         )
+
+    def persist(self) -> None:
+        """Everything logged so far survives a SIGKILL from here on (in the store or in the
+        spool): called right before a checkpoint is published."""
+        self.sink.persist(timeout=PERSIST_TIMEOUT_S)
 
     def on_fit_end(self, state: FitState) -> None:
         if self.poller is not None:

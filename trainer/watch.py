@@ -120,9 +120,11 @@ class Watch:
         self.framework = framework
         self.model_info = dict(model_info or describe_model(model))
         self.sink = sink if sink is not None else open_run_sink(self.run_dir, db)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
-        self.checkpointer.open()
         self.recorder = Recorder(self.sink, tags=list(tags))
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint, before_commit=self.recorder.persist
+        )
+        self.checkpointer.open()
         self.guard = SpikeGuard(
             cfg.watch,
             self.checkpointer,
@@ -391,7 +393,13 @@ class Watch:
                 return
         self.checkpointer.report(self.callbacks)  # an asynchronous save that landed meanwhile
 
+    def _flush_probes(self) -> None:
+        pending = self.probes.take_pending_metrics()
+        if pending is not None:
+            self._emit_update_metrics(*pending)
+
     def _save(self) -> None:
+        self._flush_probes()  # as the built-in loop: a resume never recomputes them
         self.checkpointer.save(self.step_count, self._snapshot)
         path = str(self.checkpointer.root / f"step{self.step_count:08d}")
         for cb in self.callbacks:
@@ -515,10 +523,7 @@ class Watch:
             return self.summary()
         self._closed = True
         self._start()
-        pending = self.probes.take_pending()
-        if pending is not None:
-            step, names, values = pending
-            self._emit_update_metrics(step, dict(zip(names, values.tolist(), strict=True)))
+        self._flush_probes()
         try:
             if self.checkpointer.enabled and self.checkpointer.last_saved != self.step_count:
                 self._save()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import shutil
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -219,3 +221,96 @@ def test_a_closed_sink_refuses_new_records(sqlite_url: str, tmp_path: Path) -> N
     sink.close()
     with pytest.raises(RuntimeError, match="closed"):
         sink.log_metrics("r", 0, 1, {"x": 1.0})
+
+
+def _records(steps: range) -> list[Record]:
+    out = [Record("run", "r", {"status": "running", "config": {}, "tags": []})]
+    out += [
+        Record(
+            "metrics",
+            "r",
+            {"branch": 0, "step": s, "values": {m: s + i / 10 for i, m in enumerate(METRICS)}},
+        )
+        for s in steps
+    ]
+    return out
+
+
+def test_a_corrupt_spool_line_is_set_aside_and_the_rest_replayed(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    lines = [r.to_json() + "\n" for r in _records(range(200))]
+    bad = ['{"not": "a record"}\n', "\ufffd garbage \x00\n", '["metrics", 3, 4]\n']
+    lines[50:50] = bad[:2]
+    lines[120:120] = bad[2:]
+    (spool / "spool-1-999999.jsonl").write_bytes("".join(lines).encode() + b"\xff\xfe\n")
+    sink = DbSink(sqlite_url, spool_dir=spool, linger_s=0.01)
+    assert sink.flush(30)
+    sink.close()
+    engine = db.make_engine(sqlite_url)
+    assert count(engine, "SELECT COUNT(*) FROM points") == 200 * len(METRICS)  # none after line 50
+    engine.dispose()
+    (kept,) = spool.glob("*.rejected-lines")  # nothing thrown away: the bad lines, verbatim
+    assert kept.read_bytes() == "".join(bad).encode() + b"\xff\xfe\n"
+    assert not list(spool.glob("spool-*.jsonl"))
+
+
+class _Hung:
+    """A database write that hangs until released (a lock held elsewhere, a dead network)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.engine = real, real.engine
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def write(self, records):
+        self.entered.set()
+        self.release.wait(60)
+        return self.real.write(records)
+
+
+@pytest.mark.parametrize("how", ["persist", "close"])
+def test_a_hung_database_leaves_every_record_in_the_spool(
+    how: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    """`persist(timeout)` (before a checkpoint is published) and `close(timeout)` return with
+    every record logged so far in the spool file: a SIGKILL right after loses nothing. A copy
+    of the spool, replayed by another sink, gives every row exactly once."""
+    sink = DbSink(sqlite_url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    hung = sink._writer = _Hung(sink._writer)
+    sink.start_run("r")
+    _log_steps(sink, range(0, 5))
+    assert hung.entered.wait(10)  # the writer holds the first records and waits
+    _log_steps(sink, range(5, 300))
+    if how == "persist":
+        sink.persist(timeout=0.3)
+    else:
+        sink.close(timeout=0.3)
+    dead = tmp_path / "as-left-by-sigkill"
+    shutil.copytree(tmp_path / "spool", dead)  # the files the process would leave behind
+    hung.release.set()
+    sink.close(timeout=30)
+    other = f"sqlite:///{tmp_path}/other.db"
+    db.upgrade(other)
+    DbSink(other, spool_dir=dead, linger_s=0.01).close(timeout=30)
+    _assert_exactly_once(other, 300)
+    _assert_exactly_once(sqlite_url, 300)  # and the live sink, once released, wrote them once
+
+
+def test_an_event_sent_again_is_stored_once(sqlite_url: str, tmp_path: Path) -> None:
+    """A resumed run recomputes the steps after its checkpoint and sends their events again:
+    the same content has the same uid. A different field makes a different event."""
+    for _ in range(2):
+        sink = DbSink(sqlite_url, spool_dir=tmp_path / "spool")
+        sink.start_run("r")
+        uids = [
+            sink.log_event("r", "spike", step=7, message="loss spike", data={"z": 9.5}),
+            sink.log_event("r", "spike", step=7, message="loss spike", data={"z": 9.6}),
+            sink.log_event("r", "spike", step=8, message="loss spike", data={"z": 9.5}),
+        ]
+        sink.close(timeout=30)
+    assert len(set(uids)) == 3
+    engine = db.make_engine(sqlite_url)
+    assert count(engine, "SELECT COUNT(*) FROM events") == 3
+    engine.dispose()

@@ -165,7 +165,7 @@ def test_one_host_transfer_per_step(tmp_path, monkeypatch) -> None:
     )
     calls.clear()
     tr.fit()
-    ours = ("trainer/loop.py", "trainer/step.py")  # step.py: HostTransfer.fetch
+    ours = ("trainer/loop.py", "trainer/step.py", "trainer/probes.py")  # step.py: the fetch
     per_step = [c for c in calls if c.endswith(ours) and c.startswith("tolist")]
     # one per step, one end-of-fit flush of the last update statistics, one final evaluation
     assert len(per_step) == steps + 1, calls

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from observatory import store
 from observatory.ingest import Writer
-from observatory.records import RecordError, event_record
+from observatory.records import RecordError, event_record, new_uid
 from web.deps import SessionDep
 from web.schemas import errors
 
@@ -84,7 +84,7 @@ def annotate(request: Request, session: SessionDep, run_id: str, body: Annotatio
         rec = event_record(
             run_id,
             "annotation",
-            uid=None,
+            uid=new_uid(),  # a person may write the same note twice: two annotations
             branch=body.branch,
             step=body.step,
             source="dashboard",
@@ -114,7 +114,7 @@ def request_action(request: Request, session: SessionDep, run_id: str, body: Req
     rec = event_record(
         run_id,
         "request",
-        uid=None,
+        uid=new_uid(),  # every request is answered, even one repeated word for word
         branch=0,
         step=None,
         source="dashboard",
