@@ -4,10 +4,11 @@ Loss: robust statistics on log-loss. The level is the median of the last `level_
 normal points; the noise scale is the MAD of first differences over `window` normal points
 (first differences cancel the downward trend of a healthy run, so the scale is the step-to-step
 noise, not the progress), floored at `noise_floor`. A step is an excursion when its robust
-z-score passes `threshold`; `persistence` consecutive excursions make a spike, so one noisy
-batch never does. The **onset** is where the excursion began: the detector walks back over the
-points just before the first excursion while they stand above `onset_threshold`. Points inside
-an excursion never enter the baseline.
+z-score passes `threshold`; `persistence` consecutive excursion steps make a spike, so one
+noisy batch never does, nor do isolated ones separated by calm steps (spike, calm, spike, calm,
+spike is three blips, not a spike). The **onset** is where the excursion began: the detector
+walks back over the points just before the first excursion while they stand above
+`onset_threshold`. Points inside an excursion never enter the baseline.
 
 What it must not fire on, and how: warmup (nothing fires before `ignore_before` nor before
 `min_history` normal points), known regime changes such as a data-mixture stage switch or the
@@ -111,6 +112,7 @@ class Detector:
         self.grad = _Robust(self.cfg.window, self.cfg.level_window)
         self.recent: deque[tuple[int, float]] = deque(maxlen=32)  # (step, z) of normal points
         self.excursion: list[tuple[int, float]] = []
+        self.run = 0  # consecutive excursion steps now
         self.calm = 0
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
@@ -145,12 +147,14 @@ class Detector:
         score = self.loss.score(z, cfg.noise_floor) if self._armed(step, self.loss) else 0.0
         if score > cfg.threshold:
             self.excursion.append((step, score))
+            self.run += 1
             self.calm = 0
-            if len(self.excursion) == cfg.persistence:
+            if self.run == cfg.persistence:
                 return self._spike(step)
             if len(self.excursion) >= cfg.window:  # not a spike but a new level: accept it
                 self.rebase(step)
             return None
+        self.run = 0
         if self.excursion:  # an excursion ends only after `persistence` calm steps in a row
             self.calm += 1
             if self.calm < cfg.persistence:
@@ -260,13 +264,13 @@ class Detector:
         """A known regime change at `step` (mixture stage, WSD decay): restart the baseline."""
         self.loss.values.clear()
         self.recent.clear()
-        self.excursion = []
+        self.excursion, self.run, self.calm = [], 0, 0
         self.ema, self.ema_min, self.trend_n = None, math.inf, 0
         self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the spike's points are gone; forget the excursion."""
-        self.excursion, self.calm = [], 0
+        self.excursion, self.run, self.calm = [], 0, 0
         self.recent = deque(((s, z) for s, z in self.recent if s <= step), maxlen=32)
         self.last_step = step
 
@@ -278,6 +282,7 @@ class Detector:
             "recent": [list(r) for r in self.recent],
             "excursion": [list(e) for e in self.excursion],
             "calm": self.calm,
+            "run": self.run,
             "updates": {k: list(v) for k, v in self.updates.items()},
             "ema": self.ema,
             "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
@@ -293,6 +298,7 @@ class Detector:
         self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
         self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
         self.calm = d["calm"]
+        self.run = int(d.get("run", len(self.excursion) if not self.calm else 0))
         self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
         self.ema = d["ema"]
         self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf

@@ -7,11 +7,22 @@ batch through the detection step's, plus `skip_extra` more. A spike within `repe
 of the previous rollback is a repeat: the extra skip grows by `skip_growth` and the LR is scaled
 by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
 why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
-Pure: it sees the retained checkpoint steps and the step -> batch-index map it is given.
+
+Two ways out of a cut: after `repeat_window` calm steps since the last rollback, one LR cut is
+given back (`recover`), and so on each window, up to the full LR. And a real new plateau (a
+data change the trainer was not told about) is not a spike: when, `accept_level_after`
+rollbacks in a row, the loss rose again right where the skipped batches ended, to the same
+level (within `level_tolerance` in log-loss), the policy accepts it as the new level (plan
+"accept": the detector restarts its baseline at the onset; those rollbacks no longer count as
+repeats and their LR cuts are given back).
+Pure: it sees the retained checkpoint steps and the step -> batch-index (and loss) maps it is
+given.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,11 +46,20 @@ class PolicyConfig(BaseModel):
     nonfinite_tolerance: int = Field(
         2, ge=1, description="Consecutive non-finite steps (refused) before a rollback."
     )
+    accept_level_after: int = Field(
+        2,
+        ge=1,
+        description="Rollbacks after which a spike that starts again where the skipped "
+        "batches end, at the same level, is accepted as a new level (a data change).",
+    )
+    level_tolerance: float = Field(
+        0.15, gt=0, description="Largest |log ratio| of two spikes' levels that is one level."
+    )
 
 
 @dataclass(frozen=True)
 class Plan:
-    action: Literal["rollback", "halt", "skip", "none"]
+    action: Literal["rollback", "halt", "skip", "accept", "none"]
     reason: str
     to_step: int | None = None
     skip_ranges: tuple[tuple[int, int], ...] = ()
@@ -52,9 +72,19 @@ class Policy:
         self.cfg = cfg or PolicyConfig()
         self.rollback_steps: list[int] = []  # detection steps of past rollbacks
         self.nonfinite_run: list[int] = []
+        self.lr_cuts: list[int] = []  # detection steps of the rollbacks that cut the LR
+        self.restored_at = 0  # the step of the last LR cut given back
+        # the last rollback, for telling a new level from a spike: the batch index its skip
+        # ends at, the spike's loss level, and how many rollbacks in a row met that level
+        self.shift: dict[str, Any] | None = None
 
     def decide(
-        self, verdict: Verdict, *, checkpoints: Iterable[int], batch_of: Mapping[int, int]
+        self,
+        verdict: Verdict,
+        *,
+        checkpoints: Iterable[int],
+        batch_of: Mapping[int, int],
+        loss_of: Mapping[int, float] | None = None,
     ) -> Plan:
         if verdict.kind == "nonfinite":
             self.nonfinite_run.append(verdict.step)
@@ -65,7 +95,74 @@ class Policy:
             return self._rollback(verdict, onset, checkpoints, batch_of, "repeated non-finite")
         if verdict.kind != "spike":
             return Plan("none", verdict.message)
-        return self._rollback(verdict, verdict.onset_step, checkpoints, batch_of, "loss spike")
+        level = _level(verdict, loss_of or {})
+        again = self._same_level_again(verdict, batch_of, level)
+        if again >= self.cfg.accept_level_after:
+            return self._accept(verdict, level, again)
+        plan = self._rollback(verdict, verdict.onset_step, checkpoints, batch_of, "loss spike")
+        if plan.action == "rollback" and level is not None:
+            cuts = (self.shift or {}).get("cuts", []) if again else []
+            self.shift = {
+                "skip_end": plan.skip_ranges[0][1],
+                "level": level,
+                "count": again,
+                "rollbacks": [*(self.shift or {}).get("rollbacks", []), verdict.step][-again - 1 :],
+                "cuts": [*cuts, verdict.step] if plan.lr_scale < 1 else cuts,
+            }
+        return plan
+
+    def _same_level_again(
+        self, verdict: Verdict, batch_of: Mapping[int, int], level: float | None
+    ) -> int:
+        """How many rollbacks in a row this spike makes, counting it, that came back right
+        where the skipped batches end at the same level; 0 when it is not such a return."""
+        if self.shift is None or level is None:
+            return 0
+        after = [s for s, b in batch_of.items() if b >= self.shift["skip_end"]]
+        if not after or abs(verdict.onset_step - min(after)) > 2:
+            return 0
+        if abs(math.log(level / self.shift["level"])) > self.cfg.level_tolerance:
+            return 0
+        return int(self.shift["count"]) + 1
+
+    def _accept(self, verdict: Verdict, level: float | None, again: int) -> Plan:
+        assert self.shift is not None and level is not None
+        shift, self.shift = self.shift, None
+        ours = set(shift["rollbacks"])
+        self.rollback_steps = [s for s in self.rollback_steps if s not in ours]
+        self.lr_cuts = [s for s in self.lr_cuts if s not in shift["cuts"]]
+        give_back = (1 / self.cfg.lr_decay) ** len(shift["cuts"])
+        return Plan(
+            "accept",
+            f"the loss rose to {level:.4g} at step {verdict.onset_step} each time the skipped "
+            f"batches ended ({again} rollbacks): a new level (a change in the data?), not a "
+            "spike; the detector restarts its baseline there"
+            + (
+                f" and the LR cuts of those rollbacks are given back (x{give_back:g})"
+                if shift["cuts"]
+                else ""
+            ),
+            lr_scale=give_back,
+            info={
+                "onset_step": verdict.onset_step,
+                "detect_step": verdict.step,
+                "level": level,
+                "rollbacks": sorted(ours),
+                "kind": "level_shift",
+            },
+        )
+
+    def recover(self, step: int) -> float:
+        """An LR factor to give back one cut (1/lr_decay) once `repeat_window` steps passed
+        since the last rollback and the last give-back; 1.0 otherwise."""
+        if not self.lr_cuts:
+            return 1.0
+        since = max([self.restored_at, *self.rollback_steps[-1:]])
+        if step - since < self.cfg.repeat_window:
+            return 1.0
+        self.lr_cuts.pop()
+        self.restored_at = step
+        return 1 / self.cfg.lr_decay
 
     def finite(self) -> None:
         """A finite step ends a run of non-finite ones."""
@@ -95,7 +192,8 @@ class Policy:
                 f"{what} at step {verdict.step} (onset {onset}) after "
                 f"{len(recent)} rollbacks within {cfg.repeat_window} steps (at steps "
                 f"{', '.join(map(str, recent))}): the spikes keep coming back; check the "
-                f"data near batch {batch_of.get(onset, '?')} or lower the learning rate",
+                f"data near batch {batch_of.get(onset, '?')} or lower the learning rate "
+                "(a resume may change it: spikewatch train --resume RUN_DIR --set optim.lr=...)",
                 info=info,
             )
         limit = onset - cfg.margin
@@ -121,6 +219,8 @@ class Policy:
         skip = (batch_of[first], last + 1 + extra)
         lr_scale = cfg.lr_decay if recent else 1.0
         self.rollback_steps.append(verdict.step)
+        if recent:
+            self.lr_cuts.append(verdict.step)
         info.update(to_step=to_step, skip_ranges=[list(skip)], lr_scale=lr_scale)
         return Plan(
             "rollback",
@@ -133,8 +233,24 @@ class Policy:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollback_steps": self.rollback_steps, "nonfinite_run": self.nonfinite_run}
+        return {
+            "rollback_steps": self.rollback_steps,
+            "nonfinite_run": self.nonfinite_run,
+            "lr_cuts": self.lr_cuts,
+            "restored_at": self.restored_at,
+            "shift": self.shift,
+        }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.rollback_steps = list(d["rollback_steps"])
         self.nonfinite_run = list(d["nonfinite_run"])
+        self.lr_cuts = list(d.get("lr_cuts", []))
+        self.restored_at = int(d.get("restored_at", 0))
+        self.shift = d.get("shift")
+
+
+def _level(verdict: Verdict, loss_of: Mapping[int, float]) -> float | None:
+    """The spike's loss level: the median loss from its onset to its detection."""
+    vals = [loss_of[s] for s in range(verdict.onset_step, verdict.step + 1) if s in loss_of]
+    vals = [v for v in vals if math.isfinite(v) and v > 0]
+    return statistics.median(vals) if vals else None

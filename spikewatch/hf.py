@@ -201,6 +201,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     def on_save(self, args, state, control, **kw):  # noqa: ANN001
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if self.watch is not None and folder.is_dir():  # NaN kept: a state, not a report
+            self.watch.persist()
             tmp = folder / f".{STATE_FILE}.tmp"
             tmp.write_text(json.dumps(self.watch.state_dict(), allow_nan=True))
             tmp.replace(folder / STATE_FILE)

@@ -133,7 +133,11 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return self.watch.state_dict() if self.watch is not None else {}
+        """Called as Lightning writes a checkpoint: the records so far are made durable first."""
+        if self.watch is None:
+            return {}
+        self.watch.persist()
+        return self.watch.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved = dict(state_dict) or None

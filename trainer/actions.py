@@ -10,9 +10,16 @@ __all__ = ["Action", "Continue", "Halt", "Rollback", "SkipUpdate", "strongest"]
 @dataclass(frozen=True)
 class Continue:
     """Apply the update and go on; `pin` asks to pin the newest checkpoint with that reason
-    (a pre-spike anchor that retention must keep)."""
+    (a pre-spike anchor that retention must keep); `lr_scale` multiplies the run's LR scale
+    from the next step on (above 1 only to give back a cut made by an earlier rollback: the
+    scale never exceeds 1)."""
 
     pin: str | None = None
+    lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lr_scale < float("inf"):
+            raise ValueError(f"Continue.lr_scale must be positive, got {self.lr_scale}")
 
 
 @dataclass(frozen=True)

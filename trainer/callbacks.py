@@ -79,6 +79,9 @@ class Callback:
         """A checkpoint landed on disk, checksummed (`status` "ok"), or was deleted by
         retention or a rollback ("deleted")."""
 
+    def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
+        """A resume at `step` changed settings a resume may change: {key: [then, now]}."""
+
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""
 

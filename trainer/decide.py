@@ -8,13 +8,14 @@ and the store.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, StepState
 
-__all__ = ["action_name", "intervention", "propose"]
+__all__ = ["action_name", "intervention", "propose", "rescale"]
 
 NONFINITE = "non-finite loss or gradient"
 
@@ -26,13 +27,28 @@ def action_name(action: Action) -> str:
 
 
 def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, list[str]]:
-    """(the action for the step, pin reasons asked for by the callbacks that continue)."""
+    """(the action for the step, pin reasons asked for by the callbacks that continue). A
+    Continue carries the product of every Continue's `lr_scale`."""
     proposed: list[Action] = []
     if state.nonfinite:
         proposed.append(SkipUpdate(reason=NONFINITE))
     proposed += [cb.pre_update(state) for cb in callbacks]
-    pins = [a.pin for a in proposed if isinstance(a, Continue) and a.pin is not None]
-    return strongest(proposed), pins
+    goes_on = [a for a in proposed if isinstance(a, Continue)]
+    pins = [a.pin for a in goes_on if a.pin is not None]
+    action = strongest(proposed)
+    if isinstance(action, Continue):
+        action = Continue(lr_scale=math.prod(a.lr_scale for a in goes_on))
+    return action, pins
+
+
+def rescale(lr_scale: float, action: Action) -> float:
+    """The run's LR scale after `action`: a rollback's cut, or a Continue giving one back
+    (never above 1)."""
+    if isinstance(action, Rollback):
+        return lr_scale * action.lr_scale
+    if isinstance(action, Continue) and action.lr_scale != 1.0:
+        return min(1.0, lr_scale * action.lr_scale)
+    return lr_scale
 
 
 def intervention(action: Action, state: StepState) -> dict[str, Any]:

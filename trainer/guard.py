@@ -109,7 +109,17 @@ class SpikeGuard(Callback):
             log.info("step %d: %s verdict (%s)", state.step, v.kind, v.message)
             if v.kind in ("spike", "nonfinite") and self.act and action is None:
                 action = self._act(v, level)
-        return action if action is not None else Continue(pin=pin)
+        if action is not None:
+            return action
+        give_back = self.policy.recover(state.step) if self.act else 1.0
+        if give_back != 1.0:
+            self._note(
+                state.step,
+                f"{self.policy.cfg.repeat_window} calm steps since the last rollback: one LR "
+                f"cut given back (x{give_back:g})",
+                {"kind": "lr_restore", "lr_factor": give_back},
+            )
+        return Continue(pin=pin, lr_scale=give_back)
 
     def _new_episode(self, v: Verdict) -> bool:
         """A warning that did not fire on the previous step too: only these are recorded and
@@ -124,8 +134,13 @@ class SpikeGuard(Callback):
 
     def _act(self, v: Verdict, level: float | None) -> Action:
         plan = self.policy.decide(
-            v, checkpoints=self.checkpoints.retained(), batch_of=self.batch_of
+            v, checkpoints=self.checkpoints.retained(), batch_of=self.batch_of, loss_of=self.loss_of
         )
+        if plan.action == "accept":  # a new level: the baseline restarts at its onset
+            self.detector.rebase(v.onset_step)
+            log.warning("step %d: %s", v.step, plan.reason)
+            self._note(v.step, plan.reason, plan.info)
+            return Continue(lr_scale=plan.lr_scale)
         if plan.action == "halt":
             return Halt(plan.reason, info=dict(plan.info))
         if plan.action == "skip":
@@ -160,9 +175,12 @@ class SpikeGuard(Callback):
                     outcome="recovered" if state.loss <= level * 1.05 else "degraded",
                 )
                 self.watching.remove((record, level))
-                if self.recorder is not None:
-                    note = f"rollback outcome: {record['outcome']}"
-                    self.recorder.log_note(state.step, note, {**record, "kind": "outcome"})
+                note = f"rollback outcome: {record['outcome']}"
+                self._note(state.step, note, {**record, "kind": "outcome"})
+
+    def _note(self, step: int, message: str, data: Mapping[str, Any]) -> None:
+        if self.recorder is not None:
+            self.recorder.log_note(step, message, data)
 
     def on_update_metrics(self, step: int, metrics) -> None:
         for v in self.detector.observe(step, metrics):
@@ -199,7 +217,12 @@ class SpikeGuard(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        now = self.detector.cfg  # this run's settings (a resume may change them) ...
         self.detector.load_state_dict(state["detector"])
+        then = self.detector.cfg  # ... with the baseline restarts the run has made
+        self.detector.cfg = now.model_copy(
+            update={"ignore_before": max(now.ignore_before, then.ignore_before)}
+        )
         self.policy.load_state_dict(state["policy"])
         self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
         self.loss_of = {int(s): float(v) for s, v in state["loss_of"]}

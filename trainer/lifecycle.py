@@ -22,7 +22,13 @@ class Stoppable(Protocol):
     def request_stop(self) -> None: ...
 
 
-__all__ = ["RESUMABLE_KEYS", "check_resumable", "check_resume", "stop_on_signals"]
+__all__ = [
+    "CHANGEABLE_KEYS",
+    "RESUMABLE_KEYS",
+    "check_resumable",
+    "check_resume",
+    "stop_on_signals",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,19 @@ RESUMABLE_KEYS = {
     "distributed.timeout_s",
 }
 RESUMABLE_PREFIXES = ("probes.", "eval.")
+# Settings a resume may change that do change the run from its resumed step on: what a halt
+# advises (a lower peak LR, a tighter clip, more steps) and how the run is watched and saved.
+# Each is recorded in the run's store as an event (kind "note", data.kind "config_change").
+CHANGEABLE_KEYS = {
+    "optim.lr",
+    "optim.grad_clip",
+    "train.max_steps",
+    "checkpoint.interval",
+    "checkpoint.keep_last",
+    "checkpoint.mtbf_hours",
+    "checkpoint.fsync",
+}
+CHANGEABLE_PREFIXES = ("watch.",)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -48,12 +67,13 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> None:
+def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> dict[str, list[Any]]:
     """Refuse, before any weight is loaded, a resume that cannot continue the run: another
     config (`check_resumable`), or another checkpoint format (one process vs torchrun). A
     different world size, or ddp <-> fsdp2, is fine: the data position is a global batch
     index, the global batch is the same (init_world refuses a world size it does not divide
-    evenly over) and DCP reshards weights and optimizer state on load."""
+    evenly over) and DCP reshards weights and optimizer state on load. Returns the changes of
+    `CHANGEABLE_KEYS` settings, {key: [then, now]}."""
     saved = json.loads((path / "config.json").read_text())
     then = saved.get("distributed", {}).get("strategy")
     now = cfg.distributed.strategy
@@ -67,26 +87,38 @@ def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> None:
     if then != now:  # ddp <-> fsdp2: the same DCP format, resharded on load
         log.info("resuming a '%s' checkpoint with distributed.strategy=%s", then, now)
         saved = {**saved, "distributed": {**saved["distributed"], "strategy": now}}
-    check_resumable(cfg, saved, path)
+    changes = check_resumable(cfg, saved, path)
     ranks = read_meta(path).get("world_size", 1)
     if ranks != world_size:
         log.info("resuming a %d-rank checkpoint on %d ranks (resharded)", ranks, world_size)
+    return changes
 
 
-def check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
+def check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> dict[str, list[Any]]:
+    """Refuse a config that differs in a setting a resume may not change; return the changes
+    of the settings it may change that matter (`CHANGEABLE_KEYS`), {key: [then, now]}."""
     now, then = _flatten(cfg.to_dict()), _flatten(saved)
     for key, default in _flatten({"distributed": DistributedConfig().model_dump()}).items():
         then.setdefault(key, default)  # a checkpoint from before the section existed
-    diff = sorted(
+    differ = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+    changes = {
+        k: [then.get(k), now.get(k)]
+        for k in differ
+        if k in CHANGEABLE_KEYS or k.startswith(CHANGEABLE_PREFIXES)
+    }
+    refused = [
         k
-        for k in now.keys() | then.keys()
-        if k not in RESUMABLE_KEYS
-        and not k.startswith(RESUMABLE_PREFIXES)
-        and now.get(k) != then.get(k)
-    )
-    if diff:
-        shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
-        raise ConfigError(f"cannot resume {path}: the config differs in {shown}")
+        for k in differ
+        if k not in changes and k not in RESUMABLE_KEYS and not k.startswith(RESUMABLE_PREFIXES)
+    ]
+    if refused:
+        shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in refused[:8])
+        allowed = ", ".join(sorted(CHANGEABLE_KEYS | RESUMABLE_KEYS))
+        raise ConfigError(
+            f"cannot resume {path}: the config differs in {shown}. A resume may change "
+            f"{allowed}, watch.*, probes.* and eval.*"
+        )
+    return changes
 
 
 class stop_on_signals:

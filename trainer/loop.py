@@ -32,7 +32,7 @@ from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
-from trainer.decide import action_name, intervention, propose
+from trainer.decide import action_name, intervention, propose, rescale
 from trainer.distributed import World, init_world
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
@@ -158,6 +158,7 @@ class Trainer:
         self.metric_names: set[str] = set()
         self.resumed_loss = math.nan  # the loss of the step a resume started from
         self.generation = 0  # rollbacks carried out: checkpoints of a newer one supersede
+        self.config_changes: dict[str, list[Any]] = {}  # what this resume changed, for the record
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -165,6 +166,10 @@ class Trainer:
         last = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
         for cb in self.callbacks:
             cb.on_fit_start(self._fit_state())
+        if self.config_changes:
+            for cb in self.callbacks:
+                cb.on_config_change(self.step, self.config_changes)
+            self.config_changes = {}
         t0, steps_done, tokens0 = time.perf_counter(), 0, self.tokens
         with stop_on_signals(self):
             try:
@@ -214,9 +219,16 @@ class Trainer:
     def resume(self) -> int:
         """Continue from the newest intact checkpoint in the run directory; returns its step."""
         step, path = self.checkpointer.resume_point()
-        check_resume(self.cfg, path, self.world.size)
+        changes = check_resume(self.cfg, path, self.world.size)
         restore(self, self.checkpointer.read(path, self.device), resume=True)
-        log.info("resumed from %s", path)
+        for group in self.optimizer.param_groups:  # the optimizer state holds the old peak LR
+            group["base_lr"] = self.cfg.optim.lr
+        if changes:
+            shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            log.warning("resumed from %s with changed settings: %s", path, shown)
+        else:
+            log.info("resumed from %s", path)
+        self.config_changes = changes
         return step
 
     def _compute(self, step: int, index: int, probing: bool) -> tuple[StepTensors, float, int]:
@@ -349,7 +361,9 @@ class Trainer:
     def _decide(self, state: StepState) -> Action:
         """Rank 0's callbacks decide; every rank carries out that one action (broadcast)."""
         action = self.world.agree(self._propose(state) if self.world.is_main else None)
-        if not isinstance(action, Continue):
+        if isinstance(action, Continue):
+            self.lr_scale = rescale(self.lr_scale, action)  # from the next step on
+        else:
             log.warning("step %d: %s (%s)", state.step, action_name(action), action.reason)
             self.interventions.append(intervention(action, state))
             if isinstance(action, Halt):
@@ -379,7 +393,7 @@ class Trainer:
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.data_state.add_skip(start, end)
-        self.lr_scale *= action.lr_scale
+        self.lr_scale = rescale(self.lr_scale, action)
         self.interventions[-1].update(
             from_step=from_step,
             to_step=step,

@@ -157,6 +157,18 @@ class Recorder(Callback):
             source="detector",
         )
 
+    def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        self.sink.log_event(
+            self.run_id,
+            "note",
+            step=step,
+            branch=self.branch,
+            message=f"resumed at step {step} with changed settings: {shown}",
+            data=_jsonable({"kind": "config_change", "changes": dict(changes)}),
+            source="trainer",
+        )
+
     def log_note(self, step: int, message: str, data: Mapping[str, Any]) -> None:
         self.sink.log_event(
             self.run_id,

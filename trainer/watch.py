@@ -44,7 +44,7 @@ from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, WatchSettings
 from trainer.data import DataState
-from trainer.decide import action_name, intervention, propose
+from trainer.decide import action_name, intervention, propose, rescale
 from trainer.guard import SpikeGuard
 from trainer.probes import Probes, describe_model, module_layer_of
 from trainer.recorder import Recorder
@@ -247,7 +247,9 @@ class Watch:
         action, pins = propose(state, self.callbacks)
         for reason in pins:
             self._pin_newest(reason)
-        if not isinstance(action, Continue):
+        if isinstance(action, Continue):
+            self.lr_scale = rescale(self.lr_scale, action)  # from this update on
+        else:
             log.warning("step %d: %s (%s)", step, action_name(action), action.reason)
             self.interventions.append(intervention(action, state))
         self._state, self._action = state, action
@@ -393,6 +395,13 @@ class Watch:
                 return
         self.checkpointer.report(self.callbacks)  # an asynchronous save that landed meanwhile
 
+    def persist(self) -> None:
+        """Before a framework publishes its own checkpoint: the waiting update statistics go
+        out and every record so far becomes durable, so a resume from that checkpoint, which
+        re-sends only the steps after it, leaves each row in the store exactly once."""
+        self._flush_probes()
+        self.recorder.persist()
+
     def _flush_probes(self) -> None:
         pending = self.probes.take_pending_metrics()
         if pending is not None:
@@ -446,7 +455,7 @@ class Watch:
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.data.add_skip(start, end)
-        self.lr_scale *= action.lr_scale
+        self.lr_scale = rescale(self.lr_scale, action)
         record = self.interventions[-1]
         record.update(
             from_step=from_step,

@@ -120,3 +120,16 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="steps must increase"):
         det.update(5, 1.0)
     assert det.update(6, 0.0) == []  # not usable in log space: skipped, not fatal
+
+
+def test_blips_separated_by_calm_steps_are_not_a_spike() -> None:
+    """Spike, calm, spike, calm, spike: three one-step blips (each would need `persistence`
+    consecutive excursion steps), not a spike; three in a row are one."""
+    losses = _curve(800)
+    for s in (500, 502, 504, 506, 508):
+        losses[s - 1] *= 2.5
+    assert _run(Detector(DetectorConfig(ignore_before=30)), losses) == []
+    for s in (700, 701, 702):
+        losses[s - 1] *= 2.5
+    (v,) = _run(Detector(DetectorConfig(ignore_before=30)), losses)
+    assert (v.kind, v.onset_step, v.step) == ("spike", 700, 702)

@@ -54,3 +54,60 @@ def test_state_round_trips() -> None:
     q = Policy()
     q.load_state_dict(p.state_dict())
     assert q.rollback_steps == [200]
+
+
+def test_an_lr_cut_is_given_back_after_calm_windows() -> None:
+    p = Policy(PolicyConfig(max_rollbacks=5, repeat_window=100, lr_decay=0.5))
+    ck = list(range(0, 2000, 10))
+    p.decide(_spike(200, 198), checkpoints=ck, batch_of=BATCH_OF)
+    assert p.decide(_spike(250, 248), checkpoints=ck, batch_of=BATCH_OF).lr_scale == 0.5
+    assert p.decide(_spike(280, 278), checkpoints=ck, batch_of=BATCH_OF).lr_scale == 0.5
+    assert [p.recover(s) for s in (300, 379)] == [1.0, 1.0]  # not yet 100 calm steps
+    assert p.recover(380) == 2.0  # one cut back ...
+    assert [p.recover(s) for s in (381, 479)] == [1.0, 1.0]
+    assert p.recover(480) == 2.0  # ... and the next one a window later
+    assert p.recover(2000) == 1.0  # nothing left to give back
+    q = Policy(p.cfg)
+    q.load_state_dict(p.state_dict())
+    assert q.lr_cuts == [] and q.restored_at == 480
+
+
+def test_a_level_that_returns_where_the_skip_ends_is_accepted() -> None:
+    """The loss rises to the same level right where each rollback's skipped batches end: after
+    `accept_level_after` rollbacks it is a new level, with the LR cuts given back. A spike at
+    another level, or elsewhere, is a spike."""
+    cfg = PolicyConfig(accept_level_after=2, skip_extra=10, lr_decay=0.5)
+    p = Policy(cfg)
+    ck = list(range(0, 2000, 10))
+    level = {s: 2.0 for s in range(1, 2000)}
+    first = p.decide(
+        _spike(153, 151),
+        checkpoints=ck,
+        batch_of=BATCH_OF,
+        loss_of={**level, 151: 6.0, 152: 6.1, 153: 5.9},
+    )
+    assert first.action == "rollback" and first.skip_ranges == ((149, 163),)
+    # the new branch from step 140: batches 139..147 on steps 140..148, then 163 on
+    batch_of = {s: s - 1 for s in range(1, 149)} | {s: s + 14 for s in range(149, 200)}
+    losses = {**level, 149: 6.2, 150: 6.0, 151: 6.1}
+    second = p.decide(_spike(151, 149), checkpoints=ck, batch_of=batch_of, loss_of=losses)
+    assert second.action == "rollback" and second.lr_scale == 0.5
+    end = second.skip_ranges[0][1]
+    batch_of = {s: s - 1 for s in range(1, 149)} | {s: end + s - 149 for s in range(149, 200)}
+    third = p.decide(_spike(151, 149), checkpoints=ck, batch_of=batch_of, loss_of=losses)
+    assert third.action == "accept" and third.lr_scale == 2.0
+    assert third.info["rollbacks"] == [151, 153] and p.rollback_steps == [] and not p.lr_cuts
+    other = Policy(cfg)  # the same returns, but at a level 40% higher each time: spikes
+    other.decide(
+        _spike(153, 151),
+        checkpoints=ck,
+        batch_of=BATCH_OF,
+        loss_of={**level, 151: 6.0, 152: 6.1, 153: 5.9},
+    )
+    batch_of = {s: s - 1 for s in range(1, 149)} | {s: s + 14 for s in range(149, 200)}
+    higher = {**level, 149: 8.4, 150: 8.5, 151: 8.6}
+    assert (
+        other.decide(_spike(151, 149), checkpoints=ck, batch_of=batch_of, loss_of=higher).action
+        == "rollback"
+    )
+    assert other.shift is not None and other.shift["count"] == 0

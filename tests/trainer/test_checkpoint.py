@@ -5,11 +5,13 @@ import json
 import pytest
 import torch
 
+from observatory.sink import NullSink
 from trainer import checkpoint as ck
 from trainer.actions import Continue, Rollback
 from trainer.callbacks import Callback, StepState
 from trainer.config import ConfigError
 from trainer.loop import build_trainer, fit
+from trainer.recorder import Recorder
 
 from .conftest import tiny_config
 
@@ -128,8 +130,55 @@ def test_async_save_writes_the_same_checkpoints_as_sync(tmp_path, monkeypatch) -
 
 def test_resume_refuses_a_changed_config(tmp_path) -> None:
     fit(tiny_config(*CK, "train.stop_after=4"), run_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"optim\.lr"):
-        build_trainer(tiny_config(*CK, "optim.lr=0.1"), run_dir=tmp_path, resume=True)
+    with pytest.raises(ConfigError, match=r"optim\.betas.*may change .*optim\.lr"):
+        build_trainer(tiny_config(*CK, "optim.betas=[0.9,0.99]"), run_dir=tmp_path, resume=True)
+
+
+class _Sent(NullSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, dict]] = []
+
+    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
+        self.events.append((kind, kw.get("step"), kw.get("data") or {}))
+        return super().log_event(run_id, kind, **kw)
+
+
+class _Notes(Callback):
+    def __init__(self) -> None:
+        self.changes: list[tuple[int, dict]] = []
+        self.lrs: dict[int, float] = {}
+
+    def on_config_change(self, step, changes) -> None:  # noqa: ANN001
+        self.changes.append((step, dict(changes)))
+
+    def post_step(self, state: StepState) -> None:
+        self.lrs[state.step] = state.lr
+
+
+def test_a_resume_may_lower_the_lr_and_says_so(tmp_path) -> None:
+    """What a halt advises: resume with a lower peak LR. The new LR applies from the resumed
+    step on (the optimizer state kept the old one), and the change is reported to the
+    callbacks (the Recorder stores it as an event)."""
+    full = _Notes()
+    ref = build_trainer(tiny_config(*CK), run_dir=tmp_path / "full", callbacks=[full])
+    ref.fit()
+    fit(tiny_config(*CK, "train.stop_after=4"), run_dir=tmp_path / "run")
+    half, sink = _Notes(), _Sent()
+    lower = tiny_config(*CK, "optim.lr=0.0015", "watch.policy.margin=3")
+    tr = build_trainer(
+        lower, run_dir=tmp_path / "run", resume=True, callbacks=[half, Recorder(sink)]
+    )
+    tr.fit()
+    ((kind, step, data),) = [e for e in sink.events if e[2].get("kind") == "config_change"]
+    assert (kind, step, data["changes"]["optim.lr"]) == ("note", 4, [0.003, 0.0015])
+    assert half.changes == [
+        (4, {"optim.lr": [0.003, 0.0015], "watch.policy.margin": [1, 3]}),
+    ]
+    for step in range(5, 13):
+        assert half.lrs[step] == pytest.approx(full.lrs[step] / 2, rel=1e-9), step
+    used = [g["lr"] for g in tr.optimizer.param_groups]  # what the last update was made with
+    assert used == pytest.approx([g["lr"] / 2 for g in ref.optimizer.param_groups], rel=1e-9)
 
 
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path) -> None:
@@ -260,8 +309,8 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path) -> None:
     before = (tmp_path / "config.json").read_text()
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         build_trainer(tiny_config(*CK), run_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"optim\.lr"):
-        build_trainer(tiny_config(*CK, "optim.lr=0.5"), run_dir=tmp_path, resume=True)
+    with pytest.raises(ConfigError, match=r"model\.d_model"):
+        build_trainer(tiny_config(*CK, "model.d_model=48"), run_dir=tmp_path, resume=True)
     assert (tmp_path / "config.json").read_text() == before  # a refused resume changes nothing
 
 

@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from observatory.sink import NullSink
 from trainer import checkpoint as ck
 from trainer.config import load_config
 from trainer.guard import regime_steps
 from trainer.loop import build_trainer, fit
+from trainer.recorder import Recorder
 
 BASE = [
     "train.progress=false",
@@ -172,3 +174,66 @@ def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
     ]
     fit(load_config("tiny_cpu", cfg), run_dir=tmp_path)
     assert len(ck.list_checkpoints(tmp_path / "checkpoints")) <= 2 + 6 + 3
+
+
+class _Events(NullSink):
+    """A store that keeps the events it is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, dict]] = []
+
+    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
+        self.events.append((kind, kw.get("step"), kw.get("data") or {}))
+        return super().log_event(run_id, kind, **kw)
+
+
+def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path) -> None:
+    """From batch 150 on the data changes for good (random bytes: a new, higher plateau the
+    trainer was not told about). The guard rolls back, meets the same level where the skipped
+    batches end, rolls back again (cutting the LR), meets it again: a new level, not a spike.
+    The run goes on to its last step, with the LR cut given back, and says so in the store."""
+    fault = 'faults=[{kind="random_bytes", start=150, length=100000}]'
+    sink = _Events()
+    cfg = load_config("tiny_cpu", [*BASE, fault])
+    tr = build_trainer(cfg, run_dir=tmp_path, callbacks=[Recorder(sink)])
+    r = tr.fit()
+    kinds = [i["kind"] for i in r.interventions]
+    assert kinds == ["rollback", "rollback"], kinds
+    assert r.interventions[1]["lr_scale"] == 0.5
+    assert r.halted is None and r.steps == 220
+    assert tr.lr_scale == 1.0  # the cut of the second rollback was given back
+    (shift,) = [d for k, _, d in sink.events if k == "note" and d.get("kind") == "level_shift"]
+    assert shift["rollbacks"] == sorted(i["detect_step"] for i in r.interventions)
+    assert r.train_losses[-1] > 4.0  # training on at the new level, not rolled back forever
+
+
+def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path) -> None:
+    two = ", ".join(f'{{kind="shifted_labels", start={s}, length=6}}' for s in (100, 125))
+    faults = f"faults=[{two}]"
+    sink = _Events()
+    over = [*BASE, faults, "watch.policy.repeat_window=40", "watch.classify_cause=false"]
+    tr = build_trainer(load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[Recorder(sink)])
+    r = tr.fit()
+    assert [i["lr_scale"] for i in r.interventions] == [1.0, 0.5]
+    (back,) = [(s, d) for k, s, d in sink.events if d.get("kind") == "lr_restore"]
+    assert back[0] == r.interventions[1]["detect_step"] + 40 and back[1]["lr_factor"] == 2.0
+    assert tr.lr_scale == 1.0 and r.steps == 220
+
+
+def test_a_rollback_resets_the_warning_memory() -> None:
+    """A warning episode of the abandoned branch does not silence the same warning on the
+    restored branch: there it is a new episode (recorded, and it pins an anchor)."""
+    from observatory.detect import Verdict
+    from trainer.config import WatchConfig
+    from trainer.guard import SpikeGuard
+
+    guard = SpikeGuard(WatchConfig(), checkpoints=None)  # type: ignore[arg-type]
+
+    def warn(step: int) -> Verdict:
+        return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
+
+    assert guard._new_episode(warn(100)) and not guard._new_episode(warn(101))
+    guard.on_rollback(90, {})
+    assert guard._new_episode(warn(92))  # the same signal, one branch later
+    assert not guard._new_episode(warn(93))
