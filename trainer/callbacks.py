@@ -27,6 +27,7 @@ class StepState:
     lr: float  # peak-group LR this step
     tokens: int  # tokens seen including this step
     nonfinite: bool  # loss or gradient not finite: the update is refused
+    refused_by: str = ""  # the same-step tier refuses this update: why (trainer/same_step.py)
     applied: bool = False  # set for post_step: whether the update was applied
     action: str = "continue"
     reason: str = ""  # why, when the action is not "continue"

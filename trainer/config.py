@@ -23,6 +23,7 @@ from pydantic import (
 
 from observatory.detect import DetectorConfig
 from observatory.policy import PolicyConfig
+from trainer.same_step import SameStepConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -295,6 +296,10 @@ class WatchConfig(_Section):
         True,
         description="After a rollback, replay the spike's steps once to tell a spike that "
         "needs this data with this state from a transient one (costs those steps once more).",
+    )
+    same_step: SameStepConfig = Field(
+        default_factory=SameStepConfig,
+        description="trainer/same_step.py: refuse an isolated extreme update on its own step.",
     )
 
 

@@ -32,6 +32,8 @@ def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, li
     proposed: list[Action] = []
     if state.nonfinite:
         proposed.append(SkipUpdate(reason=NONFINITE))
+    elif state.refused_by:
+        proposed.append(SkipUpdate(reason=state.refused_by))
     proposed += [cb.pre_update(state) for cb in callbacks]
     goes_on = [a for a in proposed if isinstance(a, Continue)]
     pins = [a.pin for a in goes_on if a.pin is not None]

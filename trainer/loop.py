@@ -41,6 +41,7 @@ from trainer.model import GPT, build_model
 from trainer.optim import build_optimizer
 from trainer.probes import Probes
 from trainer.recorder import Recorder
+from trainer.same_step import SameStepGate
 from trainer.schedule import lr_multiplier
 from trainer.snapshot import build_snapshot, restore
 from trainer.step import HostTransfer, StepTensors, apply_update, forward_backward
@@ -159,6 +160,8 @@ class Trainer:
         self.resumed_loss = math.nan  # the loss of the step a resume started from
         self.generation = 0  # rollbacks carried out: checkpoints of a newer one supersede
         self.config_changes: dict[str, list[Any]] = {}  # what this resume changed, for the record
+        tier = cfg.watch.same_step
+        self.same_step = SameStepGate(tier, device) if cfg.watch.enabled and tier.enabled else None
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -312,9 +315,12 @@ class Trainer:
             xfer.add(pending[1], pending[2], late=True)
         if t.stop is not None:
             xfer.add([_STOP], t.stop)
+        if self.same_step is not None:
+            self.same_step.ride(xfer, t.loss, t.grad_norm)
         metrics, late_metrics = xfer.fetch()  # the one device->host sync of the step
         if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
             self.stop_requested = True
+        refused_by = self.same_step.verdict(metrics) if self.same_step is not None else ""
         metrics[M.LR] = self.cfg.optim.lr * lr_mult
         now = time.perf_counter()
         if self._last_step_end is not None:
@@ -332,6 +338,7 @@ class Trainer:
             lr=metrics[M.LR],
             tokens=self.tokens + ntok,
             nonfinite=not (math.isfinite(loss) and math.isfinite(gnorm)),
+            refused_by=refused_by,
             metrics=metrics,
         )
         return state, (None if pending is None else (pending[0], late_metrics))

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["SameStepConfig", "SameStepGate"]
 
+_RIDES = ["_same_step_refuse", "_same_step_z_loss", "_same_step_z_grad"]  # never stored
+
 
 class SameStepConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -76,6 +78,16 @@ class SameStepGate:
         self.count.copy_((self.count + step).clamp(max=cfg.window))
         self.refused.copy_(torch.where(refuse, self.refused + 1, torch.zeros_like(self.refused)))
         return torch.stack([refuse.float(), z[0], z[1]])
+
+    def ride(self, xfer: Any, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Check this step, the verdict riding the step's host transfer (`step.HostTransfer`)."""
+        xfer.add(_RIDES, self.check(loss, grad_norm))
+
+    def verdict(self, metrics: dict[str, float]) -> str:
+        """After the transfer: take the tier's values out of `metrics`; the reason of a
+        refusal, or "" for an update that may go on."""
+        refuse, z_loss, z_grad = (metrics.pop(name) for name in _RIDES)
+        return self.reason(z_loss, z_grad, self.cfg.sigma) if refuse > 0 else ""
 
     def reset(self) -> None:
         """Forget the history (the loss moved to a new level on purpose, or was accepted as

@@ -25,6 +25,7 @@ from trainer.checkpoint import Snapshot
 from trainer.config import TrainConfig
 from trainer.data import DataState
 from trainer.distributed import World
+from trainer.same_step import SameStepGate
 from trainer.staging import Stager, to_host
 
 
@@ -48,6 +49,7 @@ class Trainer(Protocol):
     history: list[tuple[int, float]]
     resumed_loss: float
     generation: int
+    same_step: SameStepGate | None
 
 
 __all__ = [
@@ -124,6 +126,7 @@ def build_snapshot(tr: Trainer, stage: Stager | None) -> Snapshot:
         "interventions": tr.interventions,
         "val_losses": tr.val_losses,
         "generation": tr.generation,
+        "same_step": None if tr.same_step is None else tr.same_step.state_dict(),
         "rng": rng_json,
         "callbacks": {
             key: cb.state_dict()
@@ -166,6 +169,8 @@ def restore(tr: Trainer, loaded: dict[str, Any], *, resume: bool) -> None:
         tr.optimizer.load_state_dict(join_optimizer(loaded))
     set_rng_states(loaded["rng.pt"], state["rng"])
     tr.step, tr.tokens = state["step"], state["tokens"]
+    if tr.same_step is not None and state.get("same_step") is not None:
+        tr.same_step.load_state_dict(state["same_step"])
     restored = DataState.from_dict(state["data_state"])
     if resume:
         last = loaded.get("meta", {}).get("loss")

@@ -48,6 +48,7 @@ from trainer.decide import action_name, intervention, propose, rescale
 from trainer.guard import SpikeGuard
 from trainer.probes import Probes, describe_model, module_layer_of
 from trainer.recorder import Recorder
+from trainer.same_step import SameStepGate
 from trainer.snapshot import (
     callback_keys,
     join_optimizer,
@@ -63,13 +64,8 @@ __all__ = ["Watch"]
 log = logging.getLogger(__name__)
 
 # What a step came to: the scheduler advances on the first two only.
-APPLIED, REFUSED, ROLLED_BACK, HALTED, SKIPPED_BATCH = (
-    "applied",
-    "refused",
-    "rolled_back",
-    "halted",
-    "skipped_batch",
-)
+APPLIED, REFUSED, ROLLED_BACK, HALTED = "applied", "refused", "rolled_back", "halted"
+SKIPPED_BATCH = "skipped_batch"
 
 
 class Watch:
@@ -139,6 +135,8 @@ class Watch:
             self.model_info["n_layer"] = sum(b.isdigit() for b in blocks)
         self.attn = AttnMax()
         self.device = self.probes.params[0].device
+        tier = cfg.watch.same_step
+        self.same_step = SameStepGate(tier, self.device) if tier.enabled else None
         self.step_count = 0  # updates on the live branch
         self.data = DataState()  # the data position (next global batch index) and skips
         self.index = 0  # this step's batch index
@@ -351,7 +349,10 @@ class Watch:
         pending = self.probes.take_pending()
         if pending is not None:
             xfer.add(pending[1], pending[2], late=True)
+        if self.same_step is not None:
+            self.same_step.ride(xfer, loss, norm)
         metrics, late = xfer.fetch()  # the one device->host sync of the step
+        refused_by = self.same_step.verdict(metrics) if self.same_step is not None else ""
         if pending is not None:
             self._emit_update_metrics(pending[0], late)
         metrics[M.LR] = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale
@@ -367,6 +368,7 @@ class Watch:
             lr=metrics[M.LR],
             tokens=0,
             nonfinite=not (math.isfinite(value) and math.isfinite(gnorm)),
+            refused_by=refused_by,
             metrics=metrics,
         )
 
@@ -485,8 +487,14 @@ class Watch:
         self.step_count = int(state["step"])
         if resume:
             self.load_state_dict(state)
+        else:
+            self._load_same_step(state)
         self.history = [(s, v) for s, v in self.history if s <= self.step_count]
         self.val_losses = [(s, v) for s, v in self.val_losses if s <= self.step_count]
+
+    def _load_same_step(self, state: Mapping[str, Any]) -> None:
+        if self.same_step is not None and state.get("same_step") is not None:
+            self.same_step.load_state_dict(state["same_step"])
 
     def _resume(self) -> None:
         step, path = self.checkpointer.resume_point()
@@ -505,6 +513,7 @@ class Watch:
             "interventions": self.interventions,
             "val_losses": self.val_losses,
             "halted": self.halted,
+            "same_step": None if self.same_step is None else self.same_step.state_dict(),
             "callbacks": {
                 k: cb.state_dict()
                 for k, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True)
@@ -520,6 +529,7 @@ class Watch:
         self.interventions = list(state["interventions"])
         self.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
         self.halted = state.get("halted")
+        self._load_same_step(state)
         saved = state["callbacks"]
         for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
             if key in saved:

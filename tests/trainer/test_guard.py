@@ -14,7 +14,8 @@ from trainer.guard import regime_steps
 from trainer.loop import build_trainer, fit
 from trainer.recorder import Recorder
 
-BASE = [
+BASE = [  # the rollback tier (the same-step tier, which acts first, has test_same_step.py)
+    "watch.same_step.enabled=false",
     "train.progress=false",
     "checkpoint.interval=10",
     "train.max_steps=220",
@@ -188,23 +189,25 @@ class _Events(NullSink):
         return super().log_event(run_id, kind, **kw)
 
 
-def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path) -> None:
+@pytest.mark.parametrize("tier", ["true", "false"])
+def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) -> None:
     """From batch 150 on the data changes for good (random bytes: a new, higher plateau the
     trainer was not told about). The guard rolls back, meets the same level where the skipped
     batches end, rolls back again (cutting the LR), meets it again: a new level, not a spike.
-    The run goes on to its last step, with the LR cut given back, and says so in the store."""
+    The run goes on to its last step, with the LR cut given back, and says so in the store.
+    With the same-step tier on, the first updates at the new level are refused as well."""
     fault = 'faults=[{kind="random_bytes", start=150, length=100000}]'
     sink = _Events()
-    cfg = load_config("tiny_cpu", [*BASE, fault])
+    cfg = load_config("tiny_cpu", [*BASE, fault, f"watch.same_step.enabled={tier}"])
     tr = build_trainer(cfg, run_dir=tmp_path, callbacks=[Recorder(sink)])
     r = tr.fit()
-    kinds = [i["kind"] for i in r.interventions]
-    assert kinds == ["rollback", "rollback"], kinds
-    assert r.interventions[1]["lr_scale"] == 0.5
+    rollbacks = [i for i in r.interventions if i["kind"] == "rollback"]
+    assert len(rollbacks) == 2 and rollbacks[1]["lr_scale"] == 0.5, r.interventions
+    assert not [i for i in r.interventions if i["kind"] == "halt"]
     assert r.halted is None and r.steps == 220
     assert tr.lr_scale == 1.0  # the cut of the second rollback was given back
     (shift,) = [d for k, _, d in sink.events if k == "note" and d.get("kind") == "level_shift"]
-    assert shift["rollbacks"] == sorted(i["detect_step"] for i in r.interventions)
+    assert shift["rollbacks"] == sorted(i["detect_step"] for i in rollbacks)
     assert r.train_losses[-1] > 4.0  # training on at the new level, not rolled back forever
 
 

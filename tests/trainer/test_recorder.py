@@ -13,6 +13,11 @@ from trainer.cli import main
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 
 
+def _first_rollback(summary: dict) -> dict:
+    """The rollback among the interventions (the same-step tier's refusals come first)."""
+    return next(i for i in summary["interventions"] if i["kind"] == "rollback")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rec")
@@ -47,7 +52,7 @@ def test_run_branches_and_events_are_stored(run) -> None:
         assert summary.status == "completed" and summary.tags == ["test"]
         assert summary.spikes == 1 and summary.rollbacks == 1 and summary.branches == 2
         (b0, b1) = store.branches(s, run_id="r1")
-        iv = run["summary"]["interventions"][0]
+        iv = _first_rollback(run["summary"])
         assert b1.parent == 0 and b1.fork_step == iv["to_step"]
         kinds = [e.kind for e in store.events(s, run_id="r1")]
         assert "spike" in kinds and "rollback" in kinds
@@ -55,7 +60,7 @@ def test_run_branches_and_events_are_stored(run) -> None:
 
 
 def test_both_branches_keep_their_history(run) -> None:
-    iv = run["summary"]["interventions"][0]
+    iv = _first_rollback(run["summary"])
     with session_factory(run["db"])() as s:
         data = store.series(s, run_id="r1", metric="train/loss", branch="all", buckets=4000)
         by_branch = {d.branch: d for d in data}
@@ -75,7 +80,7 @@ def test_both_branches_keep_their_history(run) -> None:
 def test_logbook_tells_the_story(run, capsys) -> None:
     assert main(["logbook", "r1", "--db", run["db"]]) == 0
     out = capsys.readouterr().out
-    iv = run["summary"]["interventions"][0]
+    iv = _first_rollback(run["summary"])
     assert out.startswith("# Logbook of run `r1`")
     assert f"**Spike** detected at step {iv['detect_step']}" in out
     assert f"to the checkpoint of step {iv['to_step']}" in out
@@ -132,7 +137,7 @@ def test_a_resume_keeps_the_rollback_history_and_a_finished_resume_its_loss(tmp_
     run = tmp_path / "r2"
     first = [*common, str(tmp_path / "a.json"), "--set", "train.stop_after=180"]
     assert main(["train", "tiny_cpu", *first, "--run-dir", str(run)]) == 0
-    to_step = _strict((tmp_path / "a.json").read_text())["interventions"][0]["to_step"]
+    to_step = _first_rollback(_strict((tmp_path / "a.json").read_text()))["to_step"]
     assert main(["train", "--resume", str(run), *common, str(tmp_path / "b.json")]) == 0
     with session_factory(db)() as s:
         (_, b1) = store.branches(s, run_id="r2")

@@ -13,7 +13,8 @@ from trainer.checkpointer import Checkpointer
 from trainer.config import load_config
 from trainer.loop import build_trainer
 
-BASE = [
+BASE = [  # the rollback tier alone: the kinds of the interventions are the rollback's
+    "watch.same_step.enabled=false",
     "train.progress=false",
     "checkpoint.interval=10",
     "train.max_steps=200",

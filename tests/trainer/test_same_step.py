@@ -1,0 +1,129 @@
+"""The same-step tier: its arithmetic against numpy, what it refuses and lets through, and the
+refusal in the loop (a skip on the very step, no rollback, nothing applied)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from observatory.sink import NullSink
+from trainer.callbacks import Callback, StepState
+from trainer.config import load_config
+from trainer.loop import build_trainer
+from trainer.recorder import Recorder
+from trainer.same_step import SameStepConfig, SameStepGate
+
+CFG = SameStepConfig(window=16, min_history=8, sigma=6.0, max_refusals=2)
+
+
+def _check(gate: SameStepGate, loss: float, gnorm: float = 1.0) -> tuple[bool, float, float]:
+    refuse, z_loss, z_grad = gate.check(torch.tensor(loss), torch.tensor(gnorm)).tolist()
+    return refuse > 0, z_loss, z_grad
+
+
+def test_z_scores_are_those_of_the_window_in_numpy() -> None:
+    rng = np.random.default_rng(0)
+    losses = 2.0 * np.exp(0.02 * rng.standard_normal(40))
+    gnorms = 0.5 * np.exp(0.05 * rng.standard_normal(40))
+    gate = SameStepGate(CFG, torch.device("cpu"))
+    for i, (loss, g) in enumerate(zip(losses, gnorms, strict=True)):
+        refuse, z_loss, z_grad = _check(gate, float(loss), float(g))
+        window = slice(max(0, i - CFG.window), i)  # the accepted steps before this one
+        for z, series in ((z_loss, losses), (z_grad, gnorms)):
+            hist = np.log(series[window])
+            if len(hist) >= 2:
+                want = (math.log(series[i]) - hist.mean()) / max(hist.std(ddof=1), CFG.floor)
+                assert z == pytest.approx(want, rel=1e-4, abs=1e-4), i
+        assert not refuse
+
+
+def test_an_isolated_extreme_step_is_refused_and_not_learnt() -> None:
+    gate = SameStepGate(CFG, torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    for v in 2.0 * np.exp(0.02 * rng.standard_normal(7)):
+        assert not _check(gate, float(v))[0]
+    assert not _check(gate, 9.0)[0]  # 7 steps of history: not armed yet (min_history 8)
+    gate.reset()
+    for v in 2.0 * np.exp(0.02 * rng.standard_normal(12)):
+        assert not _check(gate, float(v))[0]
+    before = gate.state_dict()
+    refuse, z_loss, _ = _check(gate, 9.0)
+    assert refuse and z_loss > 6
+    assert gate.state_dict()["values"] == before["values"]  # the refused value is not learnt
+    assert not _check(gate, 2.0)[0]  # and the next normal step goes on
+    assert _check(gate, 2.0, gnorm=1e4)[0]  # an extreme gradient alone is refused too
+
+
+def test_a_persisting_excursion_is_let_through_after_max_refusals() -> None:
+    """Two refusals in a row, then the third extreme update goes through (the detector sees
+    three excursions in a row: a spike for the rollback tier), and is learnt."""
+    gate = SameStepGate(CFG, torch.device("cpu"))
+    for v in 2.0 * np.exp(0.02 * np.random.default_rng(2).standard_normal(16)):
+        _check(gate, float(v))
+    # refused, refused, let through (and learnt: in a 16-step window one such value widens
+    # the deviation enough that the same level is no longer 6 deviations away)
+    assert [_check(gate, 9.0)[0] for _ in range(4)] == [True, True, False, False]
+    count = gate.state_dict()["count"]
+    assert count == CFG.window  # full, and the let-through value replaced the oldest
+    assert any(math.isclose(v, math.log(9.0), rel_tol=1e-6) for v in gate.state_dict()["values"][0])
+
+
+def test_non_finite_values_never_enter_and_state_round_trips() -> None:
+    gate = SameStepGate(CFG, torch.device("cpu"))
+    for v in (2.0, 2.1, 1.9):
+        _check(gate, v)
+    refuse, *_ = _check(gate, math.nan)
+    assert not refuse  # the loop refuses non-finite updates itself
+    assert gate.state_dict()["count"] == 3
+    other = SameStepGate(CFG, torch.device("cpu"))
+    other.load_state_dict(gate.state_dict())
+    assert other.state_dict() == gate.state_dict()
+
+
+class _Applied(Callback):
+    def __init__(self) -> None:
+        self.steps: list[StepState] = []
+
+    def post_step(self, state: StepState) -> None:
+        self.steps.append(state)
+
+
+class _Sent(NullSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
+        self.events.append((kind, kw.get("step")))
+        return super().log_event(run_id, kind, **kw)
+
+
+@pytest.mark.parametrize("tier", [True, False])
+def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier) -> None:
+    """Batch 150 has shifted labels (one batch): with the tier its update is refused on step
+    151 itself, recorded as a skip, and nothing else happens; without it the bad update is
+    applied (and the rollback tier, which needs a spike that persists, does nothing)."""
+    over = [
+        "train.progress=false",
+        "checkpoint.interval=10",
+        "train.max_steps=170",
+        "eval.interval=none",
+        'faults=[{kind="shifted_labels", start=150, length=1}]',
+        f"watch.same_step.enabled={str(tier).lower()}",
+    ]
+    seen, sink = _Applied(), _Sent()
+    tr = build_trainer(
+        load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[seen, Recorder(sink)]
+    )
+    r = tr.fit()
+    step151 = next(s for s in seen.steps if s.step == 151)
+    if tier:
+        assert [(i["kind"], i["step"]) for i in r.interventions] == [("skip_update", 151)]
+        assert r.interventions[0]["reason"].startswith("same-step tier: loss")
+        assert not step151.applied and ("skip", 151) in sink.events
+    else:
+        assert r.interventions == [] and step151.applied
+    assert all(s.applied for s in seen.steps if s.step != 151)
