@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np  # noqa: E402
-import uvicorn  # noqa: E402
 from _cdp import ARGS, Chromium  # noqa: E402
 from _common import machine  # noqa: E402
 from fastapi.responses import HTMLResponse  # noqa: E402
@@ -45,6 +42,7 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 from observatory import db  # noqa: E402
 from observatory.ingest import Writer  # noqa: E402
 from observatory.records import Record  # noqa: E402
+from observatory.serving import serve_in_thread  # noqa: E402
 from web.app import create_app  # noqa: E402
 from web.settings import Settings  # noqa: E402
 
@@ -105,15 +103,9 @@ def render_times(url: str, reps: int) -> dict[str, float]:
     reported), and the floor: a page that only loads plotly.js and draws one chart."""
     app = create_app(Settings(db_url=url))
     app.add_api_route("/bench/floor", lambda: HTMLResponse(FLOOR), include_in_schema=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
+    served = serve_in_thread(app)
+    assert served is not None
+    base = served.url
     plain: dict[str, list[float]] = {"run": [], "floor": []}
     chromium = Chromium()
     try:
@@ -136,7 +128,7 @@ def render_times(url: str, reps: int) -> dict[str, float]:
             instrumented.append(time.perf_counter() - t0)
             page.close()
         browser.close()
-    server.should_exit = True
+    served.stop()
     return {
         "render_s": statistics.median(plain["run"]),
         "plotly_floor_s": statistics.median(plain["floor"]),

@@ -11,15 +11,12 @@ Serves the dashboard on a free local port and drives Debian's Chromium with Play
 
 from __future__ import annotations
 
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
 
-import uvicorn
 from playwright.sync_api import sync_playwright
 
+from observatory.serving import serve_in_thread
 from web.app import create_app
 from web.settings import Settings
 
@@ -59,36 +56,29 @@ def main() -> None:
     else:
         db, run, *others = sys.argv[1:]
         group = None
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(Settings(db_url=db)), port=port, log_level="warning")
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    served = serve_in_thread(create_app(Settings(db_url=db)))
+    assert served is not None
+    base = served.url
     out = Path(__file__).parent
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         if group is not None:
-            shoot_group(page, f"http://127.0.0.1:{port}", group, out)
+            shoot_group(page, base, group, out)
             browser.close()
-            server.should_exit = True
+            served.stop()
             return
-        page.goto(f"http://127.0.0.1:{port}/runs/{run}")
+        page.goto(f"{base}/runs/{run}")
         page.wait_for_selector("#chart-loss .main-svg")
         page.wait_for_timeout(800)
         page.screenshot(path=str(out / "run_page.png"), full_page=False)
         query = "&".join(f"run={r}" for r in [run, *others])
-        page.goto(f"http://127.0.0.1:{port}/compare?{query}")
+        page.goto(f"{base}/compare?{query}")
         page.wait_for_selector("#chart-compare .main-svg")
         page.wait_for_timeout(500)
         page.screenshot(path=str(out / "compare_page.png"), full_page=False)
         browser.close()
-    server.should_exit = True
+    served.stop()
 
 
 if __name__ == "__main__":

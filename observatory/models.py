@@ -12,8 +12,9 @@ in step order (SQLite `WITHOUT ROWID`), so every chart query is one contiguous i
 A per-layer or per-head metric is an ordinary series with `layer`/`head` set: a layer x step
 matrix is the same range read over 48 series ids. Scalars use `NO_INDEX` (-1) for both.
 
-Millions of rows per run are answered through `point_blocks`: per series, per block of 16, 256
-and 4096 steps, the exact minimum and maximum (with their steps), the count and the NaN count.
+Millions of rows per run are answered through `point_blocks`: per series, per block of 16, 64,
+256 and 4096 steps (`BLOCK_LEVELS`), the exact minimum and maximum (with their steps), the count
+and the NaN count.
 The writer maintains them in the same transaction as the points (observatory/ingest.py), so a
 downsampled query reads a few thousand block rows and only the partial blocks at the edges of the
 asked range from `points`. NaN is stored as NULL (SQLite cannot store NaN; PostgreSQL would sort

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from observatory import metric_names as M
 
-__all__ = ["MAX_INDEX", "NO_INDEX", "MetricKey", "format_name", "parse_name"]
+__all__ = ["MAX_INDEX", "NO_INDEX", "MetricKey", "parse_name"]
 
 NO_INDEX = -1
 MAX_INDEX = 32767  # stored as SMALLINT
@@ -48,13 +48,3 @@ def parse_name(name: str) -> MetricKey:
     if key.layer > MAX_INDEX or key.head > MAX_INDEX:
         raise ValueError(f"layer/head index above {MAX_INDEX} in metric name {name!r}")
     return key
-
-
-def format_name(key: MetricKey) -> str:
-    """The flat name back from its parts (inverse of parse_name)."""
-    name = key.template
-    if key.layer != NO_INDEX:
-        name = name.replace("*", str(key.layer), 1)
-    if key.head != NO_INDEX:
-        name = name.replace("*", str(key.head), 1)
-    return name

@@ -44,6 +44,7 @@ from observatory.models import (
     Series,
     Sweep,
 )
+from observatory.names import NO_INDEX
 from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, get_run, list_runs
 
 __all__ = [
@@ -320,7 +321,7 @@ def _series_of(session: Session, run_pk: int, metric: str) -> dict[int, int]:
         select(Series.branch, Series.id)
         .join(MetricName, MetricName.id == Series.metric_id)
         .where(Series.run_id == run_pk, MetricName.name == metric)
-        .where(Series.layer == -1, Series.head == -1)
+        .where(Series.layer == NO_INDEX, Series.head == NO_INDEX)
     )
     return {b: sid for b, sid in session.execute(q)}
 

@@ -66,14 +66,20 @@ def step_dir(root: Path, step: int) -> Path:
 
 def digest(path: Path, fsync: bool) -> dict[str, Any]:
     """CRC-32 and size of a written file (read back from the page cache), then fsync it."""
-    crc, size = 0, 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+        crc, size = _crc32(f)
         if fsync:
             os.fsync(f.fileno())
     return {"crc32": f"{crc:08x}", "bytes": size}
+
+
+def _crc32(f: Any) -> tuple[int, int]:
+    """CRC-32 and byte count of an open binary file, read in 4 MiB chunks."""
+    crc, size = 0, 0
+    while chunk := f.read(1 << 22):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+    return crc, size
 
 
 def _save_torch(obj: Any, path: Path, fsync: bool) -> dict[str, Any]:
@@ -164,10 +170,8 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         size = p.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: {name} has {size} bytes, meta says {want['bytes']}")
-        crc = 0
         with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
-                crc = zlib.crc32(chunk, crc)
+            crc, _ = _crc32(f)
         if f"{crc:08x}" != want["crc32"]:
             raise CheckpointError(f"{path}: {name} fails its CRC-32 check (corrupted)")
     return meta

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -274,12 +275,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The dashboard and the demo training together: watch the spike and the rollback live."""
     from trainer.config import CONFIG_DIR
 
-    args.config = str(CONFIG_DIR / "demo.toml")
+    args = argparse.Namespace(**{**vars(args), "config": str(CONFIG_DIR / "demo.toml")})
     server = None
     if args.serve and not args.no_db and _is_main_rank():
         from observatory.db import upgrade
 
-        args.db = _db_url(args, args.run_dir or "runs/_")
+        args.db = _db_url(args, args.run_dir or "runs/_")  # our copy: the caller's stays as given
         upgrade(args.db)
         server = _start_dashboard(args.db, args.host, args.port)
     try:
@@ -302,30 +303,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _start_dashboard(db: str, host: str, port: int):
     """`spikewatch serve` in a background thread (by name: the trainer never imports web/)."""
-    import threading
-
-    import uvicorn
+    from observatory.serving import serve_in_thread
 
     before = os.environ.get("SPIKEWATCH_DB_URL")
     os.environ["SPIKEWATCH_DB_URL"] = db  # read by the app factory as the server starts
-    config = uvicorn.Config(
-        "web.app:create_default_app", factory=True, host=host, port=port, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # the training loop owns SIGINT / SIGTERM
-    threading.Thread(target=server.run, name="dashboard", daemon=True).start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if before is None:  # the environment as it was: nothing else of this process sees it
-        os.environ.pop("SPIKEWATCH_DB_URL", None)
-    else:
-        os.environ["SPIKEWATCH_DB_URL"] = before
-    if not server.started:
+    try:
+        served = serve_in_thread(
+            "web.app:create_default_app", factory=True, host=host, port=port, wait_s=10
+        )
+    finally:  # the environment as it was: nothing else of this process sees it
+        if before is None:
+            os.environ.pop("SPIKEWATCH_DB_URL", None)
+        else:
+            os.environ["SPIKEWATCH_DB_URL"] = before
+    if served is None:
         log.error("the dashboard did not start on %s:%d (port taken?); training anyway", host, port)
         return None
     log.info("dashboard at http://%s:%d/ — the demo run appears there as it trains", host, port)
-    return server
+    return served.server
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
@@ -348,10 +343,18 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`spikewatch` and its commands, one function per family."""
     parser = argparse.ArgumentParser(prog="spikewatch", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_training(sub)
+    _add_sweeps(sub)
+    _add_tools(sub)
+    return parser
 
+
+def _add_training(sub: Any) -> None:
+    """train and demo."""
     train = sub.add_parser("train", help="train a GPT from a TOML config")
     train.add_argument(
         "config", nargs="?", help="TOML config (a path, or a preset name in trainer/configs)"
@@ -400,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the dashboard up after training, until Ctrl-C (default: on)",
     )
 
+
+def _add_sweeps(sub: Any) -> None:
+    """sweep and sweep-report."""
     sweep = sub.add_parser("sweep", help="ablation grid: variants x learning rates x seeds")
     sweep.add_argument("config", help="base TOML config (a path or a preset name)")
     sweep.add_argument(
@@ -435,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true", help="one JSON object on stdout")
     report.set_defaults(func=cmd_sweep_report)
 
+
+def _add_tools(sub: Any) -> None:
+    """advise, serve, scan, logbook, db."""
     advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
     advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
@@ -467,7 +476,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="database URL (default $SPIKEWATCH_DB_URL, else sqlite:///runs/spikewatch.db)",
     )
     db_upgrade.set_defaults(func=cmd_db_upgrade)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

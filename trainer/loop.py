@@ -114,6 +114,13 @@ def seed_everything(seed: int) -> None:
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
 
 
+@functools.lru_cache(maxsize=16)  # a function of the shape only: no Trainer kept alive
+def _attn_names(n_layer: int, n_head: int) -> tuple[list[str], list[str]]:
+    """Per-head and per-layer max-logit names, built once rather than every step."""
+    heads = [M.attn_max(i, h) for i in range(n_layer) for h in range(n_head)]
+    return heads, [M.layer_attn_max(i) for i in range(n_layer)]
+
+
 class Trainer:
     """Holds what `fit` needs; built by `build_trainer`, which does all the work of setting up."""
 
@@ -305,7 +312,7 @@ class Trainer:
         if t.logit_max is not None:
             xfer.add([M.LOGIT_MAX], t.logit_max)
         if t.attn_max is not None:
-            heads, layers = self._attn_names(*t.attn_max.shape)
+            heads, layers = _attn_names(*t.attn_max.shape)
             xfer.add(heads, t.attn_max)
             xfer.add(layers, t.attn_max.amax(dim=1))
         if self.probes.active(step):
@@ -342,12 +349,6 @@ class Trainer:
             metrics=metrics,
         )
         return state, (None if pending is None else (pending[0], late_metrics))
-
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - a handful of shapes per trainer
-    def _attn_names(self, n_layer: int, n_head: int) -> tuple[list[str], list[str]]:
-        """Per-head and per-layer max-logit names, built once rather than every step."""
-        heads = [M.attn_max(i, h) for i in range(n_layer) for h in range(n_head)]
-        return heads, [M.layer_attn_max(i) for i in range(n_layer)]
 
     def _emit_update_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.metric_names.update(metrics)

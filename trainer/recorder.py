@@ -9,13 +9,13 @@ The spike guard logs its verdicts through the same sink.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from observatory import metric_names as M
 from observatory.control import RequestPoller
 from observatory.sink import BaseSink
+from observatory.strict_json import tagged
 from trainer.actions import Action, Continue, Halt, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 
@@ -25,17 +25,6 @@ log = logging.getLogger(__name__)
 
 PERSIST_TIMEOUT_S = 10.0  # a store slower than this: the rest goes to the spool file
 _EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
-
-
-def _jsonable(obj: Any) -> Any:
-    """Event data without NaN or infinity (JSON and PostgreSQL have neither): as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 class Recorder(Callback):
@@ -137,7 +126,7 @@ class Recorder(Callback):
             step=record.get("step"),
             branch=old,
             message=str(record.get("reason", "")),
-            data=_jsonable(record),
+            data=tagged(record),
         )
         fork = {"branch": self.branch, "parent": old, "fork_step": step}
         fork["reason"] = str(record.get("reason", ""))
@@ -153,7 +142,7 @@ class Recorder(Callback):
             step=verdict["step"],
             branch=self.branch,
             message=str(verdict.get("message", "")),
-            data=_jsonable(verdict),
+            data=tagged(verdict),
             source="detector",
         )
 
@@ -165,7 +154,7 @@ class Recorder(Callback):
             step=step,
             branch=self.branch,
             message=f"resumed at step {step} with changed settings: {shown}",
-            data=_jsonable({"kind": "config_change", "changes": dict(changes)}),
+            data=tagged({"kind": "config_change", "changes": dict(changes)}),
             source="trainer",
         )
 
@@ -176,7 +165,7 @@ class Recorder(Callback):
             step=step,
             branch=self.branch,
             message=message,
-            data=_jsonable(data),
+            data=tagged(data),
             source="detector",
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -43,6 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(compare.router, dependencies=reader, responses=read_errors)
     app.include_router(control.router)
     app.state.writer = control.make_writer(settings.db_url)
+    app.state.write_lock = threading.Lock()
 
     @app.middleware("http")
     async def remember_token(request: Request, call_next):

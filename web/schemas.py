@@ -6,11 +6,12 @@ values travel as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from observatory.strict_json import tagged_number
 
 __all__ = [
     "BranchOut",
@@ -25,13 +26,7 @@ __all__ = [
 ]
 
 
-def _json_number(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
-Num = Annotated[float | str | None, BeforeValidator(_json_number)]
+Num = Annotated[float | str | None, BeforeValidator(tagged_number)]
 
 
 class _Out(BaseModel):

@@ -4,9 +4,6 @@ Chromium driven by Playwright (Debian's /usr/bin/chromium; never a Playwright br
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-import time
 
 import pytest
 
@@ -67,27 +64,14 @@ def recorded_db(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(recorded_db):
-    import uvicorn
-
+    from observatory.serving import serve_in_thread
     from web.app import create_app
     from web.settings import Settings
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    config = uvicorn.Config(
-        create_app(Settings(db_url=recorded_db)), host="127.0.0.1", port=port, log_level="warning"
-    )
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    served = serve_in_thread(create_app(Settings(db_url=recorded_db)))
+    assert served is not None, "the dashboard did not start"
+    yield served.url
+    served.stop()
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from observatory import store
 from observatory.ingest import Writer
-from observatory.records import RecordError, event_record, new_uid
+from observatory.records import Record, RecordError, event_record, new_uid
 from web.deps import SessionDep
 from web.schemas import errors
 
@@ -93,8 +93,7 @@ def annotate(request: Request, session: SessionDep, run_id: str, body: Annotatio
         )
     except RecordError as e:
         raise HTTPException(400, str(e)) from None
-    writer = request.app.state.writer
-    writer.write([rec])
+    _write(request, rec)
     return {"uid": rec.data["uid"]}
 
 
@@ -121,8 +120,15 @@ def request_action(request: Request, session: SessionDep, run_id: str, body: Req
         message=f"{body.action} requested",
         data=data,
     )
-    request.app.state.writer.write([rec])
+    _write(request, rec)
     return {"uid": rec.data["uid"]}
+
+
+def _write(request: Request, rec: Record) -> None:
+    """One record through the app's one Writer. Sync routes run in a thread pool and a Writer
+    (its id caches) is not thread-safe: one write at a time."""
+    with request.app.state.write_lock:
+        request.app.state.writer.write([rec])
 
 
 def make_writer(url: str | None) -> Writer:

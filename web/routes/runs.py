@@ -165,8 +165,7 @@ async def stream(
 ) -> StreamingResponse:
     """Server-Sent Events: each new point of `metric` after step `after`, about every second."""
     sessions = request.app.state.sessions
-    with sessions() as session:
-        store.get_run(session, run_id=run_id)  # 404 before the stream starts
+    await run_in_threadpool(_known_run, sessions, run_id)  # 404 before the stream starts
 
     async def events() -> AsyncIterator[str]:
         last = after
@@ -185,6 +184,11 @@ async def stream(
 
 
 STREAM_PERIOD_S = 0.5
+
+
+def _known_run(sessions, run_id: str) -> None:
+    with sessions() as session:
+        store.get_run(session, run_id=run_id)
 
 
 def _new_points(sessions, run_id: str, metric: str, after: int) -> dict | None:
