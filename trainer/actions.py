@@ -1,10 +1,55 @@
-"""What a callback may ask of the loop after seeing a step, before its update is applied."""
+"""What a callback may ask of the loop after seeing a step, before its update is applied, and
+what it tells the run's record (`Note`). Everything that travels is a frozen dataclass: the
+loop keeps its own records and no callback writes into another's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["Action", "Continue", "Halt", "Rollback", "SkipUpdate", "strongest"]
+__all__ = ["Action", "Continue", "Halt", "Note", "Rollback", "SkipUpdate", "Spike", "strongest"]
+
+
+@dataclass(frozen=True)
+class Spike:
+    """What the spike guard knew when it asked for a rollback or a halt: the verdict, the loss
+    level before the spike and at its peak, and the (step, batch index) pairs to replay to
+    tell its cause (empty: no replay)."""
+
+    onset_step: int
+    detect_step: int
+    peak_step: int
+    score: float
+    signal: str = "loss"
+    repeats: int = 0  # rollbacks within the policy's repeat window before this one
+    pre_spike_loss: float | None = None
+    peak_loss: float | None = None
+    replay: tuple[tuple[int, int], ...] = ()
+
+    def record(self) -> dict[str, Any]:
+        """The fields an intervention record carries (JSON types)."""
+        out = asdict(self)
+        out["replay"] = [list(r) for r in self.replay]
+        return out
+
+    @classmethod
+    def from_record(cls, d: Mapping[str, Any]) -> Spike:
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        fields["replay"] = tuple((int(s), int(b)) for s, b in d.get("replay", ()))
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Note:
+    """For the run's record (the Recorder stores it as an event): a detector verdict ("spike",
+    "nonfinite") or a "note" (a warning, a rollback's outcome, an LR cut given back...)."""
+
+    step: int
+    kind: str
+    message: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "detector"
 
 
 @dataclass(frozen=True)
@@ -27,7 +72,6 @@ class SkipUpdate:
     """Refuse this step's update: the weights and optimizer state stay as they were."""
 
     reason: str = ""
-    info: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -35,7 +79,7 @@ class Halt:
     """Refuse this update and end the run cleanly (with a checkpoint), saying why."""
 
     reason: str
-    info: dict = field(default_factory=dict, compare=False)
+    spike: Spike | None = None
 
 
 @dataclass(frozen=True)
@@ -46,8 +90,7 @@ class Rollback:
     skip_ranges: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     lr_scale: float = 1.0
     reason: str = ""
-    # Stored as the intervention record; the asking callback may add the outcome to it later.
-    info: dict = field(default_factory=dict, compare=False)
+    spike: Spike | None = None  # what the spike guard saw (None: a request, a user callback)
 
     def __post_init__(self) -> None:
         if self.to_step < 0:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.actions import Action, Continue
+from trainer.actions import Action, Continue, Note
 
 __all__ = ["Callback", "EvalState", "FitState", "StepState"]
 
@@ -82,6 +82,14 @@ class Callback:
 
     def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
         """A resume at `step` changed settings a resume may change: {key: [then, now]}."""
+
+    def take_notes(self) -> list[Note]:
+        """What this callback wants in the run's record since the last call (the loop hands
+        each to every callback's `on_note`)."""
+        return []
+
+    def on_note(self, note: Note) -> None:
+        """A note of some callback, for the record (the Recorder stores it)."""
 
     def on_eval(self, state: EvalState) -> None:
         """After each validation pass."""

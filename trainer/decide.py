@@ -9,13 +9,13 @@ and the store.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.callbacks import Callback, StepState
 
-__all__ = ["action_name", "intervention", "propose", "rescale"]
+__all__ = ["action_name", "deliver_notes", "intervention", "propose", "rescale"]
 
 NONFINITE = "non-finite loss or gradient"
 
@@ -43,6 +43,14 @@ def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, li
     return action, pins
 
 
+def deliver_notes(callbacks: Sequence[Callback]) -> None:
+    """Every note the callbacks have, to every callback (the Recorder stores them)."""
+    for source in callbacks:
+        for note in source.take_notes():
+            for cb in callbacks:
+                cb.on_note(note)
+
+
 def rescale(lr_scale: float, action: Action) -> float:
     """The run's LR scale after `action`: a rollback's cut, or a Continue giving one back
     (never above 1)."""
@@ -54,10 +62,11 @@ def rescale(lr_scale: float, action: Action) -> float:
 
 
 def intervention(action: Action, state: StepState) -> dict[str, Any]:
-    """The record of a non-Continue action. It is the action's own `info` dict, so the callback
-    that asked may complete it later (the rollback's outcome)."""
+    """The loop's record of a non-Continue action (a new dict the loop owns): what the spike
+    guard saw, if it asked, and the step."""
     assert not isinstance(action, Continue)
-    record = action.info
+    spike = action.spike if isinstance(action, Rollback | Halt) else None
+    record = spike.record() if spike is not None else {}
     record.update(
         step=state.step,
         batch_index=state.batch_index,

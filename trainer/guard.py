@@ -12,16 +12,15 @@ loss when the new branch passes the detection step, against the pre-spike level.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from observatory.detect import Detector, Verdict
 from observatory.policy import Policy
-from trainer.actions import Action, Continue, Halt, Rollback, SkipUpdate
+from trainer.actions import Action, Continue, Halt, Note, Rollback, SkipUpdate, Spike
 from trainer.callbacks import Callback, StepState
-from trainer.checkpointer import Checkpointer
 from trainer.config import TrainConfig, WatchConfig
-from trainer.recorder import Recorder
 
 __all__ = ["SpikeGuard", "regime_steps"]
 
@@ -43,41 +42,40 @@ class SpikeGuard(Callback):
     def __init__(
         self,
         watch: WatchConfig,
-        checkpoints: Checkpointer,
-        recorder: Recorder | None = None,
+        retained: Callable[[], list[int]],
         *,
         warmup_steps: int = 0,
         regimes: Iterable[int] = (),
         can_roll_back: bool = True,
     ) -> None:
-        """`warmup_steps`: the detector ignores them (the loss falls too fast to have a level);
+        """`retained`: the steps of the checkpoints a rollback can go to (asked only when a
+        spike is acted on); `warmup_steps`: the detector ignores them (the loss falls too fast
+        to have a level);
         `regimes`: steps where the loss may change level legitimately; `can_roll_back`: the
         run keeps checkpoints (without them a verdict is recorded, never acted on)."""
         warm = max(watch.detector.ignore_before, warmup_steps)
         self.detector = Detector(watch.detector.model_copy(update={"ignore_before": warm}))
         self.policy = Policy(watch.policy)
         self.act = watch.rollback and can_roll_back
-        self.checkpoints = checkpoints
-        self.recorder = recorder
+        self.retained = retained
         self.regimes = set(regimes)
         self.batch_of: dict[int, int] = {}
         self.loss_of: dict[int, float] = {}
         self.classify = watch.classify_cause
         self.verdicts: list[dict[str, Any]] = []
-        self.watching: list[tuple[dict[str, Any], float]] = []  # (record, pre-spike loss)
+        self.watching: list[tuple[Spike, float]] = []  # rollbacks awaiting their outcome
+        self.outcomes: list[dict[str, Any]] = []
+        self._notes: list[Note] = []
         self._pin: str | None = None
         self._warned: dict[str, int] = {}  # signal -> last step it warned
         self._keep = 4 * (watch.detector.window + watch.policy.skip_extra) + 64
 
     @classmethod
-    def for_config(
-        cls, cfg: TrainConfig, checkpoints: Checkpointer, recorder: Recorder | None = None
-    ) -> SpikeGuard:
+    def for_config(cls, cfg: TrainConfig, retained: Callable[[], list[int]]) -> SpikeGuard:
         """The built-in trainer's guard: warmup, stage switches, WSD decay from its config."""
         return cls(
             cfg.watch,
-            checkpoints,
-            recorder,
+            retained,
             warmup_steps=cfg.schedule.warmup_steps,
             regimes=regime_steps(cfg),
             can_roll_back=cfg.checkpoint.interval is not None,
@@ -134,53 +132,64 @@ class SpikeGuard(Callback):
 
     def _act(self, v: Verdict, level: float | None) -> Action:
         plan = self.policy.decide(
-            v, checkpoints=self.checkpoints.retained(), batch_of=self.batch_of, loss_of=self.loss_of
+            v, checkpoints=self.retained(), batch_of=self.batch_of, loss_of=self.loss_of
         )
         if plan.action == "accept":  # a new level: the baseline restarts at its onset
             self.detector.rebase(v.onset_step)
             log.warning("step %d: %s", v.step, plan.reason)
             self._note(v.step, plan.reason, plan.info)
             return Continue(lr_scale=plan.lr_scale)
+        spike = Spike(
+            onset_step=plan.info.get("onset_step", v.onset_step),
+            detect_step=v.step,
+            peak_step=v.peak_step,
+            score=v.score,
+            signal=v.signal,
+            repeats=int(plan.info.get("repeats", 0)),
+            pre_spike_loss=level,
+            peak_loss=self.loss_of.get(v.peak_step, self.loss_of.get(v.step)),
+        )
         if plan.action == "halt":
-            return Halt(plan.reason, info=dict(plan.info))
+            return Halt(plan.reason, spike=spike)
         if plan.action == "skip":
             return SkipUpdate(plan.reason)
         if plan.action != "rollback" or plan.to_step is None:
             return Continue()
-        record = dict(
-            plan.info,
-            pre_spike_loss=level,
-            peak_loss=self.loss_of.get(v.peak_step, self.loss_of.get(v.step)),
-        )
         if self.classify:
-            record["replay"] = [
-                [s, self.batch_of[s]] for s in sorted(self.batch_of) if plan.to_step < s <= v.step
-            ]
+            steps = [s for s in sorted(self.batch_of) if plan.to_step < s <= v.step]
+            spike = replace(spike, replay=tuple((s, self.batch_of[s]) for s in steps))
         if level is not None:
-            self.watching.append((record, level))
+            self.watching.append((spike, level))
         return Rollback(
             to_step=plan.to_step,
             skip_ranges=plan.skip_ranges,
             lr_scale=plan.lr_scale,
             reason=plan.reason,
-            info=record,
+            spike=spike,
         )
 
     def _outcomes(self, state: StepState) -> None:
-        for record, level in list(self.watching):
-            if state.step > record["detect_step"]:
-                record.update(
-                    recovered_at_step=state.step,
-                    loss_delta=state.loss - level,
-                    outcome="recovered" if state.loss <= level * 1.05 else "degraded",
-                )
-                self.watching.remove((record, level))
-                note = f"rollback outcome: {record['outcome']}"
-                self._note(state.step, note, {**record, "kind": "outcome"})
+        for spike, level in list(self.watching):
+            if state.step > spike.detect_step:
+                outcome = {
+                    "detect_step": spike.detect_step,
+                    "onset_step": spike.onset_step,
+                    "pre_spike_loss": level,
+                    "recovered_at_step": state.step,
+                    "loss_delta": state.loss - level,
+                    "outcome": "recovered" if state.loss <= level * 1.05 else "degraded",
+                }
+                self.watching.remove((spike, level))
+                self.outcomes.append(outcome)
+                note = f"rollback outcome: {outcome['outcome']}"
+                self._note(state.step, note, {**outcome, "kind": "outcome"})
 
     def _note(self, step: int, message: str, data: Mapping[str, Any]) -> None:
-        if self.recorder is not None:
-            self.recorder.log_note(step, message, data)
+        self._notes.append(Note(step, "note", message, dict(data)))
+
+    def take_notes(self) -> list[Note]:
+        out, self._notes = self._notes, []
+        return out
 
     def on_update_metrics(self, step: int, metrics) -> None:
         for v in self.detector.observe(step, metrics):
@@ -189,9 +198,11 @@ class SpikeGuard(Callback):
                 self._pin = f"pre-spike anchor: {v.message}"
 
     def _record(self, v: Verdict) -> None:
+        """A verdict for the summary and the record: spikes and non-finite values as such, the
+        rest (warnings, divergence) as notes."""
         self.verdicts.append(v.to_dict())
-        if self.recorder is not None:
-            self.recorder.log_verdict(v.to_dict())
+        kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
+        self._notes.append(Note(v.step, kind, v.message, v.to_dict()))
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
@@ -203,7 +214,7 @@ class SpikeGuard(Callback):
             self.loss_of.pop(s, None)
 
     def summary(self) -> dict[str, Any]:
-        return {"verdicts": self.verdicts}
+        return {"verdicts": self.verdicts, "outcomes": self.outcomes}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -212,7 +223,8 @@ class SpikeGuard(Callback):
             "batch_of": [[s, b] for s, b in self.batch_of.items()],
             "loss_of": [[s, v] for s, v in self.loss_of.items()],
             "verdicts": self.verdicts,
-            "watching": [[record, level] for record, level in self.watching],
+            "watching": [[spike.record(), level] for spike, level in self.watching],
+            "outcomes": self.outcomes,
             "warned": self._warned,
         }
 
@@ -227,5 +239,6 @@ class SpikeGuard(Callback):
         self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
         self.loss_of = {int(s): float(v) for s, v in state["loss_of"]}
         self.verdicts = list(state["verdicts"])
-        self.watching = [(dict(r), float(lv)) for r, lv in state.get("watching", [])]
+        self.watching = [(Spike.from_record(r), float(lv)) for r, lv in state.get("watching", [])]
+        self.outcomes = list(state.get("outcomes", []))
         self._warned = {str(k): int(s) for k, s in state.get("warned", {}).items()}

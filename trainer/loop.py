@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from observatory import metric_names as M
-from trainer.actions import Action, Continue, Halt, Rollback
+from trainer.actions import Action, Continue, Halt, Rollback, Spike
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataState, Sampler, build_sampler
-from trainer.decide import action_name, intervention, propose, rescale
+from trainer.decide import action_name, deliver_notes, intervention, propose, rescale
 from trainer.distributed import World, init_world
 from trainer.faults import apply_faults
 from trainer.guard import SpikeGuard
@@ -354,6 +354,7 @@ class Trainer:
         self.metric_names.update(metrics)
         for cb in self.callbacks:
             cb.on_update_metrics(step, metrics)
+        deliver_notes(self.callbacks)
 
     def _flush_probes(self) -> None:
         pending = self.probes.take_pending_metrics()
@@ -362,6 +363,7 @@ class Trainer:
 
     def _propose(self, state: StepState) -> Action:
         action, pins = propose(state, self.callbacks)
+        deliver_notes(self.callbacks)  # the verdicts that led to it, recorded before the step
         for reason in pins:
             self._pin_newest(reason)
         return action
@@ -395,14 +397,15 @@ class Trainer:
         step, path, abandoned = self.checkpointer.rollback_point(action.to_step)
         from_step = self.step
         restore(self, self.checkpointer.read(path, self.device), resume=False)
-        if action.info.get("replay"):
-            self._classify(action.info, step)
+        record = self.interventions[-1]
+        if action.spike is not None and action.spike.replay:
+            record.update(self._classify(action.spike, step))
             restore(self, self.checkpointer.read(path, self.device), resume=False)
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.data_state.add_skip(start, end)
         self.lr_scale = rescale(self.lr_scale, action)
-        self.interventions[-1].update(
+        record.update(
             from_step=from_step,
             to_step=step,
             skip_ranges=[list(r) for r in action.skip_ranges],
@@ -411,7 +414,7 @@ class Trainer:
         )
         log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
         for cb in self.callbacks:
-            cb.on_rollback(step, self.interventions[-1])
+            cb.on_rollback(step, record)
         # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
         # scale, policy and detector states) as the next generation, which a resume prefers to
         # the abandoned newer steps; only then delete those. A crash at any moment must not
@@ -421,12 +424,13 @@ class Trainer:
         self.checkpointer.drop_after(step)
         self.checkpointer.report(self.callbacks)
 
-    def _classify(self, record: dict[str, Any], from_step: int) -> None:
+    def _classify(self, spike: Spike, from_step: int) -> dict[str, Any]:
         """Replay the spike's steps once from the restored state, on the same batches: a spike
         that comes back needs this data with this state (PaLM); one that does not was
-        transient (a flaky update, possibly a hardware fault: Megatron's question)."""
+        transient (a flaky update, possibly a hardware fault: Megatron's question). Returns
+        the record's `cause` and `replay_peak_loss`."""
         losses = {}
-        for step, index in record["replay"]:
+        for step, index in spike.replay:
             if step <= from_step:
                 continue
             t, lr_mult, _ = self._compute(step, index, probing=False)
@@ -436,27 +440,26 @@ class Trainer:
                 apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
             self.optimizer.zero_grad(set_to_none=True)
             losses[step] = loss if math.isfinite(loss) else math.inf
-        onset, level = record.get("onset_step", 0), record.get("pre_spike_loss")
-        peak = record.get("peak_loss")
-        after = [v for s, v in losses.items() if s >= onset]
+        level, peak = spike.pre_spike_loss, spike.peak_loss
+        after = [v for s, v in losses.items() if s >= spike.onset_step]
         replay_peak = max(after, default=math.nan)
         if level is None or peak is None or not after:
-            record["cause"] = "unknown"
+            cause = "unknown"
         elif not math.isfinite(peak):  # a non-finite spike reproduces only as non-finite
-            record["cause"] = "data_x_state" if math.isinf(replay_peak) else "transient"
+            cause = "data_x_state" if math.isinf(replay_peak) else "transient"
         elif math.isinf(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
-            record["cause"] = "data_x_state"  # it reproduces
+            cause = "data_x_state"  # it reproduces
         else:
-            record["cause"] = "transient"
-        record["replay_peak_loss"] = replay_peak
+            cause = "transient"
         log.warning(
             "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)",
             from_step + 1,
             max(losses, default=from_step),
-            "reproduces" if record["cause"] == "data_x_state" else "does not reproduce",
+            "reproduces" if cause == "data_x_state" else "does not reproduce",
             replay_peak,
             peak if peak is not None else math.nan,
         )
+        return {"cause": cause, "replay_peak_loss": replay_peak}
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
@@ -534,7 +537,7 @@ def build_trainer(
     world.wrap(model, device)  # before the optimizer: fsdp2 swaps in sharded parameters
     optimizer = build_optimizer(model, cfg.optim)
     recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
-    durable = None if recorder is None else recorder.persist
+    durable = None if recorder is None else recorder.persist  # the record, before each commit
     checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint, before_commit=durable)
     if world.distributed:
         from trainer.dist_checkpoint import ShardedCheckpointer
@@ -544,7 +547,7 @@ def build_trainer(
         )
     checkpointer.open()
     if cfg.watch.enabled and world.is_main:  # rank 0 decides for all
-        callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer, recorder)]
+        callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer.retained)]
     trainer = Trainer(
         cfg=cfg,
         model=model,

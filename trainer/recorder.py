@@ -16,7 +16,7 @@ from observatory import metric_names as M
 from observatory.control import RequestPoller
 from observatory.sink import BaseSink
 from observatory.strict_json import tagged
-from trainer.actions import Action, Continue, Halt, Rollback
+from trainer.actions import Action, Continue, Halt, Note, Rollback
 from trainer.callbacks import Callback, EvalState, FitState, StepState
 
 __all__ = ["Recorder"]
@@ -133,19 +133,6 @@ class Recorder(Callback):
         self.forks.append(fork)
         self.sink.start_branch(self.run_id, **fork)
 
-    def log_verdict(self, verdict: Mapping[str, Any]) -> None:
-        """A detector verdict: spikes and non-finite values as such, the rest as notes."""
-        kind = verdict["kind"] if verdict["kind"] in ("spike", "nonfinite") else "note"
-        self.sink.log_event(
-            self.run_id,
-            kind,
-            step=verdict["step"],
-            branch=self.branch,
-            message=str(verdict.get("message", "")),
-            data=tagged(verdict),
-            source="detector",
-        )
-
     def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         self.sink.log_event(
@@ -158,15 +145,16 @@ class Recorder(Callback):
             source="trainer",
         )
 
-    def log_note(self, step: int, message: str, data: Mapping[str, Any]) -> None:
+    def on_note(self, note: Note) -> None:
+        """A callback's note (the spike guard's verdicts, warnings, outcomes) as an event."""
         self.sink.log_event(
             self.run_id,
-            "note",
-            step=step,
+            note.kind,
+            step=note.step,
             branch=self.branch,
-            message=message,
-            data=tagged(data),
-            source="detector",
+            message=note.message,
+            data=tagged(note.data),
+            source=note.source,
         )
 
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:

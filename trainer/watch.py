@@ -44,7 +44,7 @@ from trainer.checkpoint import list_checkpoints as ck_list
 from trainer.checkpointer import Checkpointer
 from trainer.config import ConfigError, WatchSettings
 from trainer.data import DataState
-from trainer.decide import action_name, intervention, propose, rescale
+from trainer.decide import action_name, deliver_notes, intervention, propose, rescale
 from trainer.guard import SpikeGuard
 from trainer.probes import Probes, describe_model, module_layer_of
 from trainer.recorder import Recorder
@@ -123,8 +123,7 @@ class Watch:
         self.checkpointer.open()
         self.guard = SpikeGuard(
             cfg.watch,
-            self.checkpointer,
-            self.recorder,
+            self.checkpointer.retained,
             warmup_steps=cfg.warmup_steps,
             can_roll_back=cfg.checkpoint.interval is not None,
         )
@@ -243,6 +242,7 @@ class Watch:
         step = self.step_count + 1
         state = self._measure(step)
         action, pins = propose(state, self.callbacks)
+        deliver_notes(self.callbacks)
         for reason in pins:
             self._pin_newest(reason)
         if isinstance(action, Continue):
@@ -376,6 +376,7 @@ class Watch:
         self.metric_names.update(metrics)
         for cb in self.callbacks:
             cb.on_update_metrics(step, metrics)
+        deliver_notes(self.callbacks)
 
     # -- checkpoints, rollback, resume ------------------------------------------------------
     def _start(self) -> None:

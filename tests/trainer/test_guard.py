@@ -63,7 +63,8 @@ def test_detector_fires_and_rolls_back_to_before_the_onset(runs) -> None:
     assert iv["to_step"] < iv["onset_step"] <= iv["detect_step"] <= 155
     start, end = iv["skip_ranges"][0]
     assert start <= 150 and end >= 160  # the whole poisoned region is skipped
-    assert iv["outcome"] == "recovered"
+    (outcome,) = runs["guarded"].extra["outcomes"]  # the guard's, for its rollback
+    assert outcome["outcome"] == "recovered" and outcome["detect_step"] == iv["detect_step"]
     kinds = [v["kind"] for v in runs["guarded"].extra["verdicts"]]
     assert "spike" in kinds
 
@@ -231,7 +232,7 @@ def test_a_rollback_resets_the_warning_memory() -> None:
     from trainer.config import WatchConfig
     from trainer.guard import SpikeGuard
 
-    guard = SpikeGuard(WatchConfig(), checkpoints=None)  # type: ignore[arg-type]
+    guard = SpikeGuard(WatchConfig(), retained=list)
 
     def warn(step: int) -> Verdict:
         return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
