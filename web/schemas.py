@@ -1,4 +1,5 @@
-"""Response shapes of the JSON API, apart from the store's rows.
+"""Response shapes of the JSON API: derived from the store's dataclasses (`out_model`), never
+written twice, so a field the store gains is served.
 
 JSON has no NaN or infinity, and a spike that went non-finite must still reach the chart: such
 values travel as the strings "nan", "inf" and "-inf".
@@ -6,12 +7,24 @@ values travel as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
-from datetime import datetime
+import typing
+from dataclasses import fields as dc_fields
+from dataclasses import is_dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
+from observatory.store import (
+    BranchRow,
+    Bucket,
+    CheckpointRow,
+    EventRow,
+    Matrix,
+    RunSummary,
+    SeriesData,
+)
 from observatory.strict_json import tagged_number
+from observatory.sweeps import Cell, SweepInfo, SweepReport, VariantSummary
 
 __all__ = [
     "BranchOut",
@@ -49,133 +62,49 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorOut, "description": what[code]} for code in codes}
 
 
-class RunOut(_Out):
-    run_id: str
-    name: str | None
-    status: str
-    tags: list[str]
-    sweep_group: str | None
-    hypothesis: str | None
-    config: dict[str, Any]
-    run_dir: str | None
-    created_at: datetime
-    updated_at: datetime
-    ended_at: datetime | None
-    branches: int
-    last_step: int | None
-    last_loss: Num
-    spikes: int
-    rollbacks: int
+def out_model(
+    dc: type, *, name: str | None = None, extra: dict[str, Any] | None = None
+) -> type[BaseModel]:
+    """The API shape of a store dataclass, derived from it (one definition: a field added to
+    the store is in the API): every field, with a float (which may be NaN or infinite) as
+    `Num`, and a nested dataclass as its registered shape; `extra` adds computed attributes
+    (properties) as (type, default) pairs."""
+    hints = typing.get_type_hints(dc)
+    fields: dict[str, Any] = {f.name: (_api_type(hints[f.name]), ...) for f in dc_fields(dc)}
+    fields.update(extra or {})
+    model = create_model(name or f"{dc.__name__}Out", __base__=_Out, **fields)
+    _SHAPES[dc] = model
+    return model
 
 
-class BucketOut(_Out):
-    start: int
-    end: int
-    n: int
-    n_nan: int
-    nan_step: int | None
-    min_value: Num
-    min_step: int | None
-    max_value: Num
-    max_step: int | None
+_SHAPES: dict[type, type[BaseModel]] = {}
 
 
-class SeriesOut(_Out):
-    run_id: str
-    metric: str
-    branch: int
-    segments: list[tuple[int, int, int]]
-    bucket_width: int
-    buckets: list[BucketOut]
+def many(model: type[BaseModel]) -> Any:
+    """`list[model]` for a `response_model` (a derived shape is a value, not a static type)."""
+    return list[model]  # type: ignore[valid-type]
 
 
-class MatrixOut(_Out):
-    run_id: str
-    metric: str
-    branch: int
-    rows: list[int]
-    starts: list[int]
-    bucket_width: int
-    min_value: list[list[Num]]
-    min_step: list[list[int | None]]
-    max_value: list[list[Num]]
-    max_step: list[list[int | None]]
-    n: list[list[int]]
-    n_nan: list[list[int]]
+def _api_type(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if tp is float or (float in args and type(None) in args and len(args) == 2):
+        return Num
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return list[_api_type(args[0])]  # type: ignore[misc]
+    if isinstance(tp, type) and is_dataclass(tp):
+        return _SHAPES[tp]  # nested shapes are made first (below)
+    return tp
 
 
-class EventOut(_Out):
-    uid: str
-    branch: int
-    step: int | None
-    kind: str
-    source: str
-    message: str
-    data: dict[str, Any]
-    created_at: datetime
-
-
-class BranchOut(_Out):
-    number: int
-    parent: int | None
-    fork_step: int | None
-    reason: str | None
-    created_at: datetime
-
-
-class CheckpointOut(_Out):
-    branch: int
-    step: int
-    path: str
-    pinned: bool
-    checksum_status: str
-    created_at: datetime
-
-
-class SweepOut(_Out):
-    name: str
-    hypothesis: str | None
-    spec: dict[str, Any]
-    created_at: datetime
-
-
-class CellOut(_Out):
-    variant: str
-    lr: float
-    seed: int
-    run_id: str | None
-    status: str
-    last_step: int | None
-    max_steps: int | None
-    init_loss: Num
-    final_train: Num
-    final_val: Num
-    peak_attn: Num
-    spikes: int
-    first_spike: int | None
-    rollbacks: int
-    recovery_steps: int
-    diverged: bool
-
-
-class VariantOut(_Out):
-    variant: str
-    val_by_lr: list[Num]
-    peak_by_lr: list[Num]
-    diverged_by_lr: list[bool]
-    init_loss: Num
-    best_loss: Num
-    lr_sensitivity: Num
-    spikes: int
-    rollbacks: int
-    done: int
-    total: int
-
-
-class SweepReportOut(_Out):
-    group: str | None
-    hypothesis: str | None
-    created_at: datetime | None
-    lrs: list[float]
-    variants: list[VariantOut]
-    cells: list[CellOut]
+RunOut = out_model(RunSummary, name="RunOut")
+BucketOut = out_model(Bucket, name="BucketOut")
+SeriesOut = out_model(SeriesData, name="SeriesOut")
+MatrixOut = out_model(Matrix, name="MatrixOut")
+EventOut = out_model(EventRow, name="EventOut")
+BranchOut = out_model(BranchRow, name="BranchOut")
+CheckpointOut = out_model(CheckpointRow, name="CheckpointOut")
+SweepOut = out_model(SweepInfo, name="SweepOut")
+CellOut = out_model(Cell, name="CellOut", extra={"diverged": (bool, ...)})
+VariantOut = out_model(VariantSummary, name="VariantOut")
+SweepReportOut = out_model(SweepReport, name="SweepReportOut")

@@ -62,6 +62,20 @@ def test_sweeps_api(client) -> None:
     assert missing.status_code == 404 and "nope" in missing.json()["detail"]
 
 
+def test_every_store_field_is_served(client) -> None:
+    """The API's shapes are the store's dataclasses: the sweep's grid (`spec`, which a
+    hand-written shape once dropped) is served, and every dataclass field has its shape's."""
+    from dataclasses import fields
+
+    from web import schemas
+
+    report = client.get("/api/sweeps/grid").json()
+    assert report["spec"]["variants"] == ["baseline", "qk_norm"]
+    assert all("diverged" in c for c in report["cells"])  # a property, served too
+    for dc, model in schemas._SHAPES.items():
+        assert {f.name for f in fields(dc)} <= set(model.model_fields), dc.__name__
+
+
 def test_compare_page_of_a_group_shows_the_hypothesis_and_the_lr_table(client) -> None:
     page = client.get("/compare", params={"group": "grid"})
     assert page.status_code == 200

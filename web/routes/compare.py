@@ -19,7 +19,7 @@ from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_
 from web import charts
 from web.deps import SessionDep
 from web.routes.pages import templates
-from web.schemas import SweepOut, SweepReportOut
+from web.schemas import SweepOut, SweepReportOut, many
 
 __all__ = ["router"]
 
@@ -27,7 +27,7 @@ router = APIRouter(tags=["compare"])
 ATTN_MAX = M.LAYER_ATTN_MAX
 
 
-@router.get("/api/sweeps", response_model=list[SweepOut])
+@router.get("/api/sweeps", response_model=many(SweepOut))
 def sweeps(session: SessionDep) -> list[Any]:
     """Registered sweeps, newest first, with their grid and pre-registered hypothesis."""
     return list_sweeps(session)

@@ -16,7 +16,7 @@ from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
 from web.deps import SessionDep
-from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut
+from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut, many
 
 __all__ = ["router"]
 
@@ -35,7 +35,7 @@ BranchNumber = Annotated[int | None, Query(ge=0, le=MAX_BRANCH)]
 METRIC = r"^[^*\s](?:[^*]*[^*\s])?$"
 
 
-@router.get("", response_model=list[RunOut])
+@router.get("", response_model=many(RunOut))
 def list_runs(
     session: SessionDep,
     status: Annotated[str | None, Query(max_length=16)] = None,
@@ -55,7 +55,7 @@ def metric_names(session: SessionDep, run_id: str) -> list[str]:
     return store.metric_names(session, run_id=run_id)
 
 
-@router.get("/{run_id}/series", response_model=list[SeriesOut])
+@router.get("/{run_id}/series", response_model=many(SeriesOut))
 def series(
     session: SessionDep,
     run_id: str,
@@ -114,7 +114,7 @@ def matrix(
     )
 
 
-@router.get("/{run_id}/events", response_model=list[EventOut])
+@router.get("/{run_id}/events", response_model=many(EventOut))
 def events(
     session: SessionDep,
     run_id: str,
@@ -129,12 +129,12 @@ def events(
     )
 
 
-@router.get("/{run_id}/branches", response_model=list[BranchOut])
+@router.get("/{run_id}/branches", response_model=many(BranchOut))
 def branches(session: SessionDep, run_id: str) -> list[store.BranchRow]:
     return store.branches(session, run_id=run_id)
 
 
-@router.get("/{run_id}/checkpoints", response_model=list[CheckpointOut])
+@router.get("/{run_id}/checkpoints", response_model=many(CheckpointOut))
 def checkpoints(session: SessionDep, run_id: str) -> list[store.CheckpointRow]:
     return store.checkpoints(session, run_id=run_id)
 
