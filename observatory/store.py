@@ -508,14 +508,19 @@ def _pick_branch(tree: Tree, branch: int | None, run_id: str) -> int:
     return branch
 
 
-def _series_ids(session: Session, run_pk: int, key: MetricKey, metric: str) -> dict[int, int]:
+def branch_series(session: Session, run_pk: int, key: MetricKey) -> dict[int, int]:
+    """{branch: series id} of one metric of a run (the run's primary key); {} if it has none."""
     q = (
         select(Series.branch, Series.id)
         .join(MetricName, MetricName.id == Series.metric_id)
         .where(Series.run_id == run_pk, MetricName.name == key.template)
         .where(Series.layer == key.layer, Series.head == key.head)
     )
-    ids = {b: sid for b, sid in session.execute(q)}
+    return {b: sid for b, sid in session.execute(q)}
+
+
+def _series_ids(session: Session, run_pk: int, key: MetricKey, metric: str) -> dict[int, int]:
+    ids = branch_series(session, run_pk, key)
     if not ids:
         raise NotFoundError(f"no metric {metric!r} in this run")
     return ids

@@ -44,8 +44,15 @@ from observatory.models import (
     Series,
     Sweep,
 )
-from observatory.names import NO_INDEX
-from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, get_run, list_runs
+from observatory.names import parse_name
+from observatory.store import (
+    LOSS_METRIC,
+    NotFoundError,
+    RunSummary,
+    branch_series,
+    get_run,
+    list_runs,
+)
 
 __all__ = [
     "Cell",
@@ -316,16 +323,6 @@ def _cell(session: Session, r: RunSummary) -> Cell:
     )
 
 
-def _series_of(session: Session, run_pk: int, metric: str) -> dict[int, int]:
-    q = (
-        select(Series.branch, Series.id)
-        .join(MetricName, MetricName.id == Series.metric_id)
-        .where(Series.run_id == run_pk, MetricName.name == metric)
-        .where(Series.layer == NO_INDEX, Series.head == NO_INDEX)
-    )
-    return {b: sid for b, sid in session.execute(q)}
-
-
 def _last_value(session: Session, run_pk: int, metric: str) -> float | None:
     """The metric's last value on the newest branch's history (NaN stored as NULL -> nan)."""
     return _end_value(session, run_pk, metric, last=True)
@@ -336,7 +333,7 @@ def _first_value(session: Session, run_pk: int, metric: str) -> float | None:
 
 
 def _end_value(session: Session, run_pk: int, metric: str, *, last: bool) -> float | None:
-    ids = _series_of(session, run_pk, metric)
+    ids = branch_series(session, run_pk, parse_name(metric))
     tree = branch_tree(session, run_pk)
     parts = lineage(tree, max(tree)) if tree else []
     for branch, lo, hi in reversed(parts) if last else parts:

@@ -166,22 +166,15 @@ def cmd_sweep_report(args: argparse.Namespace) -> int:
 
 
 def _report_json(report) -> dict:
+    """The report as the API serves it: non-finite numbers as "nan" / "inf" / "-inf"."""
     import dataclasses
-    import math
 
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [clean(x) for x in v]
-        return v
+    from observatory.strict_json import tagged
 
     out = dataclasses.asdict(report)
     out["created_at"] = report.created_at.isoformat() if report.created_at else None
     out["spec"].pop("config", None)
-    return clean(out)
+    return tagged(out)
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
