@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from observatory.sink import NullSink
 from trainer.config import TrainConfig, load_config
 
 TINY = (
@@ -20,3 +21,15 @@ TINY = (
 def tiny_config(*overrides: str) -> TrainConfig:
     """2 layers, d=32, T=32, B=8: a model small enough for many tests on 2 cores."""
     return load_config(None, [*TINY, *overrides])
+
+
+class EventSink(NullSink):
+    """A store that keeps the events it is sent, as (kind, step, data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int | None, dict]] = []
+
+    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
+        self.events.append((kind, kw.get("step"), kw.get("data") or {}))
+        return super().log_event(run_id, kind, **kw)

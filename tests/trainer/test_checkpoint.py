@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from observatory.sink import NullSink
 from trainer import checkpoint as ck
 from trainer.actions import Continue, Rollback
 from trainer.callbacks import Callback, StepState
@@ -13,7 +12,7 @@ from trainer.config import ConfigError
 from trainer.loop import build_trainer, fit
 from trainer.recorder import Recorder
 
-from .conftest import tiny_config
+from .conftest import EventSink, tiny_config
 
 CK = ("checkpoint.interval=4",)
 
@@ -134,16 +133,6 @@ def test_resume_refuses_a_changed_config(tmp_path) -> None:
         build_trainer(tiny_config(*CK, "optim.betas=[0.9,0.99]"), run_dir=tmp_path, resume=True)
 
 
-class _Sent(NullSink):
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, int, dict]] = []
-
-    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
-        self.events.append((kind, kw.get("step"), kw.get("data") or {}))
-        return super().log_event(run_id, kind, **kw)
-
-
 class _Notes(Callback):
     def __init__(self) -> None:
         self.changes: list[tuple[int, dict]] = []
@@ -164,7 +153,7 @@ def test_a_resume_may_lower_the_lr_and_says_so(tmp_path) -> None:
     ref = build_trainer(tiny_config(*CK), run_dir=tmp_path / "full", callbacks=[full])
     ref.fit()
     fit(tiny_config(*CK, "train.stop_after=4"), run_dir=tmp_path / "run")
-    half, sink = _Notes(), _Sent()
+    half, sink = _Notes(), EventSink()
     lower = tiny_config(*CK, "optim.lr=0.0015", "watch.policy.margin=3")
     tr = build_trainer(
         lower, run_dir=tmp_path / "run", resume=True, callbacks=[half, Recorder(sink)]

@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from observatory.sink import NullSink
 from trainer import checkpoint as ck
 from trainer.config import load_config
 from trainer.guard import regime_steps
 from trainer.loop import build_trainer, fit
 from trainer.recorder import Recorder
+
+from .conftest import EventSink
 
 BASE = [  # the rollback tier (the same-step tier, which acts first, has test_same_step.py)
     "watch.same_step.enabled=false",
@@ -178,18 +179,6 @@ def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
     assert len(ck.list_checkpoints(tmp_path / "checkpoints")) <= 2 + 6 + 3
 
 
-class _Events(NullSink):
-    """A store that keeps the events it is sent."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, int, dict]] = []
-
-    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
-        self.events.append((kind, kw.get("step"), kw.get("data") or {}))
-        return super().log_event(run_id, kind, **kw)
-
-
 @pytest.mark.parametrize("tier", ["true", "false"])
 def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) -> None:
     """From batch 150 on the data changes for good (random bytes: a new, higher plateau the
@@ -198,7 +187,7 @@ def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) 
     The run goes on to its last step, with the LR cut given back, and says so in the store.
     With the same-step tier on, the first updates at the new level are refused as well."""
     fault = 'faults=[{kind="random_bytes", start=150, length=100000}]'
-    sink = _Events()
+    sink = EventSink()
     cfg = load_config("tiny_cpu", [*BASE, fault, f"watch.same_step.enabled={tier}"])
     tr = build_trainer(cfg, run_dir=tmp_path, callbacks=[Recorder(sink)])
     r = tr.fit()
@@ -215,7 +204,7 @@ def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) 
 def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path) -> None:
     two = ", ".join(f'{{kind="shifted_labels", start={s}, length=6}}' for s in (100, 125))
     faults = f"faults=[{two}]"
-    sink = _Events()
+    sink = EventSink()
     over = [*BASE, faults, "watch.policy.repeat_window=40", "watch.classify_cause=false"]
     tr = build_trainer(load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[Recorder(sink)])
     r = tr.fit()

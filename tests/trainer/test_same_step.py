@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from observatory.sink import NullSink
 from trainer.callbacks import Callback, StepState
 from trainer.config import load_config
 from trainer.loop import build_trainer
 from trainer.recorder import Recorder
 from trainer.same_step import SameStepConfig, SameStepGate
+
+from .conftest import EventSink
 
 CFG = SameStepConfig(window=16, min_history=8, sigma=6.0, max_refusals=2)
 
@@ -91,16 +92,6 @@ class _Applied(Callback):
         self.steps.append(state)
 
 
-class _Sent(NullSink):
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, int]] = []
-
-    def log_event(self, run_id, kind, **kw):  # noqa: ANN001, ANN003
-        self.events.append((kind, kw.get("step")))
-        return super().log_event(run_id, kind, **kw)
-
-
 @pytest.mark.parametrize("tier", [True, False])
 def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier) -> None:
     """Batch 150 has shifted labels (one batch): with the tier its update is refused on step
@@ -114,7 +105,7 @@ def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier)
         'faults=[{kind="shifted_labels", start=150, length=1}]',
         f"watch.same_step.enabled={str(tier).lower()}",
     ]
-    seen, sink = _Applied(), _Sent()
+    seen, sink = _Applied(), EventSink()
     tr = build_trainer(
         load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[seen, Recorder(sink)]
     )
@@ -123,7 +114,7 @@ def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier)
     if tier:
         assert [(i["kind"], i["step"]) for i in r.interventions] == [("skip_update", 151)]
         assert r.interventions[0]["reason"].startswith("same-step tier: loss")
-        assert not step151.applied and ("skip", 151) in sink.events
+        assert not step151.applied and ("skip", 151, {}) in sink.events
     else:
         assert r.interventions == [] and step151.applied
     assert all(s.applied for s in seen.steps if s.step != 151)
