@@ -22,7 +22,9 @@ __all__ = ["END", "MAX_BUCKETS", "Segment", "Tree", "branch_tree", "downsample",
 
 MAX_BUCKETS = 100_000
 END = 2**31 - 1
-Segment = tuple[int, int, int, int]  # (group label, series id, first step, last step)
+# (group label, series id, first step, last step); a label is any hashable (a branch, a layer,
+# a (run, layer) pair when many runs are read at once)
+Segment = tuple[Any, int, int, int]
 Tree = dict[int, tuple[int | None, int | None]]  # branch -> (parent, fork step)
 
 
@@ -57,7 +59,7 @@ def downsample(
     end: int | None,
     *,
     with_min: bool = True,
-) -> tuple[int, dict[tuple[int, int], Any], list[Segment]]:
+) -> tuple[int, dict[tuple[Any, int], Any], list[Segment]]:
     """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
     max_step]} and the segments as read (clipped to [start, end] and to the stored steps)."""
     if not 1 <= buckets <= MAX_BUCKETS:
@@ -76,7 +78,7 @@ def downsample(
     finally:
         cursor.close()
     group_of = {sid: g for g, sid, _, _ in segs}
-    cells: dict[tuple[int, int], Any] = {}
+    cells: dict[tuple[Any, int], Any] = {}
     if len(set(group_of.values())) == len(group_of):  # one series per group: nothing to merge
         for r in rows:
             cells[group_of[r[0]], r[1]] = r[2:]
@@ -155,7 +157,7 @@ def _source(segs: list[Segment], level: int, size: int) -> str:
     return " UNION ALL ".join(parts)
 
 
-def merge_cells(cells: dict[tuple[int, int], Any], key: tuple[int, int], c: list[Any]) -> None:
+def merge_cells(cells: dict[tuple[Any, int], Any], key: tuple[Any, int], c: list[Any]) -> None:
     """Combine two partial buckets (a bucket can straddle a fork): smaller min, larger max."""
     old = cells.get(key)
     if old is None:

@@ -184,14 +184,14 @@ def list_runs(
         q = q.where(Run.status == status)
     if sweep_group is not None:
         q = q.where(Run.sweep_group == sweep_group)
-    return _summaries(session, list(session.scalars(q)))
+    return summarize(session, list(session.scalars(q)))
 
 
 def get_run(session: Session, *, run_id: str) -> RunSummary:
-    return _summaries(session, [_run(session, run_id)])[0]
+    return summarize(session, [_run(session, run_id)])[0]
 
 
-def _summaries(session: Session, runs: list[Run]) -> list[RunSummary]:
+def summarize(session: Session, runs: list[Run]) -> list[RunSummary]:
     """Summaries of `runs` in three statements, however many runs there are."""
     if not runs:
         return []

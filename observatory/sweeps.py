@@ -32,27 +32,13 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from observatory import across_runs as across
 from observatory import metric_names as M
-from observatory.downsample import branch_tree, lineage
 from observatory.models import (
-    COARSEST_LEVEL,
     Event,
-    MetricName,
-    Point,
-    PointBlock,
-    Run,
-    Series,
     Sweep,
 )
-from observatory.names import parse_name
-from observatory.store import (
-    LOSS_METRIC,
-    NotFoundError,
-    RunSummary,
-    branch_series,
-    get_run,
-    list_runs,
-)
+from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, list_runs, summarize
 
 __all__ = [
     "Cell",
@@ -235,10 +221,13 @@ def report_for_runs(
 
     `grid` (a sweep's spec: variants, lrs, seeds) adds the cells not run yet, as pending.
     """
-    summaries = [r if isinstance(r, RunSummary) else get_run(session, run_id=r) for r in runs]
+    summaries = _summaries_of(session, runs)
+    rows = across.runs_by_key(session, [r.run_id for r in summaries])
+    pks = [rows[r.run_id].id for r in summaries]
+    facts = _facts(session, pks)
     cells: dict[tuple[str, float, int], Cell] = {}
     for r in sorted(summaries, key=lambda s: s.created_at):
-        cell = _cell(session, r)
+        cell = _cell(r, rows[r.run_id].id, facts)
         cells[(cell.variant, cell.lr, cell.seed)] = cell
     if grid:
         for v in grid.get("variants", []):
@@ -288,22 +277,50 @@ def _variant(name: str, lrs: list[float], cells: list[Cell]) -> VariantSummary:
     )
 
 
-def _cell(session: Session, r: RunSummary) -> Cell:
-    run = session.scalars(select(Run).where(Run.key == r.run_id)).one()
+def _summaries_of(session: Session, runs: Sequence[RunSummary | str]) -> list[RunSummary]:
+    """Summaries for summaries or run ids, the ids read all at once (unknown: NotFoundError)."""
+    keys = [r for r in runs if isinstance(r, str)]
+    found = {}
+    if keys:
+        rows = across.runs_by_key(session, keys)
+        if missing := [k for k in keys if k not in rows]:
+            raise NotFoundError(f"no run {missing[0]!r}")
+        found = {s.run_id: s for s in summarize(session, list(rows.values()))}
+    return [found[r] if isinstance(r, str) else r for r in runs]
+
+
+def _facts(session: Session, pks: list[int]) -> dict[str, dict[int, Any]]:
+    """What the cells need beyond the run summaries, for all runs at once (a fixed number of
+    statements): first spike, rollback records, first loss, last val loss, peak logit."""
+    first_spike = dict(
+        session.execute(
+            select(Event.run_id, func.min(Event.step))
+            .where(Event.run_id.in_(pks), Event.kind == "spike")
+            .group_by(Event.run_id)
+        ).all()
+    )
+    rollbacks: dict[int, list[Any]] = {pk: [] for pk in pks}
+    q = select(Event.run_id, Event.data).where(Event.run_id.in_(pks), Event.kind == "rollback")
+    for pk, data in session.execute(q):
+        rollbacks[pk].append(data)
+    tree_of = across.trees(session, pks)
+    return {
+        "first_spike": first_spike,
+        "rollbacks": rollbacks,
+        "init": across.end_values(session, pks, tree_of, LOSS_METRIC, last=False),
+        "final_val": across.end_values(session, pks, tree_of, VAL_METRIC, last=True),
+        "peak": across.peaks(session, pks, ATTN_MAX_TEMPLATE),
+    }
+
+
+def _cell(r: RunSummary, pk: int, facts: dict[str, dict[int, Any]]) -> Cell:
     tagged = [t[len(VARIANT_TAG) :] for t in r.tags if t.startswith(VARIANT_TAG)]
     cfg = r.config
-    spikes = session.execute(
-        select(func.min(Event.step)).where(Event.run_id == run.id, Event.kind == "spike")
-    ).scalar()
-    rollbacks = session.scalars(
-        select(Event.data).where(Event.run_id == run.id, Event.kind == "rollback")
-    ).all()
     redone = sum(
         max(0, int(d.get("from_step", 0)) - int(d.get("to_step", 0)))
-        for d in rollbacks
+        for d in facts["rollbacks"].get(pk, [])
         if isinstance(d, dict) and d.get("to_step") is not None
     )
-    final_val = _last_value(session, run.id, VAL_METRIC)
     return Cell(
         variant=tagged[-1] if tagged else (r.name or r.run_id),
         lr=float(cfg.get("optim", {}).get("lr", math.nan)),
@@ -312,62 +329,15 @@ def _cell(session: Session, r: RunSummary) -> Cell:
         status=r.status,
         last_step=r.last_step,
         max_steps=cfg.get("train", {}).get("max_steps"),
-        init_loss=_first_value(session, run.id, LOSS_METRIC),
+        init_loss=facts["init"].get(pk),
         final_train=r.last_loss,
-        final_val=final_val,
-        peak_attn=_peak(session, run.id, ATTN_MAX_TEMPLATE),
+        final_val=facts["final_val"].get(pk),
+        peak_attn=facts["peak"].get(pk),
         spikes=r.spikes,
-        first_spike=spikes,
+        first_spike=facts["first_spike"].get(pk),
         rollbacks=r.rollbacks,
         recovery_steps=redone,
     )
-
-
-def _last_value(session: Session, run_pk: int, metric: str) -> float | None:
-    """The metric's last value on the newest branch's history (NaN stored as NULL -> nan)."""
-    return _end_value(session, run_pk, metric, last=True)
-
-
-def _first_value(session: Session, run_pk: int, metric: str) -> float | None:
-    return _end_value(session, run_pk, metric, last=False)
-
-
-def _end_value(session: Session, run_pk: int, metric: str, *, last: bool) -> float | None:
-    ids = branch_series(session, run_pk, parse_name(metric))
-    tree = branch_tree(session, run_pk)
-    parts = lineage(tree, max(tree)) if tree else []
-    for branch, lo, hi in reversed(parts) if last else parts:
-        if branch not in ids:
-            continue
-        step = func.max(Point.step) if last else func.min(Point.step)
-        at = session.execute(
-            select(step).where(Point.series_id == ids[branch], Point.step.between(lo, hi))
-        ).scalar()
-        if at is None:
-            continue
-        value = session.execute(
-            select(Point.value).where(Point.series_id == ids[branch], Point.step == at)
-        ).scalar()
-        return math.nan if value is None else float(value)
-    return None
-
-
-def _peak(session: Session, run_pk: int, template: str) -> float | None:
-    """Largest value of every series of `template` in the run, abandoned branches included.
-
-    Read from the coarsest rollup level: each block holds its exact maximum, so this is exact.
-    """
-    sids = (
-        select(Series.id)
-        .join(MetricName, MetricName.id == Series.metric_id)
-        .where(Series.run_id == run_pk, MetricName.name == template)
-        .scalar_subquery()
-    )
-    q = select(func.max(PointBlock.max_value)).where(
-        PointBlock.series_id.in_(sids), PointBlock.level == COARSEST_LEVEL
-    )
-    value = session.execute(q).scalar()
-    return None if value is None else float(value)
 
 
 # -- Markdown -----------------------------------------------------------------------------------

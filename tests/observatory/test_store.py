@@ -358,3 +358,55 @@ def test_the_run_list_costs_the_same_statements_for_1_or_6_runs(db_url: str, tmp
         0,
     )
     assert by_id["run-3"].rollbacks == 1
+
+
+def test_reads_across_runs_equal_the_single_run_reads(db_url: str, tmp_path) -> None:
+    """`across_runs` (the compare page's reads, a fixed number of statements) gives what the
+    single-run reads give: the newest branch's history, its layer maxima, its first and last
+    values, and the peak over every branch."""
+    from observatory import across_runs as across
+
+    with _sink(db_url, tmp_path) as sink:
+        for i in range(3):
+            run = f"run-{i}"
+            sink.start_run(run, name=run, config={}, tags=[], run_dir=tmp_path)
+            for step in range(1, 41):
+                v = float(i + step % 7) if step != 17 else math.nan
+                sink.log_metrics(run, 0, step, {"train/loss": v, "layer/1/attn_max": 3.0 * v})
+                sink.log_metrics(run, 0, step, {"layer/0/attn_max": 2.0 * step})
+            if i:
+                sink.start_branch(run, 1, parent=0, fork_step=30 - i, reason="rollback")
+                for step in range(31 - i, 41):
+                    sink.log_metrics(
+                        run, 1, step, {"train/loss": 0.5 * step, "layer/0/attn_max": 1.0}
+                    )
+        assert sink.flush(30)
+    with store.session_factory(db_url)() as s:
+        rows = across.runs_by_key(s, ["run-0", "run-1", "run-2", "nope"])
+        assert sorted(rows) == ["run-0", "run-1", "run-2"]
+        many = across.histories(s, rows, "train/loss", buckets=40)
+        mats = across.layer_matrices(s, rows, "layer/*/attn_max", buckets=40)
+        pks = [rows[k].id for k in sorted(rows)]
+        tree_of = across.trees(s, pks)
+        first = across.end_values(s, pks, tree_of, "train/loss", last=False)
+        last = across.end_values(s, pks, tree_of, "train/loss", last=True)
+        peak = across.peaks(s, pks, "layer/*/attn_max")
+        for run_id, row in rows.items():
+            (one,) = store.series(s, run_id=run_id, metric="train/loss", buckets=40)
+            assert many[run_id] == [one]
+            m = store.layer_matrix(s, run_id=run_id, metric="layer/*/attn_max", buckets=40)
+            got = mats[run_id]
+            assert (got.rows, got.max_value, got.max_step) == (m.rows, m.max_value, m.max_step)
+            (full,) = store.series(s, run_id=run_id, metric="train/loss", buckets=10_000)
+            assert first[row.id] == full.buckets[0].max_value
+            assert last[row.id] == full.buckets[-1].max_value
+            every = [
+                b.max_value
+                for layer in (0, 1)
+                for sd in store.series(
+                    s, run_id=run_id, metric=f"layer/{layer}/attn_max", branch="all"
+                )
+                for b in sd.buckets
+                if b.max_value is not None
+            ]
+            assert peak[row.id] == max(every)

@@ -92,3 +92,29 @@ def test_compare_by_tokens_scales_the_x_axis(client) -> None:
     html = client.get("/compare", params={"run": ["baseline-0.01"], "align": "tokens"}).text
     assert '"text": "tokens"' in html or '"text":"tokens"' in html
     assert client.get("/compare", params={"run": ["no-such-run"]}).status_code == 404
+
+
+def test_the_compare_page_costs_the_same_statements_for_1_or_3_runs(client) -> None:
+    """Cells, series and max-logit panels are read for all chosen runs at once: the page's
+    statement count does not grow with the runs."""
+    from sqlalchemy import event
+
+    engine = client.app.state.sessions.kw["bind"]
+    statements: list[str] = []
+
+    def listen(conn, cursor, statement, *rest) -> None:  # noqa: ANN001
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        counts = {}
+        for query in ("run=baseline-0.01", "run=baseline-0.01&run=baseline-0.1&run=qk_norm-0.01"):
+            client.get(f"/compare?{query}")  # warm: the connection's own set-up, once
+            statements.clear()
+            page = client.get(f"/compare?{query}")
+            assert page.status_code == 200
+            counts[query.count("run=")] = len(statements)
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+    assert counts[1] == counts[3] <= 30, counts  # 28 today, for any number of runs
+    assert "chart-logits" in page.text and "qk_norm-0.01" in page.text

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
+from observatory import across_runs as across
 from observatory import metric_names as M
 from observatory import store
 from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_report
@@ -64,16 +65,17 @@ def compare_page(
         if c.run_id
     }
     runs = {r.run_id: r for r in all_runs}
+    rows = across.runs_by_key(session, list(names))
     figures: dict[str, Any] = {
         "chart-compare": charts.compare_figure(
-            _series(session, list(names), metric),
+            _series(session, rows, metric),
             title=metric,
             names=names,
             x_scale=_tokens_per_step(session, list(names), runs) if align == "tokens" else None,
             x_title="tokens" if align == "tokens" else "step",
         )
     }
-    panels = _max_logit_panels(session, report)
+    panels = _max_logit_panels(session, report, rows)
     if panels:
         figures["chart-logits"] = charts.small_multiples_figure(
             panels, title="max attention logit over layers (per variant)"
@@ -98,14 +100,12 @@ def compare_page(
     return templates.TemplateResponse(request, "compare.html", context)
 
 
-def _series(session: Session, run_ids: list[str], metric: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for run_id in run_ids:
-        try:
-            out[run_id] = store.series(session, run_id=run_id, metric=metric, buckets=1000)
-        except store.NotFoundError:
-            out[run_id] = []
-    return out
+def _series(session: Session, rows: dict[str, Any], metric: str) -> dict[str, Any]:
+    """Every chosen run's newest history of `metric`, read for all runs at once."""
+    try:
+        return across.histories(session, rows, metric, buckets=1000)
+    except ValueError:  # a name the store cannot hold: no run has it
+        return {run_id: [] for run_id in rows}
 
 
 def _tokens_per_step(
@@ -120,16 +120,15 @@ def _tokens_per_step(
 
 
 def _max_logit_panels(
-    session: Session, report: SweepReport
+    session: Session, report: SweepReport, rows: dict[str, Any]
 ) -> dict[str, list[tuple[str, list[int], list[float]]]]:
-    """Per variant, each run's max attention logit over layers per step bucket."""
+    """Per variant, each run's max attention logit over layers per step bucket (the layer
+    maxima of every run read at once)."""
     panels: dict[str, list[tuple[str, list[int], list[float]]]] = {}
+    matrices = across.layer_matrices(session, rows, ATTN_MAX, buckets=200)
     for c in report.cells:
-        if c.run_id is None:
-            continue
-        try:
-            m = store.layer_matrix(session, run_id=c.run_id, metric=ATTN_MAX, buckets=200)
-        except store.NotFoundError:
+        m = matrices.get(c.run_id) if c.run_id is not None else None
+        if m is None:
             continue
         xs: list[int] = []
         ys: list[float] = []

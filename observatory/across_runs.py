@@ -1,0 +1,195 @@
+"""Reads across many runs at once, for the pages that show many (the compare page, sweep
+reports): each function costs a fixed number of statements, however many runs it is given.
+
+The single-run reads in store.py stay the reference: `histories` gives what `store.series`
+gives for each run's newest branch, `layer_matrices` what `store.layer_matrix` gives, except
+that all runs share one bucket grid (one chart, one x axis).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy.orm import Session
+
+from observatory.downsample import Tree, downsample, lineage
+from observatory.models import Branch, MetricName, Point, PointBlock, Run, Series
+from observatory.names import NO_INDEX, parse_name
+from observatory.store import Matrix, SeriesData, _bucket, _grids
+
+__all__ = ["end_values", "histories", "layer_matrices", "peaks", "runs_by_key", "trees"]
+
+
+def runs_by_key(session: Session, keys: Iterable[str]) -> dict[str, Run]:
+    """The runs (ORM rows) of these run ids; unknown ids are left out. One statement."""
+    keys = list(dict.fromkeys(keys))
+    if not keys:
+        return {}
+    return {r.key: r for r in session.scalars(select(Run).where(Run.key.in_(keys)))}
+
+
+def trees(session: Session, run_pks: Sequence[int]) -> dict[int, Tree]:
+    """Every run's branch tree, {run pk: {branch: (parent, fork step)}}. One statement."""
+    out: dict[int, Tree] = {pk: {} for pk in run_pks}
+    if run_pks:
+        q = select(Branch.run_id, Branch.number, Branch.parent, Branch.fork_step).where(
+            Branch.run_id.in_(list(run_pks))
+        )
+        for run, n, p, f in session.execute(q):
+            out[run][n] = (p, f)
+    return out
+
+
+def _series(session: Session, run_pks: Sequence[int], template: str) -> list[Any]:
+    """(run pk, series id, branch, layer, head) of a template in these runs. One statement."""
+    q = (
+        select(Series.run_id, Series.id, Series.branch, Series.layer, Series.head)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id.in_(list(run_pks)), MetricName.name == template)
+    )
+    return list(session.execute(q)) if run_pks else []
+
+
+def _newest_parts(tree: Tree) -> list[tuple[int, int, int]]:
+    return lineage(tree, max(tree)) if tree else []
+
+
+def histories(
+    session: Session, runs: dict[str, Run], metric: str, buckets: int
+) -> dict[str, list[SeriesData]]:
+    """Each run's newest-branch history of one scalar `metric` ([] for a run without it), on
+    one shared grid of at most `buckets` buckets. Four statements."""
+    key = parse_name(metric)
+    pks = {r.id: k for k, r in runs.items()}
+    tree_of = trees(session, list(pks))
+    ids = {
+        (run, br): sid
+        for run, sid, br, layer, head in _series(session, list(pks), key.template)
+        if (layer, head) == (key.layer, key.head)
+    }
+    segs = [
+        (pks[pk], ids[pk, br], lo, hi)
+        for pk, tree in tree_of.items()
+        for br, lo, hi in _newest_parts(tree)
+        if (pk, br) in ids
+    ]
+    width, cells, read = downsample(session, segs, buckets, None, None)
+    out: dict[str, list[SeriesData]] = {k: [] for k in runs}
+    for run_id, run in runs.items():
+        mine = sorted(k for g, k in cells if g == run_id)
+        if not mine:
+            continue
+        branch_of = {sid: br for (pk, br), sid in ids.items() if pk == run.id}
+        segments = [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == run_id]
+        newest = max(tree_of[run.id]) if tree_of[run.id] else 0
+        out[run_id] = [
+            SeriesData(
+                run_id,
+                metric,
+                newest,
+                segments,
+                width,
+                [_bucket(k, width, cells[run_id, k]) for k in mine],
+            )
+        ]
+    return out
+
+
+def layer_matrices(
+    session: Session, runs: dict[str, Run], template: str, buckets: int
+) -> dict[str, Matrix]:
+    """Each run's layer x step maxima of a per-layer template on its newest branch's history
+    (runs without it are left out), on one shared grid. Four statements."""
+    pks = {r.id: k for k, r in runs.items()}
+    tree_of = trees(session, list(pks))
+    rows = [r for r in _series(session, list(pks), template) if r[3] >= 0 and r[4] == NO_INDEX]
+    by = {(pk, layer, br): sid for pk, sid, br, layer, _ in rows}
+    segs = [
+        ((pks[pk], layer), by[pk, layer, br], lo, hi)
+        for pk, tree in tree_of.items()
+        for layer in sorted({la for p, la, _ in by if p == pk})
+        for br, lo, hi in _newest_parts(tree)
+        if (pk, layer, br) in by
+    ]
+    width, cells, _ = downsample(session, segs, buckets, None, None, with_min=False)
+    out = {}
+    for run_id, run in runs.items():
+        mine = {(la, k): c for ((g, la), k), c in cells.items() if g == run_id}
+        if not mine:
+            continue
+        labels = sorted({la for la, _ in mine})
+        ks = sorted({k for _, k in mine})
+        n, n_nan, mn, mn_s, mx, mx_s = _grids(mine, labels, ks)
+        newest = max(tree_of[run.id]) if tree_of[run.id] else 0
+        out[run_id] = Matrix(
+            run_id, template, newest, labels, [k * width for k in ks], width,
+            mn, mn_s, mx, mx_s, n, n_nan,
+        )  # fmt: skip
+    return out
+
+
+def end_values(
+    session: Session, run_pks: Sequence[int], tree_of: dict[int, Tree], metric: str, *, last: bool
+) -> dict[int, float | None]:
+    """Each run's last (or first) value of a scalar `metric` on its newest branch's history;
+    NaN stored as NULL comes back as nan; None for a run without it. Three statements."""
+    key = parse_name(metric)
+    ids = {
+        (run, br): sid
+        for run, sid, br, layer, head in _series(session, run_pks, key.template)
+        if (layer, head) == (key.layer, key.head)
+    }
+    parts = [
+        (pk, i, ids[pk, br], lo, hi)
+        for pk in run_pks
+        for i, (br, lo, hi) in enumerate(_newest_parts(tree_of.get(pk, {})))
+        if (pk, br) in ids
+    ]
+    if not parts:
+        return {pk: None for pk in run_pks}
+    agg = "MAX" if last else "MIN"
+    sql = " UNION ALL ".join(
+        f"SELECT {int(pk)}, {int(i)}, {int(sid)}, (SELECT {agg}(step) FROM points "
+        f"WHERE series_id = {int(sid)} AND step BETWEEN {int(lo)} AND {int(min(hi, 2**31 - 1))})"
+        for pk, i, sid, lo, hi in parts
+    )
+    found: dict[int, tuple[int, int, int]] = {}  # run -> (part index, series, step)
+    for pk, i, sid, step in session.execute(text(sql)):
+        if step is None:
+            continue
+        better = pk not in found or (i > found[pk][0] if last else i < found[pk][0])
+        if better:
+            found[pk] = (i, sid, step)
+    values: dict[tuple[int, int], float | None] = {}
+    if found:
+        pairs = [and_(Point.series_id == sid, Point.step == st) for _, sid, st in found.values()]
+        q = select(Point.series_id, Point.step, Point.value).where(or_(*pairs))
+        values = {(sid, st): v for sid, st, v in session.execute(q)}
+    out: dict[int, float | None] = {pk: None for pk in run_pks}
+    for pk, (_, sid, st) in found.items():
+        v = values.get((sid, st))
+        out[pk] = math.nan if v is None else float(v)
+    return out
+
+
+def peaks(session: Session, run_pks: Sequence[int], template: str) -> dict[int, float | None]:
+    """Each run's largest value of every series of `template`, abandoned branches included,
+    from the coarsest rollup level (exact: each block keeps its maximum). One statement."""
+    from observatory.models import COARSEST_LEVEL
+
+    q = (
+        select(Series.run_id, func.max(PointBlock.max_value))
+        .join(PointBlock, PointBlock.series_id == Series.id)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id.in_(list(run_pks)), MetricName.name == template)
+        .where(PointBlock.level == COARSEST_LEVEL)
+        .group_by(Series.run_id)
+    )
+    out: dict[int, float | None] = {pk: None for pk in run_pks}
+    if run_pks:
+        for pk, v in session.execute(q):
+            out[pk] = None if v is None else float(v)
+    return out
