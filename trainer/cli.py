@@ -219,11 +219,12 @@ def cmd_logbook(args: argparse.Namespace) -> int:
 
 
 def _default_db(run: str) -> str | None:
-    """The database beside a run directory given as a path, else the usual default."""
+    """A run directory given as a path with a store beside it: that run's store (the rule a
+    run writes by, `url_for_run`); else the usual default."""
+    from observatory.db import url_for_run
+
     p = Path(run)
-    if (p.parent / "spikewatch.db").is_file() and not os.environ.get("SPIKEWATCH_DB_URL"):
-        return f"sqlite:///{(p.parent / 'spikewatch.db').resolve()}"
-    return None
+    return url_for_run(p) if (p.parent / "spikewatch.db").is_file() else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
