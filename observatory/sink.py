@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from observatory.alerts import ALERT_KINDS, Alerter, urls_from
 from observatory.db import make_engine, redact, resolve_url
 from observatory.ingest import Writer
 from observatory.records import (
@@ -63,6 +64,7 @@ class BaseSink:
     def __init__(self) -> None:
         self._check_metrics = MetricsChecker()
         self._branches: dict[str, set[int]] = {}
+        self.alerts: Alerter | None = None  # events of ALERT_KINDS also go to the webhooks
 
     def start_run(
         self,
@@ -152,6 +154,8 @@ class BaseSink:
             uid=uid,
         )
         self._put(rec)
+        if self.alerts is not None and rec.data["kind"] in ALERT_KINDS:
+            self.alerts.notify({"run_id": run_id, **rec.data})
         return str(rec.data["uid"])
 
     def log_checkpoint(
@@ -180,6 +184,8 @@ class BaseSink:
         """running | completed | failed | halted | stopped."""
         self._known_branches(run_id)
         self._put(status_record(run_id, status))
+        if self.alerts is not None and status == "failed":
+            self.alerts.notify({"run_id": run_id, "kind": "failed", "message": "the run failed"})
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything logged so far is in the database; False on timeout."""
@@ -191,6 +197,8 @@ class BaseSink:
 
     def close(self, timeout: float | None = None) -> None:
         """Write (or spool) what is queued and stop."""
+        if self.alerts is not None:
+            self.alerts.close(timeout=5.0 if timeout is None else min(timeout, 5.0))
 
     def __enter__(self) -> BaseSink:
         return self
@@ -310,6 +318,7 @@ class DbSink(BaseSink):
         what it has not taken is in the spool file (replayed by the next sink on it)."""
         if self._closed:
             return
+        super().close(timeout)  # the alerts' last deliveries
         self._closed = True
         atexit.unregister(self.close)
         self._q.put(None)  # blocks only while the queue is full; the writer is draining it
@@ -440,13 +449,22 @@ class DbSink(BaseSink):
             self._waiting.clear()
 
 
-def open_run_sink(run_dir: str | os.PathLike[str], url: str | None = None) -> BaseSink:
+def open_run_sink(
+    run_dir: str | os.PathLike[str], url: str | None = None, alert_urls: Iterable[str] = ()
+) -> BaseSink:
     """The store a run writes to, migrated to the newest schema first: `url`, else
-    $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory; url='none' for no store."""
+    $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory; url='none' for no store.
+    Alerts go to `alert_urls`, else $SPIKEWATCH_ALERT_URLS (observatory/alerts.py)."""
+    sink: BaseSink
     if url == "none":
-        return NullSink()
-    from observatory.db import upgrade, url_for_run
+        sink = NullSink()
+    else:
+        from observatory.db import upgrade, url_for_run
 
-    resolved = url_for_run(run_dir, url)
-    upgrade(resolved)
-    return DbSink(resolved, spool_dir=Path(run_dir) / "spool")
+        resolved = url_for_run(run_dir, url)
+        upgrade(resolved)
+        sink = DbSink(resolved, spool_dir=Path(run_dir) / "spool")
+    urls = urls_from(alert_urls)
+    if urls:
+        sink.alerts = Alerter(urls)
+    return sink

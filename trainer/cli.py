@@ -78,6 +78,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         callbacks.append(recorder)
     try:
         result = fit(cfg, run_dir=run_dir, callbacks=callbacks, resume=bool(args.resume))
+    except Exception:
+        if sink is not None and recorder.run_id:  # the run is in the store: say it failed
+            sink.set_status(recorder.run_id, "failed")
+        raise
     finally:
         if sink is not None:
             sink.close(timeout=30)
@@ -111,7 +115,7 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
         return None
     from observatory.sink import open_run_sink
 
-    return open_run_sink(run_dir, _db_url(args, run_dir))
+    return open_run_sink(run_dir, _db_url(args, run_dir), alert_urls=args.alert_url)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -225,6 +229,27 @@ def _default_db(run: str) -> str | None:
 
     p = Path(run)
     return url_for_run(p) if (p.parent / "spikewatch.db").is_file() else None
+
+
+def cmd_alert_test(args: argparse.Namespace) -> int:
+    """One test alert to each URL, at once (no retry): 0 when every webhook took it."""
+    from observatory.alerts import alert_body, post, urls_from
+    from trainer.config import ConfigError
+
+    urls = urls_from(args.url)
+    if not urls:
+        raise ConfigError("alert-test needs a URL (or $SPIKEWATCH_ALERT_URLS)")
+    event = {"kind": "test", "run_id": "alert-test", "message": "spikewatch can reach this hook"}
+    failed = 0
+    for url in urls:
+        try:
+            post(url, alert_body(url, event))
+        except OSError as e:  # refused, timed out, HTTP error (urllib's errors are OSErrors)
+            failed += 1
+            print(f"spikewatch: {url}: {e}", file=sys.stderr)  # noqa: T201
+        else:
+            print(f"sent a test alert to {url}")  # noqa: T201
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -383,6 +408,14 @@ def _add_training(sub: Any) -> None:
         )
         p.add_argument("--no-db", action="store_true", help="record nothing in a database")
         p.add_argument("--tag", action="append", default=[], help="a tag for the run (repeatable)")
+        p.add_argument(
+            "--alert-url",
+            action="append",
+            default=[],
+            metavar="URL",
+            help="POST spikes, rollbacks, halts and failures here (repeatable; default "
+            "$SPIKEWATCH_ALERT_URLS, comma-separated)",
+        )
     train.set_defaults(func=cmd_train)
     demo.set_defaults(func=cmd_demo, resume=None, variant=None, sweep_group=None)
     demo.add_argument(
@@ -437,7 +470,11 @@ def _add_sweeps(sub: Any) -> None:
 
 
 def _add_tools(sub: Any) -> None:
-    """advise, serve, scan, logbook, db."""
+    """advise, alert-test, serve, scan, logbook, db."""
+    test = sub.add_parser("alert-test", help="send a test alert to a webhook")
+    test.add_argument("url", nargs="*", help="webhook URL(s) (default $SPIKEWATCH_ALERT_URLS)")
+    test.set_defaults(func=cmd_alert_test)
+
     advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
     advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")
     advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
