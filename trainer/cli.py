@@ -231,6 +231,40 @@ def _default_db(run: str) -> str | None:
     return url_for_run(p) if (p.parent / "spikewatch.db").is_file() else None
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow training logs into the store until Ctrl-C (or once, with --once)."""
+    from observatory.alerts import Alerter, urls_from
+    from observatory.db import redact, resolve_url, upgrade
+    from observatory.follow import Follower
+    from observatory.sink import DbSink
+    from trainer.config import ConfigError
+
+    paths = [Path(p) for p in args.paths]
+    if missing := [str(p) for p in paths if not p.exists()]:
+        raise ConfigError(f"nothing to watch at {', '.join(missing)}")
+    url = resolve_url(args.db)
+    upgrade(url)
+    spool = Path(args.spool) if args.spool else Path.home() / ".cache" / "spikewatch" / "spool"
+    sink = DbSink(url, spool_dir=spool)
+    urls = urls_from(args.alert_url)
+    if urls:
+        sink.alerts = Alerter(urls)
+    follower = Follower(paths, sink, metric=args.metric, run_name=args.run)
+    log.info("watching %s into %s", ", ".join(map(str, paths)), redact(url))
+    try:
+        while True:
+            follower.poll()
+            if args.once:
+                break
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sink.close(timeout=30)
+    log.info("%d runs, %d values stored", len(follower.runs), follower.values)
+    return 0
+
+
 def cmd_alert_test(args: argparse.Namespace) -> int:
     """One test alert to each URL, at once (no retry): 0 when every webhook took it."""
     from observatory.alerts import alert_body, post, urls_from
@@ -471,6 +505,18 @@ def _add_sweeps(sub: Any) -> None:
 
 def _add_tools(sub: Any) -> None:
     """advise, alert-test, serve, scan, logbook, db."""
+    watch = sub.add_parser("watch", help="follow TensorBoard / CSV / JSON-lines logs, live")
+    watch.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files")
+    watch.add_argument("--db", default=None, help="store URL (default as for serve)")
+    watch.add_argument("--metric", default=None, help="the loss tag (default: recognised)")
+    watch.add_argument("--run", default=None, help="run name (default: from the path)")
+    watch.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    watch.add_argument("--once", action="store_true", help="import what is there, then stop")
+    watch.add_argument("--spool", default=None, help="spool directory (default ~/.cache/...)")
+    watch.add_argument(
+        "--alert-url", action="append", default=[], metavar="URL", help="webhook (repeatable)"
+    )
+    watch.set_defaults(func=cmd_watch)
     test = sub.add_parser("alert-test", help="send a test alert to a webhook")
     test.add_argument("url", nargs="*", help="webhook URL(s) (default $SPIKEWATCH_ALERT_URLS)")
     test.set_defaults(func=cmd_alert_test)
