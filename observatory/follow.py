@@ -53,8 +53,8 @@ __all__ = ["Follower", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 log = logging.getLogger(__name__)
 
 TB_GLOB = "events.out.tfevents.*"
-LOSS_TAGS = ("train/loss", "loss", "train_loss", "Loss/train", "train/loss_step", "lm loss")
-GRAD_TAGS = ("train/grad_norm", "grad_norm", "grad-norm", "gradient_norm", "optim/grad_norm")
+LOSS_TAGS = M.FOREIGN_LOSS_TAGS
+GRAD_TAGS = M.FOREIGN_GRAD_NORM_TAGS
 STEP_KEYS = ("step", "global_step", "iteration")
 MAX_RUN_KEY = 64
 
