@@ -69,7 +69,7 @@ class Spool:
         self._path = self.dir / f"spool-{time.time_ns()}-{os.getpid()}.jsonl"
         self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
         fcntl.flock(self._file, fcntl.LOCK_EX)
-        log.warning("spool: database unreachable, keeping records in %s", self._path)
+        log.warning("spool: keeping records in %s until the database takes them", self._path)
 
     def rotate(self) -> list[Path]:
         """Close the open segment; return every segment waiting for replay, oldest first."""

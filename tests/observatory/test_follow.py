@@ -87,6 +87,16 @@ def test_a_summary_writer_with_a_spike_is_followed_live(tmp_path: Path) -> None:
         names = store.metric_names(s, run_id=run)
     assert {M.LOSS, M.GRAD_NORM, "train/learning_rate"} <= set(names)  # ours for the known
     assert any(b["kind"] == "spike" and "spike" in b["text"] for b in receiver.bodies)
+    from fastapi.testclient import TestClient
+
+    from web.app import create_app
+    from web.settings import Settings
+
+    with TestClient(create_app(Settings(db_url=url))) as api:  # the dashboard sees it
+        assert [r["run_id"] for r in api.get("/api/runs").json()] == [run]
+        shown = api.get(f"/api/runs/{run}/events", params={"kind": "spike"}).json()
+        assert [e["kind"] for e in shown] == ["spike"]
+        assert abs(shown[0]["data"]["onset_step"] - SPIKE) <= 5
 
 
 def test_a_restart_of_watch_leaves_every_point_and_event_once(tmp_path: Path) -> None:
