@@ -65,6 +65,7 @@ def is_per_layer(name: str, stat: str) -> bool:
     """A flat per-layer name of this statistic (not a per-head one)."""
     return name.endswith(f"/{stat}") and "/head/" not in name
 
+
 # Tags other trainers write for the loss and the gradient norm (HF Trainer, Lightning, Megatron,
 # torchtitan, hand-written loops), which `spikewatch watch` stores under LOSS and GRAD_NORM.
 FOREIGN_LOSS_TAGS = (LOSS, "loss", "train_loss", "Loss/train", "train/loss_step", "lm loss")
