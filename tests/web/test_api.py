@@ -117,6 +117,8 @@ def test_events_branches_checkpoints_logbook(client) -> None:
     assert "spike" in kinds and "rollback" in kinds
     only = client.get("/api/runs/r1/events", params={"kind": "rollback"}).json()
     assert [e["kind"] for e in only] == ["rollback"] and only[0]["data"]["to_step"] < 151
+    unknown = client.get("/api/runs/r1/events", params={"kind": "true"})  # schemathesis found
+    assert unknown.status_code == 422  # the kinds are the schema's enum
     assert [b["number"] for b in client.get("/api/runs/r1/branches").json()] == [0, 1]
     assert client.get("/api/runs/r1/checkpoints").json()
     assert client.get("/api/runs/r1/logbook").text.startswith("# Logbook of run `r1`")

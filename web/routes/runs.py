@@ -15,12 +15,16 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
+from observatory.models import EVENT_KINDS
 from web.deps import SessionDep
 from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut, many
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+# the store's event kinds, as the schema's enum: an unknown kind is a 422, not an empty list
+EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
 
 Buckets = Annotated[int, Query(ge=1, le=20000, description="Buckets (min/max kept in each).")]
 Branch = Annotated[
@@ -118,7 +122,7 @@ def matrix(
 def events(
     session: SessionDep,
     run_id: str,
-    kind: Annotated[list[str] | None, Query(description="Only these kinds.")] = None,
+    kind: Annotated[list[EventKind] | None, Query(description="Only these kinds.")] = None,
     branch: BranchNumber = None,
     start: Step = None,
     end: Step = None,
