@@ -8,15 +8,16 @@ that all runs share one bucket grid (one chart, one x axis).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, text
+import numpy as np
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from observatory.downsample import Tree, downsample, lineage
-from observatory.models import Branch, MetricName, Point, PointBlock, Run, Series
+from observatory.chunks import WINDOW, decode
+from observatory.downsample import END, Tree, downsample, lineage
+from observatory.models import Branch, MetricName, PointChunk, Run, Series
 from observatory.names import NO_INDEX, parse_name
 from observatory.store import Matrix, SeriesData, _bucket, _grids
 
@@ -135,7 +136,7 @@ def end_values(
     session: Session, run_pks: Sequence[int], tree_of: dict[int, Tree], metric: str, *, last: bool
 ) -> dict[int, float | None]:
     """Each run's last (or first) value of a scalar `metric` on its newest branch's history;
-    NaN stored as NULL comes back as nan; None for a run without it. Three statements."""
+    NaN comes back as nan; None for a run without it. Two statements."""
     key = parse_name(metric)
     ids = {
         (run, br): sid
@@ -150,42 +151,39 @@ def end_values(
     ]
     if not parts:
         return {pk: None for pk in run_pks}
-    agg = "MAX" if last else "MIN"
+    pick = "MAX(win)" if last else "MIN(win)"
+    edge = "first_step <= {hi}" if last else "last_step >= {lo}"
     sql = " UNION ALL ".join(
-        f"SELECT {int(pk)}, {int(i)}, {int(sid)}, (SELECT {agg}(step) FROM points "
-        f"WHERE series_id = {int(sid)} AND step BETWEEN {int(lo)} AND {int(min(hi, 2**31 - 1))})"
+        f"SELECT {int(pk)}, {int(i)}, {int(lo)}, {int(hi)}, series_id, win, first_step, "
+        f"last_step, n, steps, vals FROM point_chunks WHERE series_id = {int(sid)} AND win = "
+        f"(SELECT {pick} FROM point_chunks WHERE series_id = {int(sid)} AND win BETWEEN "
+        f"{int(lo) // WINDOW} AND {int(hi) // WINDOW} AND {edge.format(lo=int(lo), hi=int(hi))})"
         for pk, i, sid, lo, hi in parts
+        for hi in [min(hi, END)]
     )
-    found: dict[int, tuple[int, int, int]] = {}  # run -> (part index, series, step)
-    for pk, i, sid, step in session.execute(text(sql)):
-        if step is None:
+    found: dict[int, tuple[int, float]] = {}  # run -> (part index, value)
+    for pk, i, lo, hi, _, win, first, last_step, n, steps, vals in session.execute(text(sql)):
+        st, v = decode(win, first, last_step, n, steps, vals)
+        inside = np.flatnonzero((st >= lo) & (st <= hi))
+        if not len(inside):
             continue
         better = pk not in found or (i > found[pk][0] if last else i < found[pk][0])
         if better:
-            found[pk] = (i, sid, step)
-    values: dict[tuple[int, int], float | None] = {}
-    if found:
-        pairs = [and_(Point.series_id == sid, Point.step == st) for _, sid, st in found.values()]
-        q = select(Point.series_id, Point.step, Point.value).where(or_(*pairs))
-        values = {(sid, st): v for sid, st, v in session.execute(q)}
+            found[pk] = (i, float(v[inside[-1] if last else inside[0]]))
     out: dict[int, float | None] = {pk: None for pk in run_pks}
-    for pk, (_, sid, st) in found.items():
-        v = values.get((sid, st))
-        out[pk] = math.nan if v is None else float(v)
+    for pk, (_, value) in found.items():
+        out[pk] = value
     return out
 
 
 def peaks(session: Session, run_pks: Sequence[int], template: str) -> dict[int, float | None]:
     """Each run's largest value of every series of `template`, abandoned branches included,
-    from the coarsest rollup level (exact: each block keeps its maximum). One statement."""
-    from observatory.models import COARSEST_LEVEL
-
+    from the windows' stored maxima (exact). One statement."""
     q = (
-        select(Series.run_id, func.max(PointBlock.max_value))
-        .join(PointBlock, PointBlock.series_id == Series.id)
+        select(Series.run_id, func.max(PointChunk.max_value))
+        .join(PointChunk, PointChunk.series_id == Series.id)
         .join(MetricName, MetricName.id == Series.metric_id)
         .where(Series.run_id.in_(list(run_pks)), MetricName.name == template)
-        .where(PointBlock.level == COARSEST_LEVEL)
         .group_by(Series.run_id)
     )
     out: dict[int, float | None] = {pk: None for pk in run_pks}

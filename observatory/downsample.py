@@ -1,22 +1,23 @@
-"""The downsampling core of observatory/store.py: branch lineage, bucket grid, SQL source.
+"""The downsampling core of observatory/store.py: branch lineage, bucket grid, window reads.
 
-A query is a list of segments `(group label, series id, first step, last step)`. The grid picks
-a bucket width that is a whole multiple of the largest rollup block not wider than the asked
-width, so every bucket is a union of whole blocks; `_source` reads whole blocks from
-`point_blocks` and raw points only for the ragged edges of each segment, and observatory/m4.py
-reduces them to buckets in SQL. A bucket that straddles a fork gets one row per segment; they
-are merged here (the only reduction done in Python: a handful of rows per bucket).
+A query is a list of segments `(group label, series id, first step, last step)`. A bucket at
+least a window wide is a whole number of windows (observatory/chunks.py), so the windows inside
+a segment are read as their stored summaries (no values decoded) and only the windows at the
+ragged edges of a segment are decoded; narrower buckets decode every window they touch. numpy
+then reduces summaries and points together into buckets per group (a group's segments, one per
+branch of a lineage, never share a step).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from observatory.m4 import BLOCK_AS_SUMMARY, POINT_AS_SUMMARY, reduce_rows
-from observatory.models import BLOCK_LEVELS, Branch
+from observatory.chunks import WINDOW, Buckets, decode, points_as_buckets, reduce_buckets
+from observatory.models import Branch
 
 __all__ = ["END", "MAX_BUCKETS", "Segment", "Tree", "branch_tree", "downsample", "grid", "lineage"]
 
@@ -61,30 +62,20 @@ def downsample(
     with_min: bool = True,
 ) -> tuple[int, dict[tuple[Any, int], Any], list[Segment]]:
     """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
-    max_step]} and the segments as read (clipped to [start, end] and to the stored steps)."""
+    max_step]} and the segments as read (clipped to [start, end] and to the stored steps).
+    `with_min=False` (a heatmap of maxima) returns None for the minimum and its step."""
     if not 1 <= buckets <= MAX_BUCKETS:
         raise ValueError(f"buckets must be in [1, {MAX_BUCKETS}], got {buckets}")
     segs = _clip(session, segs, start, end)
     if not segs:
         return 1, {}, []
     lo, hi = min(s[2] for s in segs), max(s[3] for s in segs)
-    width, level, size = grid(lo, hi, buckets)
-    dialect = session.get_bind().dialect.name
-    cursor = session.connection().connection.cursor()  # raw rows: no per-row ORM work
-    try:
-        rows = reduce_rows(
-            cursor, dialect, _source(segs, level, size), f"pos / {width}", with_min=with_min
-        )
-    finally:
-        cursor.close()
-    group_of = {sid: g for g, sid, _, _ in segs}
-    cells: dict[tuple[Any, int], Any] = {}
-    if len(set(group_of.values())) == len(group_of):  # one series per group: nothing to merge
-        for r in rows:
-            cells[group_of[r[0]], r[1]] = r[2:]
-    else:
-        for r in rows:
-            merge_cells(cells, (group_of[r[0]], r[1]), list(r[2:]))
+    width = grid(lo, hi, buckets)
+    labels = list(dict.fromkeys(g for g, _, _, _ in segs))
+    cells = reduce_buckets(_read(session, segs, labels, width), width).cells(labels)
+    if not with_min:
+        for c in cells.values():
+            c[3] = c[4] = None
     return width, cells, segs
 
 
@@ -96,8 +87,9 @@ def _clip(
         return []
     ids = ", ".join(str(int(s[1])) for s in segs)
     q = text(
-        "SELECT s.id, (SELECT MIN(step) FROM points WHERE series_id = s.id), "
-        f"(SELECT MAX(step) FROM points WHERE series_id = s.id) FROM series s WHERE s.id IN ({ids})"
+        "SELECT s.id, (SELECT first_step FROM point_chunks WHERE series_id = s.id "
+        "ORDER BY win LIMIT 1), (SELECT last_step FROM point_chunks WHERE series_id = s.id "
+        f"ORDER BY win DESC LIMIT 1) FROM series s WHERE s.id IN ({ids})"
     )
     extent = {sid: (a, b) for sid, a, b in session.execute(q)}
     out = []
@@ -114,60 +106,95 @@ def _clip(
     return out
 
 
-def grid(lo: int, hi: int, buckets: int) -> tuple[int, int, int]:
-    """Bucket width (a multiple of the chosen block size), block level and block size."""
+def grid(lo: int, hi: int, buckets: int) -> int:
+    """Bucket width: at least a window wide, a whole number of windows."""
     want = -(-(hi - lo + 1) // buckets)
-    level, size = 0, 1
-    for lvl, sz in BLOCK_LEVELS.items():
-        if sz <= want:
-            level, size = lvl, sz
-    width = -(-want // size) * size
+    step = WINDOW if want >= WINDOW else 1
+    width = -(-want // step) * step
     while hi // width - lo // width + 1 > buckets:
-        width += size
-    return width, level, size
+        width += step
+    return width
 
 
-def _source(segs: list[Segment], level: int, size: int) -> str:
-    """UNION ALL of whole blocks inside each segment and raw points at the ragged edges.
+_SUMMARY = "series_id, first_step, n, n_nan, nan_step, min_value, min_step, max_value, max_step"
+_PACKED = "series_id, win, first_step, last_step, n, steps, vals"
 
-    Segments with the same block range share one `series_id IN (...)` term (a heatmap's rows
-    usually all do), which SQLite and PostgreSQL answer with one index range per series.
-    """
-    by_range: dict[tuple[int, int], list[int]] = {}
-    raw = []
+
+def _read(session: Session, segs: list[Segment], labels: list[Any], width: int) -> list[Buckets]:
+    """Summaries of the whole windows inside each segment (when buckets are whole windows) and
+    the decoded points of every other window, as Buckets of group indices."""
+    index = {lab: i for i, lab in enumerate(labels)}
+    seg_of = {sid: (index[g], lo, hi) for g, sid, lo, hi in segs}
+    whole: dict[tuple[int, int], list[int]] = {}  # (first, last window) -> series
+    packed: dict[tuple[int, int], list[int]] = {}
     for _, sid, lo, hi in segs:
-        first, last = (-(-lo // size), (hi + 1) // size - 1) if level else (1, 0)
-        if first <= last:
-            by_range.setdefault((first, last), []).append(sid)
-            edges = [(lo, first * size - 1), ((last + 1) * size, hi)]
+        first, last = lo // WINDOW, hi // WINDOW
+        if width % WINDOW == 0:
+            inner = (-(-lo // WINDOW), (hi + 1) // WINDOW - 1)
+            if inner[0] <= inner[1]:
+                whole.setdefault(inner, []).append(sid)
+                edges = [(first, inner[0] - 1), (inner[1] + 1, last)]
+            else:
+                edges = [(first, last)]
         else:
-            edges = [(lo, hi)]
-        raw += [f"(series_id = {sid} AND step BETWEEN {a} AND {b})" for a, b in edges if a <= b]
-    blocks = [
-        f"(series_id IN ({', '.join(map(str, sids))}) AND block BETWEEN {first} AND {last})"
-        for (first, last), sids in by_range.items()
-    ]
+            edges = [(first, last)]
+        for a, b in edges:
+            if a <= b:
+                packed.setdefault((a, b), []).append(sid)
+    conn = session.connection()
     parts = []
-    if blocks:
-        where = " OR ".join(blocks)
-        cols = BLOCK_AS_SUMMARY.format(size=size)
-        parts.append(f"SELECT {cols} FROM point_blocks WHERE level = {level} AND ({where})")
-    if raw:
-        parts.append(f"SELECT {POINT_AS_SUMMARY} FROM points WHERE {' OR '.join(raw)}")
-    return " UNION ALL ".join(parts)
+    if whole:
+        rows = conn.exec_driver_sql(
+            f"SELECT {_SUMMARY} FROM point_chunks WHERE {_where(whole)}"
+        ).all()
+        if rows:
+            parts.append(_summaries(rows, seg_of))
+    if packed:
+        rows = conn.exec_driver_sql(f"SELECT {_PACKED} FROM point_chunks WHERE {_where(packed)}")
+        parts.append(_points(rows, seg_of))
+    return parts
 
 
-def merge_cells(cells: dict[tuple[Any, int], Any], key: tuple[Any, int], c: list[Any]) -> None:
-    """Combine two partial buckets (a bucket can straddle a fork): smaller min, larger max."""
-    old = cells.get(key)
-    if old is None:
-        cells[key] = c
-        return
-    old[0] += c[0]
-    old[1] += c[1]
-    if c[2] is not None and (old[2] is None or c[2] < old[2]):
-        old[2] = c[2]
-    if c[3] is not None and (old[3] is None or (c[3], c[4]) < (old[3], old[4])):
-        old[3], old[4] = c[3], c[4]
-    if c[5] is not None and (old[5] is None or (c[5], -c[6]) > (old[5], -old[6])):
-        old[5], old[6] = c[5], c[6]
+def _where(ranges: dict[tuple[int, int], list[int]]) -> str:
+    return " OR ".join(
+        f"(series_id IN ({', '.join(map(str, sids))}) AND win BETWEEN {a} AND {b})"
+        for (a, b), sids in ranges.items()
+    )
+
+
+def _summaries(rows: list[Any], seg_of: dict[int, tuple[int, int, int]]) -> Buckets:
+    sid, first, n, n_nan, nan_step, mn, mn_s, mx, mx_s = zip(*rows, strict=True)
+
+    def ints(xs: tuple[Any, ...]) -> np.ndarray:
+        return np.array([-1 if x is None else x for x in xs], np.int64)
+
+    def floats(xs: tuple[Any, ...]) -> np.ndarray:
+        return np.array([np.nan if x is None else x for x in xs], np.float64)
+
+    return Buckets(
+        np.array([seg_of[s][0] for s in sid], np.int64),
+        np.array(first, np.int64),
+        np.array(n, np.int64),
+        np.array(n_nan, np.int64),
+        ints(nan_step),
+        floats(mn),
+        ints(mn_s),
+        floats(mx),
+        ints(mx_s),
+    )
+
+
+def _points(rows: Any, seg_of: dict[int, tuple[int, int, int]]) -> Buckets:
+    groups, steps, values = [], [], []
+    for sid, win, first, last, n, packed, vals in rows:
+        g, lo, hi = seg_of[sid]
+        st, v = decode(win, first, last, n, packed, vals)
+        if st[0] < lo or st[-1] > hi:
+            keep = (st >= lo) & (st <= hi)
+            st, v = st[keep], v[keep]
+        groups.append(np.full(len(st), g, np.int64))
+        steps.append(st)
+        values.append(v)
+    if not steps:
+        return Buckets(*(np.empty(0, np.int64) for _ in range(9)))
+    return points_as_buckets(np.concatenate(groups), np.concatenate(steps), np.concatenate(values))

@@ -1,33 +1,30 @@
 """The write path: one batch of sink records -> one transaction, idempotent, fast.
 
 Idempotence is by natural keys: runs by `key`, branches by (run, number), series by (run,
-metric, branch, layer, head), points by (series, step) with the first value kept, events by the
+metric, branch, layer, head), values by (series, step) with the first value kept, events by the
 sender's `uid`, checkpoints by (run, path). Replaying a batch (from the spool, or after a commit
 whose acknowledgement was lost) therefore changes nothing.
 
-Points go in bulk, sorted by (series, step) so each series' B-tree grows at its end: `executemany`
-on SQLite, a binary `COPY` built by numpy on PostgreSQL. Rollup blocks must count each point
-once, so the fast path inserts the batch inside a savepoint with a plain INSERT (no ON CONFLICT:
-cheaper); if any key already exists (a replay) it rolls back to the savepoint, stages the batch
-in a temporary table, drops the known keys there and inserts only the new points. Block deltas
-of the new points are reduced with numpy (observatory/rollup.py) and merged into `point_blocks`
-with an upsert that adds counts and keeps the smaller minimum / larger maximum, which is
-commutative, so concurrent writers on one series stay exact.
+Values are stored per series and window of steps (observatory/chunks.py). A batch's values are
+gathered per series with numpy (a step's record is a row of a steps x series matrix), split at
+window edges, merged with what the window already holds (first value kept) and written as whole
+window rows: an INSERT for a new window, an UPDATE for one that grows. The writer remembers the
+last window it wrote of each series, so a growing window is not read back; the UPDATE is guarded
+by the stored count, and a window some other writer changed meanwhile fails the batch, which is
+then retried once with everything read from the database.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, select, text, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 
+from observatory.chunks import ROW_COLUMNS, SUMMARY_COLUMNS, WINDOW, decode, encode
 from observatory.models import (
     Branch,
     Checkpoint,
@@ -39,74 +36,20 @@ from observatory.models import (
 )
 from observatory.names import MetricKey, parse_name
 from observatory.records import Record
-from observatory.rollup import Summary, levels
 
-__all__ = ["Writer", "pg_copy_payload"]
+__all__ = ["StaleWindowError", "Writer"]
 
 log = logging.getLogger(__name__)
 
-_STAGE_DDL = {
-    "sqlite": "CREATE TEMP TABLE IF NOT EXISTS sw_stage "
-    "(series_id INTEGER, step INTEGER, value REAL)",
-    "postgresql": "CREATE TEMP TABLE IF NOT EXISTS sw_stage "
-    "(series_id int4, step int4, value float8) ON COMMIT DELETE ROWS",
-}
-_DELTA_COLS = (
-    "series_id, level, block, n, n_nan, nan_step, min_value, min_step, max_value, max_step"
-)
-_DELTA_DDL = (  # PostgreSQL only: block deltas are COPYed here, then merged in one statement
-    "CREATE TEMP TABLE IF NOT EXISTS sw_delta (series_id int4, level int2, block int4, n int4, "
-    "n_nan int4, nan_step int4, min_value float8, min_step int4, max_value float8, max_step int4) "
-    "ON COMMIT DELETE ROWS"
-)
-_MERGE_BLOCKS = """
-INSERT INTO point_blocks ({cols})
-{source}
-ON CONFLICT (series_id, level, block) DO UPDATE SET
-  n = point_blocks.n + excluded.n,
-  n_nan = point_blocks.n_nan + excluded.n_nan,
-  nan_step = CASE WHEN point_blocks.nan_step IS NULL OR excluded.nan_step < point_blocks.nan_step
-                  THEN excluded.nan_step ELSE point_blocks.nan_step END,
-  min_value = CASE WHEN {new_min} THEN excluded.min_value ELSE point_blocks.min_value END,
-  min_step = CASE WHEN {new_min} THEN excluded.min_step ELSE point_blocks.min_step END,
-  max_value = CASE WHEN {new_max} THEN excluded.max_value ELSE point_blocks.max_value END,
-  max_step = CASE WHEN {new_max} THEN excluded.max_step ELSE point_blocks.max_step END
-"""
-_NEW_MIN = (
-    "(excluded.min_value IS NOT NULL AND (point_blocks.min_value IS NULL"
-    " OR excluded.min_value < point_blocks.min_value"
-    " OR (excluded.min_value = point_blocks.min_value"
-    " AND excluded.min_step < point_blocks.min_step)))"
-)
-_NEW_MAX = _NEW_MIN.replace("min_", "max_").replace(
-    " < point_blocks.max_value", " > point_blocks.max_value"
-)
-MERGE_BLOCKS_SQL = _MERGE_BLOCKS.format(
-    cols=_DELTA_COLS,
-    source=f"SELECT {_DELTA_COLS} FROM sw_delta WHERE true",
-    new_min=_NEW_MIN,
-    new_max=_NEW_MAX,
-)
-MERGE_VALUES_SQL = _MERGE_BLOCKS.format(
-    cols=_DELTA_COLS,
-    source="VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    new_min=_NEW_MIN,
-    new_max=_NEW_MAX,
-)
-_DEDUPE = {
-    "sqlite": (
-        "DELETE FROM sw_stage WHERE rowid NOT IN "
-        "(SELECT MIN(rowid) FROM sw_stage GROUP BY series_id, step)",
-        "DELETE FROM sw_stage WHERE EXISTS (SELECT 1 FROM points AS p "
-        "WHERE p.series_id = sw_stage.series_id AND p.step = sw_stage.step)",
-    ),
-    "postgresql": (
-        "DELETE FROM sw_stage AS a USING sw_stage AS b WHERE a.series_id = b.series_id "
-        "AND a.step = b.step AND a.ctid > b.ctid",
-        "DELETE FROM sw_stage AS s USING points AS p "
-        "WHERE p.series_id = s.series_id AND p.step = s.step",
-    ),
-}
+_UPDATE_SET = ", ".join(f"{c} = ?" for c in (*SUMMARY_COLUMNS, "steps", "vals"))
+_MARKS = ", ".join("?" * len(ROW_COLUMNS))
+INSERT_SQL = f"INSERT INTO point_chunks ({', '.join(ROW_COLUMNS)}) VALUES ({_MARKS})"
+UPDATE_SQL = f"UPDATE point_chunks SET {_UPDATE_SET} WHERE series_id = ? AND win = ? AND n = ?"
+Piece = tuple[np.ndarray, np.ndarray]  # steps (ascending, unique), values
+
+
+class StaleWindowError(RuntimeError):
+    """A window changed under the writer (another writer on the same series)."""
 
 
 class Writer:
@@ -125,15 +68,25 @@ class Writer:
         self._series: dict[tuple[int, int, str], int] = {}
         self._branches: set[tuple[int, int]] = set()
         self._layouts: dict[tuple[int, int], tuple[list[str], np.ndarray]] = {}
+        self._open: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # sid -> last window
+        self._top: dict[int, int] = {}  # sid -> highest stored window (-1: none)
+        self._mark = "%s" if self.dialect == "postgresql" else "?"
 
     def write(self, records: Sequence[Record]) -> int:
         """Write `records` in one transaction; return the number of metric values sent."""
-        try:
-            with self.engine.begin() as conn:
-                return self._write(conn, records)
-        except BaseException:
-            self.forget()  # ids learnt in the failed transaction may not exist
-            raise
+        for attempt in (1, 2):
+            try:
+                with self.engine.begin() as conn:
+                    return self._write(conn, records)
+            except StaleWindowError:
+                self.forget()
+                if attempt == 2:
+                    raise
+                log.info("a window changed under this writer; writing the batch again")
+            except BaseException:
+                self.forget()  # ids and windows learnt in the failed transaction may not exist
+                raise
+        raise AssertionError("unreachable")
 
     def forget(self) -> None:
         """Drop every cached id (they are looked up again on the next batch)."""
@@ -142,6 +95,8 @@ class Writer:
         self._series.clear()
         self._branches.clear()
         self._layouts.clear()
+        self._open.clear()
+        self._top.clear()
 
     def write_series(
         self, run_key: str, branch: int, metric: str, steps: np.ndarray, values: np.ndarray
@@ -162,9 +117,7 @@ class Writer:
             with self.engine.begin() as conn:
                 run_id = self._run_id(conn, run_key)
                 sid = self._series_ids(conn, run_id, branch, {metric})[metric]
-                order = np.argsort(steps, kind="stable")
-                sids = np.full(len(steps), sid, np.int64)
-                self._write_points(conn, sids, steps[order], values[order])
+                self._write_points(conn, {sid: _unique(steps, values)})
         except BaseException:
             self.forget()
             raise
@@ -179,9 +132,9 @@ class Writer:
                 self._write_control(conn, rec)
         if not metrics:
             return 0
-        sid, step, value = self._arrays(conn, metrics)
-        self._write_points(conn, sid, step, value)
-        return len(sid)
+        pieces, n = self._pieces(conn, metrics)
+        self._write_points(conn, pieces)
+        return n
 
     # -- control records ------------------------------------------------------------------
 
@@ -323,9 +276,13 @@ class Writer:
 
     # -- points ---------------------------------------------------------------------------
 
-    def _arrays(self, conn: Connection, metrics: list[Record]) -> tuple[np.ndarray, ...]:
-        """(series id, step, value) arrays of a batch, sorted by (series id, step), stable."""
-        sids, counts, steps, vals = [], [], [], []
+    def _pieces(self, conn: Connection, metrics: list[Record]) -> tuple[dict[int, Piece], int]:
+        """{series id: (steps, values)} of a batch and the number of values sent.
+
+        Records with one layout (run, branch and the same names as the step before: the usual
+        case) are stacked as a steps x series matrix, so the per-value work is numpy's."""
+        groups: dict[int, tuple[np.ndarray, list[int], list[np.ndarray]]] = {}
+        sent = 0
         for rec in metrics:
             run_id = self._run_id(conn, rec.run)
             branch, values = rec.data["branch"], rec.data["values"]
@@ -335,118 +292,126 @@ class Writer:
                 ids = self._series_ids(conn, run_id, branch, set(names))
                 layout = (names, np.fromiter((ids[n] for n in names), np.int64, len(names)))
                 self._layouts[(run_id, branch)] = layout
-            sids.append(layout[1])
-            counts.append(len(names))
-            steps.append(rec.data["step"])
-            vals.append(np.fromiter(values.values(), np.float64, len(names)))
-        sid = np.concatenate(sids)
-        step = np.repeat(np.asarray(steps, np.int64), counts)
-        value = np.concatenate(vals)
-        order = np.lexsort((step, sid))
-        return sid[order], step[order], value[order]
+            group = groups.setdefault(id(layout[1]), (layout[1], [], []))
+            group[1].append(rec.data["step"])
+            group[2].append(np.fromiter(values.values(), np.float64, len(names)))
+            sent += len(names)
+        parts: dict[int, list[Piece]] = {}
+        for sids, steps, rows in groups.values():
+            st = np.asarray(steps, np.int64)
+            order = np.argsort(st, kind="stable")
+            st, first = np.unique(st[order], return_index=True)  # a step twice: the first
+            matrix = np.stack(rows)[order[first]].T.copy()
+            for sid, column in zip(sids.tolist(), matrix, strict=True):
+                parts.setdefault(sid, []).append((st, column))
+        pieces = {
+            sid: ps[0] if len(ps) == 1 else _unique(*map(np.concatenate, zip(*ps, strict=True)))
+            for sid, ps in parts.items()
+        }
+        return pieces, sent
 
-    def _write_points(
-        self, conn: Connection, sid: np.ndarray, step: np.ndarray, value: np.ndarray
-    ) -> None:
-        try:  # fast path: every key is new (a plain INSERT, no staging)
-            with conn.begin_nested():
-                self._copy(conn, "points", sid, step, value)
-        except (IntegrityError, self._dbapi_integrity):  # a replay: store only the new keys
-            sid, step, value = self._insert_new(conn, sid, step, value)
-        if len(sid):
-            self._merge_blocks(conn, Summary.of_points(sid, step, value))
-
-    def _insert_new(
-        self, conn: Connection, sid: np.ndarray, step: np.ndarray, value: np.ndarray
-    ) -> tuple[np.ndarray, ...]:
-        conn.exec_driver_sql(_STAGE_DDL[self.dialect])
-        conn.exec_driver_sql("DELETE FROM sw_stage")
-        self._copy(conn, "sw_stage", sid, step, value)
-        for sql in _DEDUPE[self.dialect]:
-            conn.exec_driver_sql(sql)
-        rows = conn.exec_driver_sql(
-            "SELECT series_id, step, value FROM sw_stage ORDER BY series_id, step"
-        ).all()
-        conn.exec_driver_sql(
-            "INSERT INTO points (series_id, step, value) "
-            "SELECT series_id, step, value FROM sw_stage"
+    def _write_points(self, conn: Connection, pieces: dict[int, Piece]) -> None:
+        """Merge each series' new values into its windows and write the changed windows."""
+        self._learn_tops(conn, [sid for sid in pieces if sid not in self._top])
+        splits = {sid: list(_by_window(*piece)) for sid, piece in pieces.items()}
+        stored = self._read_windows(
+            conn,
+            [
+                (sid, w)
+                for sid, parts in splits.items()
+                for w, _, _ in parts
+                if w <= self._top[sid] and self._open.get(sid, (None,))[0] != w
+            ],
         )
-        conn.exec_driver_sql("DELETE FROM sw_stage")
-        log.info("replay: %d of %d points were new", len(rows), len(sid))
-        if not rows:
-            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0)
-        s, t, v = zip(*rows, strict=True)
-        return (
-            np.asarray(s, np.int64),
-            np.asarray(t, np.int64),
-            np.asarray([math.nan if x is None else x for x in v], np.float64),
-        )
+        inserts, updates = [], []
+        for sid, parts in splits.items():
+            for w, st, v in parts:
+                old = self._open.get(sid) if self._open.get(sid, (None,))[0] == w else None
+                old = old or stored.get((sid, w))
+                if old is not None:
+                    st, v = _merge(old[1], old[2], st, v)
+                    if len(st) == len(old[1]):
+                        continue  # every value was there already (a replay)
+                    row = encode(sid, st, v)
+                    updates.append((*row[2:], sid, w, len(old[1])))
+                else:
+                    inserts.append(encode(sid, st, v))
+                self._open[sid] = (w, st, v)
+                self._top[sid] = max(self._top[sid], w)
+        self._execute(conn, INSERT_SQL, inserts)
+        if self._execute(conn, UPDATE_SQL, updates) != len(updates):
+            raise StaleWindowError("a window changed while this batch was written")
 
-    def _copy(
-        self, conn: Connection, table: str, sid: np.ndarray, step: np.ndarray, value: np.ndarray
-    ) -> None:
-        """Bulk insert: executemany on SQLite (NaN binds as NULL), binary COPY on PostgreSQL."""
-        if self.dialect == "sqlite":
-            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            try:
-                cur.executemany(
-                    f"INSERT INTO {table} VALUES (?, ?, ?)",
-                    zip(sid.tolist(), step.tolist(), value.tolist(), strict=True),
-                )
-            finally:
-                cur.close()
+    def _learn_tops(self, conn: Connection, sids: list[int]) -> None:
+        if not sids:
             return
-        pg = conn.connection.driver_connection
-        with pg.cursor() as cur:  # type: ignore[union-attr]
-            with cur.copy(
-                f"COPY {table} (series_id, step, value) FROM STDIN (FORMAT BINARY)"
-            ) as cp:
-                cp.write(pg_copy_payload(sid, step, value))
+        found: dict[int, int] = {}
+        for chunk in _chunked(sids, 5_000):
+            ids = ", ".join(map(str, chunk))
+            q = f"SELECT series_id, MAX(win) FROM point_chunks WHERE series_id IN ({ids}) "
+            found.update(conn.exec_driver_sql(q + "GROUP BY series_id").all())  # type: ignore[arg-type]
+        for sid in sids:
+            self._top[sid] = found.get(sid, -1)
 
-    def _merge_blocks(self, conn: Connection, points: Summary) -> None:
-        merge = text(MERGE_BLOCKS_SQL)
-        for level, delta in levels(points):
-            rows = delta.rows(level)
-            if self.dialect == "sqlite":
-                cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-                try:
-                    cur.executemany(MERGE_VALUES_SQL, rows)
-                finally:
-                    cur.close()
-                continue
-            conn.exec_driver_sql(_DELTA_DDL)
-            pg = conn.connection.driver_connection
-            with pg.cursor() as cur:  # type: ignore[union-attr]
-                with cur.copy(f"COPY sw_delta ({_DELTA_COLS}) FROM STDIN") as cp:
-                    for row in rows:
-                        cp.write_row(row)
-            conn.execute(merge)
-            conn.exec_driver_sql("DELETE FROM sw_delta")
+    def _read_windows(
+        self, conn: Connection, keys: list[tuple[int, int]]
+    ) -> dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]]:
+        """Stored windows (a replay, a resume, another process's series), decoded."""
+        out = {}
+        by_win: dict[int, list[int]] = {}
+        for sid, w in keys:
+            by_win.setdefault(w, []).append(sid)
+        for w, sids in by_win.items():
+            for chunk in _chunked(sids, 5_000):
+                ids = ", ".join(map(str, chunk))
+                q = (
+                    "SELECT series_id, win, first_step, last_step, n, steps, vals "
+                    f"FROM point_chunks WHERE win = {int(w)} AND series_id IN ({ids})"
+                )
+                for sid, win, first, last, n, steps, vals in conn.exec_driver_sql(q):
+                    st, v = decode(win, first, last, n, steps, vals)
+                    out[sid, win] = (win, st, v)
+        return out
 
-
-_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
-_COPY_ROW = np.dtype(
-    [
-        ("nf", ">i2"),
-        ("l1", ">i4"),
-        ("sid", ">i4"),
-        ("l2", ">i4"),
-        ("step", ">i4"),
-        ("l3", ">i4"),
-        ("value", ">f8"),
-    ]
-)
+    def _execute(self, conn: Connection, sql: str, rows: list[tuple[Any, ...]]) -> int:
+        """executemany on the driver's cursor; the number of rows changed."""
+        if not rows:
+            return 0
+        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cur.executemany(sql.replace("?", self._mark), rows)
+            return int(cur.rowcount)
+        finally:
+            cur.close()
 
 
-def pg_copy_payload(sid: np.ndarray, step: np.ndarray, value: np.ndarray) -> bytes:
-    """PostgreSQL binary COPY rows (int4, int4, float8) built by numpy; NaN becomes NULL."""
-    nan = np.isnan(value)
-    ok = ~nan
-    rows = np.empty(int(ok.sum()), _COPY_ROW)
-    rows["nf"], rows["l1"], rows["l2"], rows["l3"] = 3, 4, 4, 8
-    rows["sid"], rows["step"], rows["value"] = sid[ok], step[ok], value[ok]
-    nulls = b"".join(
-        struct.pack(">hii ii i", 3, 4, s, 4, t, -1)
-        for s, t in zip(sid[nan].tolist(), step[nan].tolist(), strict=True)
-    )
-    return _COPY_HEADER + rows.tobytes() + nulls + struct.pack(">h", -1)
+def _chunked(xs: list[int], size: int) -> Iterable[list[int]]:
+    for i in range(0, len(xs), size):
+        yield xs[i : i + size]
+
+
+def _unique(steps: np.ndarray, values: np.ndarray) -> Piece:
+    """Sorted by step; a step given twice keeps its first value."""
+    order = np.argsort(steps, kind="stable")
+    st, first = np.unique(np.asarray(steps, np.int64)[order], return_index=True)
+    return st, np.asarray(values, np.float64)[order][first]
+
+
+def _by_window(
+    steps: np.ndarray, values: np.ndarray
+) -> Iterable[tuple[int, np.ndarray, np.ndarray]]:
+    win = steps // WINDOW
+    if win[0] == win[-1]:
+        yield int(win[0]), steps, values
+        return
+    cuts = np.flatnonzero(np.diff(win)) + 1
+    for st, v in zip(np.split(steps, cuts), np.split(values, cuts), strict=True):
+        yield int(st[0] // WINDOW), st, v
+
+
+def _merge(old_st: np.ndarray, old_v: np.ndarray, st: np.ndarray, v: np.ndarray) -> Piece:
+    """A stored window and new values: the stored value wins where a step is in both."""
+    if st[0] > old_st[-1]:
+        return np.concatenate((old_st, st)), np.concatenate((old_v, v))
+    new = ~np.isin(st, old_st)
+    return _unique(np.concatenate((old_st, st[new])), np.concatenate((old_v, v[new])))

@@ -1,29 +1,20 @@
 """The observatory's schema (SQLAlchemy 2). Alembic in `migrations/` is the only way it changes.
 
-Long, not wide. Every metric value is one row `(series_id, step, value)` in `points`, where a
-*series* is one (run, branch, metric, layer, head). A wide table (one row per step, one column
-per metric, or one array per layer) would be smaller per step but fixes the metric set in the
-schema while models differ in layers, heads and probes; a range read of one metric would drag
-every other metric's bytes through the cache; and SQLite has no arrays to reduce in SQL. Long
-rows keyed by a 4-byte series id stay compact (no repeated run ids or names: names live once in
-`metric_names`, runs once in `runs`), and the primary key `(series_id, step)` clusters a series
-in step order (SQLite `WITHOUT ROWID`), so every chart query is one contiguous index range.
+A *series* is one (run, branch, metric, layer, head): names live once in `metric_names`, runs
+once in `runs`, and everything else refers to a series by its 4-byte id. A per-layer or per-head
+metric is an ordinary series with `layer`/`head` set (`NO_INDEX`, -1, when not per layer or
+head), so a layer x step matrix is a read over 80 series ids.
 
-A per-layer or per-head metric is an ordinary series with `layer`/`head` set: a layer x step
-matrix is the same range read over 48 series ids. Scalars use `NO_INDEX` (-1) for both.
+Values are stored in `point_chunks`, one row per series per window of 512 steps, the window's
+steps and values packed and compressed, with the window's exact count, NaN count, minimum and
+maximum (and their steps) beside them (observatory/chunks.py). A 70B-shaped run (80 layers x 64
+heads every step) costs about 3.5 bytes per value on both backends (benchmarks/store_scale.py);
+one row per value cost about 20 before rollups (migration 0006). A query of whole windows reads
+the summaries only; narrower buckets decode the windows they touch. Every value is kept exactly:
+float32 only where the window's values are float32 numbers, NaN and +-inf as themselves.
 
-Millions of rows per run are answered through `point_blocks`: per series, per block of 16, 64,
-256 and 4096 steps (`BLOCK_LEVELS`), the exact minimum and maximum (with their steps), the count
-and the NaN count.
-The writer maintains them in the same transaction as the points (observatory/ingest.py), so a
-downsampled query reads a few thousand block rows and only the partial blocks at the edges of the
-asked range from `points`. NaN is stored as NULL (SQLite cannot store NaN; PostgreSQL would sort
-it above +inf and break max); +inf and -inf are stored as themselves.
-
-`points` and `point_blocks` carry no foreign key to `series`: the per-row referential check
-halved PostgreSQL ingest (an RI trigger per row) and the writer only ever uses series ids it
-has just read or created. Deleting a run therefore deletes its points explicitly
-(`observatory.store.delete_run`).
+`point_chunks` carries no foreign key to `series`: the writer only uses series ids it has just
+read or created. Deleting a run deletes its chunks explicitly (`observatory.store.delete_run`).
 
 Branches: a rollback starts branch `n + 1` of the run from the restored step (`fork_step`, the
 last step shared with `parent`). Nothing is deleted: the abandoned steps stay on their branch.
@@ -44,6 +35,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -53,8 +45,6 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
-    "BLOCK_LEVELS",
-    "COARSEST_LEVEL",
     "CHECKSUM_STATUSES",
     "EVENT_KINDS",
     "INTERVENTION_KINDS",
@@ -64,18 +54,11 @@ __all__ = [
     "Checkpoint",
     "Event",
     "MetricName",
-    "Point",
-    "PointBlock",
+    "PointChunk",
     "Run",
     "Series",
     "Sweep",
 ]
-
-# block size of each rollup level, in ascending order (level 0 is `points` itself). Each level
-# costs the writer one upserted row per series and batch; 64 (migration 0004) serves the
-# 50-250-step buckets of heatmaps over ~10k-100k steps with at most 4 blocks per bucket.
-BLOCK_LEVELS: dict[int, int] = {1: 16, 2: 64, 3: 256, 4: 4096}
-COARSEST_LEVEL = max(BLOCK_LEVELS)
 
 RUN_STATUSES = ("running", "completed", "failed", "halted", "stopped")
 CHECKSUM_STATUSES = ("unverified", "ok", "mismatch", "missing", "writing", "deleted")
@@ -173,33 +156,27 @@ class Series(Base):
     head: Mapped[int] = mapped_column(SmallInteger)  # NO_INDEX (-1) when not per head
 
 
-class Point(Base):
-    """One metric value. NULL value = NaN. Clustered by (series_id, step) on SQLite."""
+class PointChunk(Base):
+    """One window of one series: packed values and their exact summary (observatory/chunks.py).
 
-    __tablename__ = "points"
-    __table_args__ = {"sqlite_with_rowid": False}
+    A rowid table on SQLite: a window's few kilobytes would spill to overflow pages in a
+    WITHOUT ROWID table, whose rows are capped near 1 KB."""
 
-    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
-    step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    value: Mapped[float | None] = mapped_column(Double)
-
-
-class PointBlock(Base):
-    """Exact extremes of one block of `BLOCK_LEVELS[level]` steps of one series."""
-
-    __tablename__ = "point_blocks"
-    __table_args__ = {"sqlite_with_rowid": False}
+    __tablename__ = "point_chunks"
 
     series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
-    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    block: Mapped[int] = mapped_column(Integer, primary_key=True)  # first step // block size
-    n: Mapped[int] = mapped_column(Integer)
+    win: Mapped[int] = mapped_column(Integer, primary_key=True)  # first step // WINDOW
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    n: Mapped[int] = mapped_column(Integer)  # values, NaN included
     n_nan: Mapped[int] = mapped_column(Integer)
-    nan_step: Mapped[int | None] = mapped_column(Integer)  # first NaN step
-    min_value: Mapped[float | None] = mapped_column(Double)  # NULL when all values are NaN
+    nan_step: Mapped[int | None] = mapped_column(Integer)  # first NaN
+    min_value: Mapped[float | None] = mapped_column(Double)  # NULL when every value is NaN
     min_step: Mapped[int | None] = mapped_column(Integer)
     max_value: Mapped[float | None] = mapped_column(Double)
     max_step: Mapped[int | None] = mapped_column(Integer)
+    steps: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: first_step..last_step
+    vals: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Checkpoint(Base):

@@ -1,12 +1,11 @@
 """Every query the dashboard and tools need: keyword-only, typed, returning plain dataclasses.
 
-Series are downsampled in SQL to at most N buckets by minimum and maximum (M4-style, without
+Series are downsampled to at most N buckets by minimum and maximum (M4-style, without
 first/last), each bucket keeping its exact extremes and the steps they occurred at, so a one-step
-spike survives any zoom level. Bucket widths are whole multiples of a rollup block size
-(`BLOCK_LEVELS`), chosen as the largest block not wider than the asked width: the query reads
-whole blocks from `point_blocks` (at most about 16 per bucket and series; 4 for buckets under 256
-steps) and raw points only at the ragged edges of the range and of branch segments. NaN is
-counted per bucket (`n_nan`, first `nan_step`); +-inf appear as the bucket's exact min or max.
+spike survives any zoom level. A bucket at least a stored window wide (512 steps) is a whole
+number of windows and is answered from the windows' stored summaries; narrower buckets decode
+the windows they touch (observatory/downsample.py). NaN is counted per bucket (`n_nan`, first
+`nan_step`); +-inf appear as the bucket's exact min or max.
 
 "History of branch b" is its lineage: the parent's steps up to the fork step, then b's own.
 `branch="all"` returns every branch's own steps separately, abandoned ones included.
@@ -24,6 +23,7 @@ from sqlalchemy import Engine, bindparam, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from observatory import metric_names as M
+from observatory.chunks import decode
 from observatory.db import make_engine
 from observatory.downsample import END, MAX_BUCKETS, Tree, branch_tree, downsample, lineage
 from observatory.models import (
@@ -31,8 +31,7 @@ from observatory.models import (
     Checkpoint,
     Event,
     MetricName,
-    Point,
-    PointBlock,
+    PointChunk,
     Run,
     Series,
 )
@@ -255,15 +254,16 @@ def _last_losses(session: Session, run_pks: list[int]) -> dict[int, tuple[int, f
     """Each run's newest branch's last loss point (branches without points yet are skipped),
     in one statement for all runs."""
     q = text(
-        "SELECT s.run_id, s.branch, p.step, p.value FROM series s "
-        "JOIN metric_names m ON m.id = s.metric_id JOIN points p ON p.series_id = s.id "
-        "WHERE s.run_id IN :runs AND m.name = :name "
-        "AND p.step = (SELECT MAX(step) FROM points WHERE series_id = s.id)"
+        "SELECT s.run_id, s.branch, c.win, c.first_step, c.last_step, c.n, c.steps, c.vals "
+        "FROM series s JOIN metric_names m ON m.id = s.metric_id "
+        "JOIN point_chunks c ON c.series_id = s.id WHERE s.run_id IN :runs AND m.name = :name "
+        "AND c.win = (SELECT MAX(win) FROM point_chunks WHERE series_id = s.id)"
     ).bindparams(bindparam("runs", expanding=True))
     newest: dict[int, tuple[int, int, float]] = {}
-    for run_pk, branch, step, value in session.execute(q, {"runs": run_pks, "name": LOSS_METRIC}):
+    rows = session.execute(q, {"runs": run_pks, "name": LOSS_METRIC})
+    for run_pk, branch, win, first, last, n, steps, vals in rows:
         if run_pk not in newest or branch > newest[run_pk][0]:
-            newest[run_pk] = (branch, step, math.nan if value is None else value)
+            newest[run_pk] = (branch, last, float(decode(win, first, last, n, steps, vals)[1][-1]))
     return {rid: (step, value) for rid, (_, step, value) in newest.items()}
 
 
@@ -531,11 +531,10 @@ def _bucket(k: int, width: int, c: list[Any]) -> Bucket:
 
 
 def delete_run(session: Session, *, run_id: str) -> None:
-    """Delete a run and everything stored for it (points and blocks have no FK to cascade)."""
+    """Delete a run and everything stored for it (values have no FK to cascade)."""
     run = _run(session, run_id)
     ids = select(Series.id).where(Series.run_id == run.id).scalar_subquery()
-    session.execute(delete(PointBlock).where(PointBlock.series_id.in_(ids)))
-    session.execute(delete(Point).where(Point.series_id.in_(ids)))
+    session.execute(delete(PointChunk).where(PointChunk.series_id.in_(ids)))
     for model in (Series, Event, Checkpoint, Branch):
         session.execute(delete(model).where(model.run_id == run.id))
     session.execute(delete(Run).where(Run.id == run.id))

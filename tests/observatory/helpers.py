@@ -1,13 +1,15 @@
-"""Test helpers: a TCP proxy that can play a dead database, and a rollup consistency check."""
+"""Test helpers: a TCP proxy that can play a dead database, and reads of the stored windows."""
 
 from __future__ import annotations
+
+import math
 
 import socket
 import threading
 
 from sqlalchemy import Engine, text
 
-from observatory.models import BLOCK_LEVELS
+from observatory.chunks import WINDOW, decode
 
 
 class Proxy:
@@ -79,24 +81,40 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def assert_blocks_consistent(engine: Engine) -> None:
-    """Every rollup block agrees with the points it summarises (count, NaNs, min, max)."""
+def stored_points(engine: Engine) -> list[tuple[int, int, float]]:
+    """Every stored value as (series id, step, value), decoded from its window, in order."""
+    out = []
     with engine.connect() as conn:
-        for level, size in BLOCK_LEVELS.items():
-            want = conn.execute(
-                text(
-                    f"SELECT series_id, step / {size} AS b, COUNT(*), COUNT(*) - COUNT(value), "
-                    f"MIN(value), MAX(value) FROM points GROUP BY series_id, step / {size} "
-                    "ORDER BY 1, 2"
-                )
-            ).all()
-            got = conn.execute(
-                text(
-                    "SELECT series_id, block, n, n_nan, min_value, max_value FROM point_blocks "
-                    f"WHERE level = {level} ORDER BY 1, 2"
-                )
-            ).all()
-            assert [tuple(r) for r in got] == [tuple(r) for r in want], f"level {level}"
+        rows = conn.execute(
+            text(
+                "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_chunks "
+                "ORDER BY series_id, win"
+            )
+        )
+        for sid, win, first, last, n, steps, vals in rows:
+            st, v = decode(win, first, last, n, steps, vals)
+            out += [(sid, s, x) for s, x in zip(st.tolist(), v.tolist(), strict=True)]
+    return out
+
+
+def assert_windows_consistent(engine: Engine) -> None:
+    """Every window's stored summary agrees with its values, recomputed here in plain Python:
+    count, NaNs, first NaN, min and max with the earliest step of each, first and last step."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT * FROM point_chunks ORDER BY series_id, win")).mappings()
+        for r in rows:
+            st, v = decode(r["win"], r["first_step"], r["last_step"], r["n"], r["steps"], r["vals"])
+            steps, vals = st.tolist(), v.tolist()
+            assert steps == sorted(set(steps)) and len(steps) == r["n"]
+            assert {s // WINDOW for s in steps} == {r["win"]}
+            assert (steps[0], steps[-1]) == (r["first_step"], r["last_step"])
+            nans = [s for s, x in zip(steps, vals, strict=True) if math.isnan(x)]
+            assert (r["n_nan"], r["nan_step"]) == (len(nans), nans[0] if nans else None)
+            real = [(x, s) for s, x in zip(steps, vals, strict=True) if not math.isnan(x)]
+            lo = min(real) if real else (None, None)
+            hi = max(real, key=lambda p: (p[0], -p[1])) if real else (None, None)
+            assert (r["min_value"], r["min_step"]) == lo, r
+            assert (r["max_value"], r["max_step"]) == hi, r
 
 
 def count(engine: Engine, sql: str) -> int:

@@ -13,18 +13,17 @@ from sqlalchemy import Engine, inspect, text
 
 from observatory import db
 from observatory.ingest import Writer
-from observatory.models import BLOCK_LEVELS, Base
+from observatory.models import Base
 from trainer.cli import main
 
-from .helpers import assert_blocks_consistent
+from .helpers import assert_windows_consistent, stored_points
 
 TABLES = {
     "runs",
     "branches",
     "metric_names",
     "series",
-    "points",
-    "point_blocks",
+    "point_chunks",
     "checkpoints",
     "events",
     "sweeps",
@@ -106,34 +105,50 @@ def test_plain_postgresql_scheme_uses_psycopg() -> None:
     assert db.redact("postgresql+psycopg://u:secret@h/d") == "postgresql+psycopg://u:***@h/d"
 
 
-def _blocks(engine: Engine) -> list[tuple[object, ...]]:
+def _rows(engine: Engine, sql: str) -> list[tuple[object, ...]]:
     with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(text("SELECT * FROM point_blocks ORDER BY 1, 2, 3"))]
+        return [tuple(r) for r in conn.execute(text(sql))]
 
 
-def test_0004_builds_the_64_step_level_exactly(db_url: str) -> None:
-    """Blocks written at head, taken down to 0003's levels (16, 256, 4096) and up again, come back
-    identical: the migration's SQL reduction agrees with the writer's (ties to the earliest step,
-    NaNs)."""
+def test_0006_packs_every_value_exactly_and_unpacks_them_again(db_url: str) -> None:
+    """Values written at head, taken down to 0005 (one row per value, rollup blocks) and up
+    again: the old rows hold every value (NaN as NULL), the rebuilt blocks agree with them, and
+    the windows packed by the upgrade are byte-identical to the writer's."""
     rng = np.random.default_rng(3)
     steps = np.arange(5_000)
-    values = rng.integers(0, 4, len(steps)).astype(float)  # many ties within each block
+    values = rng.integers(0, 4, len(steps)).astype(float)  # many ties
     values[rng.random(len(steps)) < 0.05] = np.nan
-    values[1024:1100] = np.nan  # a block of NaNs only
-    values[2000] = np.inf
+    values[1024:1100] = np.nan
+    values[2000], values[2001] = np.inf, -np.inf
+    lr = 1e-3 * np.cos(steps / 700.0)  # not float32 numbers: must come back exactly
     engine = db.make_engine(db_url, writer=True)
     writer = Writer(engine)
     writer.write_series("r", 0, "train/loss", steps, values)
-    writer.write_series("r", 0, "optim/lr", steps[::3], values[::3])
-    at_head = _blocks(engine)
-    assert {r[1] for r in at_head} == set(BLOCK_LEVELS)
-    assert_blocks_consistent(engine)
+    writer.write_series("r", 0, "optim/lr", steps[::3], lr[::3])  # steps not contiguous
+    at_head = _rows(engine, "SELECT * FROM point_chunks ORDER BY series_id, win")
+    points = stored_points(engine)
+    assert len(points) == 5_000 + len(steps[::3])
+    loss_sid, lr_sid = points[0][0], points[-1][0]
+    assert [v for sid, s, v in points if sid == loss_sid][2000:2002] == [np.inf, -np.inf]
+    assert [v for sid, _, v in points if sid == lr_sid] == lr[::3].tolist()
 
-    db.downgrade(db_url, revision="0003")
-    old = _blocks(engine)
-    assert {r[1] for r in old} == {1, 2, 3}
-    assert [r[2:] for r in old if r[1] == 3] == [r[2:] for r in at_head if r[1] == 4]
+    db.downgrade(db_url, revision="0005")
+    old = _rows(engine, "SELECT series_id, step, value FROM points ORDER BY series_id, step")
+    assert old == [(sid, s, None if np.isnan(v) else v) for sid, s, v in points]
+    for size, level in ((16, 1), (64, 2), (256, 3), (4096, 4)):
+        want = _rows(
+            engine,
+            f"SELECT series_id, step / {size}, COUNT(*), COUNT(*) - COUNT(value), MIN(value), "
+            f"MAX(value) FROM points GROUP BY series_id, step / {size} ORDER BY 1, 2",
+        )
+        got = _rows(
+            engine,
+            "SELECT series_id, block, n, n_nan, min_value, max_value FROM point_blocks "
+            f"WHERE level = {level} ORDER BY 1, 2",
+        )
+        assert got == want, level
 
     db.upgrade(db_url)
-    assert _blocks(engine) == at_head
+    assert _rows(engine, "SELECT * FROM point_chunks ORDER BY series_id, win") == at_head
+    assert_windows_consistent(engine)
     engine.dispose()

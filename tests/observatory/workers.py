@@ -19,7 +19,7 @@ def write_steps(url: str, spool_dir: str, worker: int, start_at: float) -> dict[
     """One of several processes writing disjoint steps of the same run and series.
 
     All start at `start_at` and commit every 10 steps, so their transactions interleave and
-    they merge into the same rollup blocks (level 2 and 3 blocks span every worker's steps).
+    they write into the same stored windows (512 steps: every window spans two workers' steps).
     """
     sink = DbSink(url, spool_dir=Path(spool_dir) / f"w{worker}", linger_s=0.001)
     time.sleep(max(0.0, start_at - time.time()))

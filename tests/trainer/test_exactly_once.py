@@ -5,6 +5,8 @@ part of what must survive."""
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import random
@@ -18,6 +20,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from observatory import metric_names as M
+from observatory.chunks import decode
 from trainer.config import load_config
 
 REPO = Path(__file__).parents[2]
@@ -54,12 +57,18 @@ def _store(run_dir: Path) -> dict[str, Counter]:
     """Every point (with its value unless it measures time), branch and event of the store."""
     engine = create_engine(f"sqlite:///{run_dir.parent / 'spikewatch.db'}")
     with engine.connect() as conn:
-        points = conn.execute(
+        windows = conn.execute(
             text(
-                "SELECT m.name, s.branch, s.layer, s.head, p.step, p.value FROM points p "
-                "JOIN series s ON s.id = p.series_id JOIN metric_names m ON m.id = s.metric_id"
+                "SELECT m.name, s.branch, s.layer, s.head, c.win, c.first_step, c.last_step, c.n, "
+                "c.steps, c.vals FROM point_chunks c JOIN series s ON s.id = c.series_id "
+                "JOIN metric_names m ON m.id = s.metric_id"
             )
         ).all()
+        points = [
+            (name, b, layer, head, step, None if math.isnan(value) else value)
+            for name, b, layer, head, *packed in windows
+            for step, value in zip(*(a.tolist() for a in decode(*packed)), strict=True)
+        ]
         events = conn.execute(text("SELECT kind, branch, step, message FROM events")).all()
         branches = conn.execute(text("SELECT number, parent, fork_step FROM branches")).all()
     engine.dispose()
