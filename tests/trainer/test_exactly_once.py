@@ -5,9 +5,8 @@ part of what must survive."""
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import os
 import random
 import signal
