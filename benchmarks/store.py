@@ -132,7 +132,7 @@ def bench_query(url: str, reps: int) -> dict[str, float]:
     with sessions() as s:
         sid = s.execute(text("SELECT id FROM series ORDER BY id DESC LIMIT 1")).scalar_one()
     raw_sql = (
-        "SELECT win, first_step, last_step, n, steps, vals FROM point_chunks "
+        "SELECT win, first_step, last_step, n, steps, vals FROM point_windows "
         f"WHERE series_id = {sid}"
     )
 

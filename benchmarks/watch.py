@@ -98,7 +98,7 @@ def lag(seconds: float, tmp: Path) -> list[float]:
         engine = db.make_engine(url)
         with engine.connect() as conn:
             while not stop.is_set():
-                top = conn.execute(text("SELECT MAX(last_step) FROM point_chunks")).scalar()
+                top = conn.execute(text("SELECT MAX(last_step) FROM point_windows")).scalar()
                 now = time.perf_counter()
                 for s in range(0 if not seen else max(seen) + 1, (top or -1) + 1):
                     seen.setdefault(s, now)

@@ -12,14 +12,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select, text
+from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 
 from observatory.chunks import WINDOW, decode
-from observatory.downsample import END, Tree, downsample, lineage
-from observatory.models import Branch, MetricName, PointChunk, Run, Series
+from observatory.downsample import END, Tree, downsample, downsample_buckets, lineage
+from observatory.models import Branch, MetricName, Run, Series
 from observatory.names import NO_INDEX, parse_name
-from observatory.store import Matrix, SeriesData, _bucket, _grids
+from observatory.store import Matrix, SeriesData, _bucket
 
 __all__ = ["end_values", "histories", "layer_matrices", "peaks", "runs_by_key", "trees"]
 
@@ -115,15 +115,18 @@ def layer_matrices(
         for br, lo, hi in _newest_parts(tree)
         if (pk, layer, br) in by
     ]
-    width, cells, _ = downsample(session, segs, buckets, None, None, with_min=False)
+    width, found, read_labels, _ = downsample_buckets(session, segs, buckets, None, None)
     out = {}
     for run_id, run in runs.items():
-        mine = {(la, k): c for ((g, la), k), c in cells.items() if g == run_id}
-        if not mine:
+        index = [i for i, (g, _) in enumerate(read_labels) if g == run_id]
+        mine = found.subset(np.isin(found.group, index))
+        if not len(mine.n):
             continue
-        labels = sorted({la for la, _ in mine})
-        ks = sorted({k for _, k in mine})
-        n, n_nan, mn, mn_s, mx, mx_s = _grids(mine, labels, ks)
+        labels = sorted({read_labels[i][1] for i in index})
+        row_of = np.zeros(len(read_labels), np.int64)
+        row_of[index] = [labels.index(read_labels[i][1]) for i in index]
+        ks, n, n_nan, mn, mn_s, mx, mx_s = mine.grids(row_of[mine.group], len(labels))
+        mn = mn_s = [[None] * len(ks) for _ in labels]
         newest = max(tree_of[run.id]) if tree_of[run.id] else 0
         out[run_id] = Matrix(
             run_id, template, newest, labels, [k * width for k in ks], width,
@@ -155,8 +158,8 @@ def end_values(
     edge = "first_step <= {hi}" if last else "last_step >= {lo}"
     sql = " UNION ALL ".join(
         f"SELECT {int(pk)}, {int(i)}, {int(lo)}, {int(hi)}, series_id, win, first_step, "
-        f"last_step, n, steps, vals FROM point_chunks WHERE series_id = {int(sid)} AND win = "
-        f"(SELECT {pick} FROM point_chunks WHERE series_id = {int(sid)} AND win BETWEEN "
+        f"last_step, n, steps, vals FROM point_windows WHERE series_id = {int(sid)} AND win = "
+        f"(SELECT {pick} FROM point_windows WHERE series_id = {int(sid)} AND win BETWEEN "
         f"{int(lo) // WINDOW} AND {int(hi) // WINDOW} AND {edge.format(lo=int(lo), hi=int(hi))})"
         for pk, i, sid, lo, hi in parts
         for hi in [min(hi, END)]
@@ -179,15 +182,13 @@ def end_values(
 def peaks(session: Session, run_pks: Sequence[int], template: str) -> dict[int, float | None]:
     """Each run's largest value of every series of `template`, abandoned branches included,
     from the windows' stored maxima (exact). One statement."""
-    q = (
-        select(Series.run_id, func.max(PointChunk.max_value))
-        .join(PointChunk, PointChunk.series_id == Series.id)
-        .join(MetricName, MetricName.id == Series.metric_id)
-        .where(Series.run_id.in_(list(run_pks)), MetricName.name == template)
-        .group_by(Series.run_id)
-    )
+    q = text(
+        "SELECT s.run_id, MAX(c.max_value) FROM point_windows c "
+        "JOIN series s ON s.id = c.series_id JOIN metric_names m ON m.id = s.metric_id "
+        "WHERE s.run_id IN :runs AND m.name = :name GROUP BY s.run_id"
+    ).bindparams(bindparam("runs", expanding=True))
     out: dict[int, float | None] = {pk: None for pk in run_pks}
     if run_pks:
-        for pk, v in session.execute(q):
+        for pk, v in session.execute(q, {"runs": list(run_pks), "name": template}):
             out[pk] = None if v is None else float(v)
     return out

@@ -124,12 +124,44 @@ class Buckets:
     def cells(self, labels: list[Any]) -> dict[tuple[Any, int], list[Any]]:
         """{(label, bucket): [n, n_nan, nan_step, min, min_step, max, max_step]}, None for
         missing entries."""
-        nan_step = _none_below_zero(self.nan_step)
-        mn, mn_s = _value_step(self.min_value, self.min_step)
-        mx, mx_s = _value_step(self.max_value, self.max_step)
-        cols = zip(self.n.tolist(), self.n_nan.tolist(), nan_step, mn, mn_s, mx, mx_s, strict=True)
-        keys = zip(self.group.tolist(), self.bucket.tolist(), strict=True)
-        return {(labels[g], b): list(c) for (g, b), c in zip(keys, cols, strict=True)}
+        cols = zip(
+            self.n.tolist(),
+            self.n_nan.tolist(),
+            _none_below_zero(self.nan_step),
+            *_value_step(self.min_value, self.min_step),
+            *_value_step(self.max_value, self.max_step),
+            strict=True,
+        )
+        keys = zip(map(labels.__getitem__, self.group.tolist()), self.bucket.tolist(), strict=True)
+        return dict(zip(keys, map(list, cols), strict=True))
+
+    def subset(self, mask: np.ndarray) -> Buckets:
+        return Buckets(*(getattr(self, f)[mask] for f in _FIELDS))
+
+    def grids(self, rows: np.ndarray, n_rows: int) -> tuple[list[int], list[list[Any]], ...]:
+        """Bucket numbers and rows x buckets grids of n, n_nan, min, min step, max, max step
+        (0 or None where a row has no value), `rows` giving each entry's row."""
+        ks, col = np.unique(self.bucket, return_inverse=True)
+        shape = (n_rows, len(ks))
+
+        def fill(values: np.ndarray, empty: Any, missing: np.ndarray | None) -> list[list[Any]]:
+            grid = np.full(shape, empty, object)
+            cells = values.astype(object)
+            if missing is not None:
+                cells[missing] = None
+            grid[rows, col] = cells
+            return grid.tolist()  # type: ignore[no-any-return]
+
+        no_min, no_max = np.isnan(self.min_value), np.isnan(self.max_value)
+        return (
+            ks.tolist(),
+            fill(self.n, 0, None),
+            fill(self.n_nan, 0, None),
+            fill(self.min_value, None, no_min),
+            fill(self.min_step, None, no_min),
+            fill(self.max_value, None, no_max),
+            fill(self.max_step, None, no_max),
+        )
 
 
 def reduce_buckets(parts: list[Buckets], width: int) -> Buckets:

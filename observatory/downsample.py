@@ -19,7 +19,17 @@ from sqlalchemy.orm import Session
 from observatory.chunks import WINDOW, Buckets, decode, points_as_buckets, reduce_buckets
 from observatory.models import Branch
 
-__all__ = ["END", "MAX_BUCKETS", "Segment", "Tree", "branch_tree", "downsample", "grid", "lineage"]
+__all__ = [
+    "END",
+    "MAX_BUCKETS",
+    "Segment",
+    "Tree",
+    "branch_tree",
+    "downsample",
+    "downsample_buckets",
+    "grid",
+    "lineage",
+]
 
 MAX_BUCKETS = 100_000
 END = 2**31 - 1
@@ -64,19 +74,28 @@ def downsample(
     """Bucket width, {(group, bucket index): [n, n_nan, nan_step, min, min_step, max,
     max_step]} and the segments as read (clipped to [start, end] and to the stored steps).
     `with_min=False` (a heatmap of maxima) returns None for the minimum and its step."""
-    if not 1 <= buckets <= MAX_BUCKETS:
-        raise ValueError(f"buckets must be in [1, {MAX_BUCKETS}], got {buckets}")
-    segs = _clip(session, segs, start, end)
-    if not segs:
-        return 1, {}, []
-    lo, hi = min(s[2] for s in segs), max(s[3] for s in segs)
-    width = grid(lo, hi, buckets)
-    labels = list(dict.fromkeys(g for g, _, _, _ in segs))
-    cells = reduce_buckets(_read(session, segs, labels, width), width).cells(labels)
+    width, found, labels, segs = downsample_buckets(session, segs, buckets, start, end)
+    cells = found.cells(labels)
     if not with_min:
         for c in cells.values():
             c[3] = c[4] = None
     return width, cells, segs
+
+
+def downsample_buckets(
+    session: Session, segs: list[Segment], buckets: int, start: int | None, end: int | None
+) -> tuple[int, Buckets, list[Any], list[Segment]]:
+    """`downsample` as arrays: bucket width, the buckets (`group` indexes the labels), the
+    group labels and the segments as read."""
+    if not 1 <= buckets <= MAX_BUCKETS:
+        raise ValueError(f"buckets must be in [1, {MAX_BUCKETS}], got {buckets}")
+    segs = _clip(session, segs, start, end)
+    labels = list(dict.fromkeys(g for g, _, _, _ in segs))
+    if not segs:
+        return 1, reduce_buckets([_EMPTY], 1), labels, []
+    lo, hi = min(s[2] for s in segs), max(s[3] for s in segs)
+    width = grid(lo, hi, buckets)
+    return width, reduce_buckets(_read(session, segs, labels, width), width), labels, segs
 
 
 def _clip(
@@ -87,8 +106,8 @@ def _clip(
         return []
     ids = ", ".join(str(int(s[1])) for s in segs)
     q = text(
-        "SELECT s.id, (SELECT first_step FROM point_chunks WHERE series_id = s.id "
-        "ORDER BY win LIMIT 1), (SELECT last_step FROM point_chunks WHERE series_id = s.id "
+        "SELECT s.id, (SELECT first_step FROM point_windows WHERE series_id = s.id "
+        "ORDER BY win LIMIT 1), (SELECT last_step FROM point_windows WHERE series_id = s.id "
         f"ORDER BY win DESC LIMIT 1) FROM series s WHERE s.id IN ({ids})"
     )
     extent = {sid: (a, b) for sid, a, b in session.execute(q)}
@@ -116,6 +135,7 @@ def grid(lo: int, hi: int, buckets: int) -> int:
     return width
 
 
+_EMPTY = Buckets(*(np.empty(0, np.float64 if i in (5, 7) else np.int64) for i in range(9)))
 _SUMMARY = "series_id, first_step, n, n_nan, nan_step, min_value, min_step, max_value, max_step"
 _PACKED = "series_id, win, first_step, last_step, n, steps, vals"
 
@@ -145,12 +165,12 @@ def _read(session: Session, segs: list[Segment], labels: list[Any], width: int) 
     parts = []
     if whole:
         rows = conn.exec_driver_sql(
-            f"SELECT {_SUMMARY} FROM point_chunks WHERE {_where(whole)}"
+            f"SELECT {_SUMMARY} FROM point_windows WHERE {_where(whole)}"
         ).all()
         if rows:
             parts.append(_summaries(rows, seg_of))
     if packed:
-        rows = conn.exec_driver_sql(f"SELECT {_PACKED} FROM point_chunks WHERE {_where(packed)}")
+        rows = conn.exec_driver_sql(f"SELECT {_PACKED} FROM point_windows WHERE {_where(packed)}")
         parts.append(_points(rows, seg_of))
     return parts
 
@@ -196,5 +216,5 @@ def _points(rows: Any, seg_of: dict[int, tuple[int, int, int]]) -> Buckets:
         steps.append(st)
         values.append(v)
     if not steps:
-        return Buckets(*(np.empty(0, np.int64) for _ in range(9)))
+        return _EMPTY
     return points_as_buckets(np.concatenate(groups), np.concatenate(steps), np.concatenate(values))

@@ -41,10 +41,21 @@ __all__ = ["StaleWindowError", "Writer"]
 
 log = logging.getLogger(__name__)
 
+MAIN, TAIL = "point_chunks", "point_tails"  # windows moved past; each series' newest
+_COLS = ", ".join(ROW_COLUMNS)
 _UPDATE_SET = ", ".join(f"{c} = ?" for c in (*SUMMARY_COLUMNS, "steps", "vals"))
-_MARKS = ", ".join("?" * len(ROW_COLUMNS))
-INSERT_SQL = f"INSERT INTO point_chunks ({', '.join(ROW_COLUMNS)}) VALUES ({_MARKS})"
-UPDATE_SQL = f"UPDATE point_chunks SET {_UPDATE_SET} WHERE series_id = ? AND win = ? AND n = ?"
+INSERT_SQL = f"INSERT INTO {{table}} ({_COLS}) VALUES ({', '.join('?' * len(ROW_COLUMNS))})"
+UPDATE_SQL = f"UPDATE {{table}} SET {_UPDATE_SET} WHERE series_id = ? AND win = ? AND n = ?"
+_MOVE = {  # a series' older windows from the tail table to the main one
+    "sqlite": (
+        f"INSERT INTO {MAIN} ({_COLS}) SELECT {_COLS} FROM {TAIL} WHERE {{where}}; "
+        f"DELETE FROM {TAIL} WHERE {{where}}"
+    ),
+    "postgresql": (  # one statement: the rows moved are the rows deleted, whatever commits
+        f"WITH moved AS (DELETE FROM {TAIL} WHERE {{where}} RETURNING {_COLS}) "
+        f"INSERT INTO {MAIN} ({_COLS}) SELECT {_COLS} FROM moved"
+    ),
+}
 Piece = tuple[np.ndarray, np.ndarray]  # steps (ascending, unique), values
 
 
@@ -68,7 +79,7 @@ class Writer:
         self._series: dict[tuple[int, int, str], int] = {}
         self._branches: set[tuple[int, int]] = set()
         self._layouts: dict[tuple[int, int], tuple[list[str], np.ndarray]] = {}
-        self._open: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # sid -> last window
+        self._open: dict[int, tuple[int, str, np.ndarray, np.ndarray]] = {}  # newest window
         self._top: dict[int, int] = {}  # sid -> highest stored window (-1: none)
         self._mark = "%s" if self.dialect == "postgresql" else "?"
 
@@ -311,36 +322,64 @@ class Writer:
         return pieces, sent
 
     def _write_points(self, conn: Connection, pieces: dict[int, Piece]) -> None:
-        """Merge each series' new values into its windows and write the changed windows."""
+        """Merge each series' new values into its windows and write the changed windows.
+
+        A series' newest window is in the tail table; when a batch starts a later window, the
+        older ones move to the main table first, where they are inserted once."""
         self._learn_tops(conn, [sid for sid in pieces if sid not in self._top])
         splits = {sid: list(_by_window(*piece)) for sid, piece in pieces.items()}
+        newest = {sid: max(self._top[sid], parts[-1][0]) for sid, parts in splits.items()}
+        self._move_to_main(conn, {sid: w for sid, w in newest.items() if w > self._top[sid]})
         stored = self._read_windows(
             conn,
             [
                 (sid, w)
                 for sid, parts in splits.items()
                 for w, _, _ in parts
-                if w <= self._top[sid] and self._open.get(sid, (None,))[0] != w
+                if w <= self._top[sid] and self._cached(sid, w) is None
             ],
         )
-        inserts, updates = [], []
+        writes: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
         for sid, parts in splits.items():
             for w, st, v in parts:
-                old = self._open.get(sid) if self._open.get(sid, (None,))[0] == w else None
-                old = old or stored.get((sid, w))
-                if old is not None:
+                old = self._cached(sid, w) or stored.get((sid, w))
+                if old is None:
+                    table = TAIL if w == newest[sid] else MAIN
+                    writes.setdefault((INSERT_SQL, table), []).append(encode(sid, st, v))
+                else:
+                    table = old[0]
                     st, v = _merge(old[1], old[2], st, v)
                     if len(st) == len(old[1]):
                         continue  # every value was there already (a replay)
                     row = encode(sid, st, v)
-                    updates.append((*row[2:], sid, w, len(old[1])))
-                else:
-                    inserts.append(encode(sid, st, v))
-                self._open[sid] = (w, st, v)
-                self._top[sid] = max(self._top[sid], w)
-        self._execute(conn, INSERT_SQL, inserts)
-        if self._execute(conn, UPDATE_SQL, updates) != len(updates):
-            raise StaleWindowError("a window changed while this batch was written")
+                    writes.setdefault((UPDATE_SQL, table), []).append(
+                        (*row[2:], sid, w, len(old[1]))
+                    )
+                if w == newest[sid]:
+                    self._open[sid] = (w, table, st, v)
+            self._top[sid] = newest[sid]
+        for (sql, table), rows in writes.items():
+            if self._execute(conn, sql.format(table=table), rows) != len(rows):
+                raise StaleWindowError(f"a window of {table} changed while this batch was written")
+
+    def _cached(self, sid: int, w: int) -> tuple[str, np.ndarray, np.ndarray] | None:
+        """(table, steps, values) of the newest window this writer wrote of a series."""
+        cached = self._open.get(sid)
+        return cached[1:] if cached is not None and cached[0] == w else None
+
+    def _move_to_main(self, conn: Connection, newest: dict[int, int]) -> None:
+        """Move the tail windows older than each series' new newest window to the main table."""
+        by_win: dict[int, list[int]] = {}
+        for sid, w in newest.items():
+            by_win.setdefault(w, []).append(sid)
+            cached = self._open.get(sid)
+            if cached is not None and cached[1] == TAIL and cached[0] < w:
+                self._open[sid] = (cached[0], MAIN, *cached[2:])
+        for w, sids in by_win.items():
+            for chunk in _chunked(sids, 5_000):
+                where = f"series_id IN ({', '.join(map(str, chunk))}) AND win < {int(w)}"
+                for sql in _MOVE[self.dialect].format(where=where).split("; "):
+                    conn.exec_driver_sql(sql)
 
     def _learn_tops(self, conn: Connection, sids: list[int]) -> None:
         if not sids:
@@ -348,29 +387,31 @@ class Writer:
         found: dict[int, int] = {}
         for chunk in _chunked(sids, 5_000):
             ids = ", ".join(map(str, chunk))
-            q = f"SELECT series_id, MAX(win) FROM point_chunks WHERE series_id IN ({ids}) "
+            q = f"SELECT series_id, MAX(win) FROM point_windows WHERE series_id IN ({ids}) "
             found.update(conn.exec_driver_sql(q + "GROUP BY series_id").all())  # type: ignore[arg-type]
         for sid in sids:
             self._top[sid] = found.get(sid, -1)
 
     def _read_windows(
         self, conn: Connection, keys: list[tuple[int, int]]
-    ) -> dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]]:
-        """Stored windows (a replay, a resume, another process's series), decoded."""
+    ) -> dict[tuple[int, int], tuple[str, np.ndarray, np.ndarray]]:
+        """Stored windows (a replay, a resume, another process's series), decoded, with the
+        table each is in."""
         out = {}
         by_win: dict[int, list[int]] = {}
         for sid, w in keys:
             by_win.setdefault(w, []).append(sid)
         for w, sids in by_win.items():
             for chunk in _chunked(sids, 5_000):
-                ids = ", ".join(map(str, chunk))
-                q = (
-                    "SELECT series_id, win, first_step, last_step, n, steps, vals "
-                    f"FROM point_chunks WHERE win = {int(w)} AND series_id IN ({ids})"
+                where = f"win = {int(w)} AND series_id IN ({', '.join(map(str, chunk))})"
+                q = " UNION ALL ".join(
+                    f"SELECT '{table}', series_id, win, first_step, last_step, n, steps, vals "
+                    f"FROM {table} WHERE {where}"
+                    for table in (MAIN, TAIL)
                 )
-                for sid, win, first, last, n, steps, vals in conn.exec_driver_sql(q):
+                for table, sid, win, first, last, n, steps, vals in conn.exec_driver_sql(q):
                     st, v = decode(win, first, last, n, steps, vals)
-                    out[sid, win] = (win, st, v)
+                    out[sid, win] = (table, st, v)
         return out
 
     def _execute(self, conn: Connection, sql: str, rows: list[tuple[Any, ...]]) -> int:

@@ -5,16 +5,17 @@ once in `runs`, and everything else refers to a series by its 4-byte id. A per-l
 metric is an ordinary series with `layer`/`head` set (`NO_INDEX`, -1, when not per layer or
 head), so a layer x step matrix is a read over 80 series ids.
 
-Values are stored in `point_chunks`, one row per series per window of 512 steps, the window's
-steps and values packed and compressed, with the window's exact count, NaN count, minimum and
+Values are stored one row per series per window of 512 steps (`point_chunks` for windows the
+series has moved past, `point_tails` for its newest; the view `point_windows` is both): the
+window's steps and values packed and compressed, with its exact count, NaN count, minimum and
 maximum (and their steps) beside them (observatory/chunks.py). A 70B-shaped run (80 layers x 64
 heads every step) costs about 3.5 bytes per value on both backends (benchmarks/store_scale.py);
 one row per value cost about 20 before rollups (migration 0006). A query of whole windows reads
 the summaries only; narrower buckets decode the windows they touch. Every value is kept exactly:
 float32 only where the window's values are float32 numbers, NaN and +-inf as themselves.
 
-`point_chunks` carries no foreign key to `series`: the writer only uses series ids it has just
-read or created. Deleting a run deletes its chunks explicitly (`observatory.store.delete_run`).
+The window tables carry no foreign key to `series`: the writer only uses series ids it has just
+read or created. Deleting a run deletes its windows explicitly (`observatory.store.delete_run`).
 
 Branches: a rollback starts branch `n + 1` of the run from the restored step (`fork_step`, the
 last step shared with `parent`). Nothing is deleted: the abandoned steps stay on their branch.
@@ -55,6 +56,7 @@ __all__ = [
     "Event",
     "MetricName",
     "PointChunk",
+    "PointTail",
     "Run",
     "Series",
     "Sweep",
@@ -156,13 +158,8 @@ class Series(Base):
     head: Mapped[int] = mapped_column(SmallInteger)  # NO_INDEX (-1) when not per head
 
 
-class PointChunk(Base):
-    """One window of one series: packed values and their exact summary (observatory/chunks.py).
-
-    A rowid table on SQLite: a window's few kilobytes would spill to overflow pages in a
-    WITHOUT ROWID table, whose rows are capped near 1 KB."""
-
-    __tablename__ = "point_chunks"
+class _Window:
+    """The columns of a stored window (observatory/chunks.py)."""
 
     series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
     win: Mapped[int] = mapped_column(Integer, primary_key=True)  # first step // WINDOW
@@ -177,6 +174,21 @@ class PointChunk(Base):
     max_step: Mapped[int | None] = mapped_column(Integer)
     steps: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: first_step..last_step
     vals: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class PointChunk(_Window, Base):
+    """A window the series has moved past: written once, never updated (so PostgreSQL keeps no
+    dead row versions of it). A rowid table on SQLite: a window's kilobyte or more would spill
+    to overflow pages in a WITHOUT ROWID table, whose rows are capped near 1 KB."""
+
+    __tablename__ = "point_chunks"
+
+
+class PointTail(_Window, Base):
+    """The newest window of each series, rewritten as it grows; moved to `point_chunks` when a
+    later window starts. Its churn stays in this small table (one row per series)."""
+
+    __tablename__ = "point_tails"
 
 
 class Checkpoint(Base):

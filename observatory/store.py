@@ -19,19 +19,29 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from observatory import metric_names as M
 from observatory.chunks import decode
 from observatory.db import make_engine
-from observatory.downsample import END, MAX_BUCKETS, Tree, branch_tree, downsample, lineage
+from observatory.downsample import (
+    END,
+    MAX_BUCKETS,
+    Tree,
+    branch_tree,
+    downsample,
+    downsample_buckets,
+    lineage,
+)
 from observatory.models import (
     Branch,
     Checkpoint,
     Event,
     MetricName,
     PointChunk,
+    PointTail,
     Run,
     Series,
 )
@@ -256,8 +266,8 @@ def _last_losses(session: Session, run_pks: list[int]) -> dict[int, tuple[int, f
     q = text(
         "SELECT s.run_id, s.branch, c.win, c.first_step, c.last_step, c.n, c.steps, c.vals "
         "FROM series s JOIN metric_names m ON m.id = s.metric_id "
-        "JOIN point_chunks c ON c.series_id = s.id WHERE s.run_id IN :runs AND m.name = :name "
-        "AND c.win = (SELECT MAX(win) FROM point_chunks WHERE series_id = s.id)"
+        "JOIN point_windows c ON c.series_id = s.id WHERE s.run_id IN :runs AND m.name = :name "
+        "AND c.win = (SELECT MAX(win) FROM point_windows WHERE series_id = s.id)"
     ).bindparams(bindparam("runs", expanding=True))
     newest: dict[int, tuple[int, int, float]] = {}
     rows = session.execute(q, {"runs": run_pks, "name": LOSS_METRIC})
@@ -473,26 +483,14 @@ def _matrix(
     labels = sorted({getattr(r, attr) for r in found})
     segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
     buckets, start, end, extremes = window
-    width, cells, _ = downsample(session, segs, buckets, start, end, with_min=extremes == "both")
-    ks = sorted({k for _, k in cells})
-    n, n_nan, mn, mn_s, mx, mx_s = _grids(cells, labels, ks)
+    width, found, read_labels, _ = downsample_buckets(session, segs, buckets, start, end)
+    row_of = np.array([labels.index(lab) for lab in read_labels], np.int64)
+    ks, n, n_nan, mn, mn_s, mx, mx_s = found.grids(row_of[found.group], len(labels))
+    if extremes != "both":
+        mn = mn_s = [[None] * len(ks) for _ in labels]
     return Matrix(
         run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
     )
-
-
-def _grids(
-    cells: dict[tuple[int, int], Any], labels: list[int], ks: list[int]
-) -> tuple[list[list[Any]], ...]:
-    """n, n_nan, min, min step, max, max step as rows x columns (0 / None where empty)."""
-    col = {k: j for j, k in enumerate(ks)}
-    grids = tuple([[e] * len(ks) for _ in labels] for e in (0, 0, None, None, None, None))
-    row = {lab: i for i, lab in enumerate(labels)}
-    for (lab, k), c in cells.items():
-        i, j = row[lab], col[k]
-        for g, f in zip(grids, (0, 1, 3, 4, 5, 6), strict=True):
-            g[i][j] = c[f]
-    return grids
 
 
 def _check_buckets(buckets: int) -> None:
@@ -534,7 +532,8 @@ def delete_run(session: Session, *, run_id: str) -> None:
     """Delete a run and everything stored for it (values have no FK to cascade)."""
     run = _run(session, run_id)
     ids = select(Series.id).where(Series.run_id == run.id).scalar_subquery()
-    session.execute(delete(PointChunk).where(PointChunk.series_id.in_(ids)))
+    for model in (PointChunk, PointTail):
+        session.execute(delete(model).where(model.series_id.in_(ids)))
     for model in (Series, Event, Checkpoint, Branch):
         session.execute(delete(model).where(model.run_id == run.id))
     session.execute(delete(Run).where(Run.id == run.id))

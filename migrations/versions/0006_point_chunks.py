@@ -1,4 +1,4 @@
-"""Values packed per series and 512-step window (`point_chunks`) instead of one row per value.
+"""Values packed per series and 512-step window instead of one row per value.
 
 At a 70B model's shape (80 layers x 64 heads, every step) one row per value cost about 20 bytes
 per value on SQLite before its rollup blocks, and ingest topped out near 370k values/s; a window
@@ -6,7 +6,10 @@ row costs about 3.5 bytes per value and is written at well over 1M values/s
 (benchmarks/store_scale.py). The window's exact summary (count, NaNs, min and max with their
 steps) replaces the `point_blocks` rollups.
 
-Upgrade converts every stored value, exactly, in series order; downgrade unpacks them back into
+Windows a series has moved past go to `point_chunks` and are never updated; each series' newest
+window lives in `point_tails` while it grows; the view `point_windows` reads both. Upgrade
+converts every stored value (into `point_chunks`: a finished window or not, nothing of an old
+database is still growing), exactly, in series order; downgrade unpacks them back into
 `points` and rebuilds the four rollup levels in SQL (ties to the earliest step, as before).
 
 Revision ID: 0006
@@ -33,9 +36,19 @@ OLD_LEVELS = {1: 16, 2: 64, 3: 256, 4: 4096}
 _BATCH = 2_000
 
 
-def _create_chunks() -> None:
+def _create_windows() -> None:
+    for table in ("point_chunks", "point_tails"):
+        _create_window_table(table)
+    cols = ", ".join(ROW_COLUMNS)
+    op.execute(
+        f"CREATE VIEW point_windows AS SELECT {cols} FROM point_chunks "
+        f"UNION ALL SELECT {cols} FROM point_tails"
+    )
+
+
+def _create_window_table(name: str) -> None:
     op.create_table(
-        "point_chunks",
+        name,
         sa.Column("series_id", sa.Integer(), nullable=False),
         sa.Column("win", sa.Integer(), nullable=False),
         sa.Column("first_step", sa.Integer(), nullable=False),
@@ -49,11 +62,11 @@ def _create_chunks() -> None:
         sa.Column("max_step", sa.Integer(), nullable=True),
         sa.Column("steps", sa.LargeBinary(), nullable=True),
         sa.Column("vals", sa.LargeBinary(), nullable=False),
-        sa.PrimaryKeyConstraint("series_id", "win", name=op.f("pk_point_chunks")),
+        sa.PrimaryKeyConstraint("series_id", "win", name=op.f(f"pk_{name}")),
     )
     if op.get_bind().dialect.name == "postgresql":  # already compressed: keep it in the row
-        op.execute("ALTER TABLE point_chunks ALTER COLUMN vals SET STORAGE MAIN")
-        op.execute("ALTER TABLE point_chunks ALTER COLUMN steps SET STORAGE MAIN")
+        op.execute(f"ALTER TABLE {name} ALTER COLUMN vals SET STORAGE MAIN")
+        op.execute(f"ALTER TABLE {name} ALTER COLUMN steps SET STORAGE MAIN")
 
 
 def _windows(rows: Iterator[tuple[int, int, float | None]]) -> Iterator[tuple[object, ...]]:
@@ -72,7 +85,7 @@ def _windows(rows: Iterator[tuple[int, int, float | None]]) -> Iterator[tuple[ob
 
 
 def upgrade() -> None:
-    _create_chunks()
+    _create_windows()
     conn = op.get_bind()
     table = sa.table("point_chunks", *(sa.column(c) for c in ROW_COLUMNS))
     result = conn.execute(
@@ -144,7 +157,7 @@ def downgrade() -> None:
     points = sa.table("points", sa.column("series_id"), sa.column("step"), sa.column("value"))
     result = conn.execute(
         sa.text(
-            "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_chunks "
+            "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_windows "
             "ORDER BY series_id, win"
         ).execution_options(yield_per=1_000)
     )
@@ -160,4 +173,6 @@ def downgrade() -> None:
     result.close()
     for level, size in OLD_LEVELS.items():
         op.execute(_reduce(level, size))
+    op.execute("DROP VIEW point_windows")
+    op.drop_table("point_tails")
     op.drop_table("point_chunks")

@@ -86,7 +86,7 @@ def stored_points(engine: Engine) -> list[tuple[int, int, float]]:
     with engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_chunks "
+                "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_windows "
                 "ORDER BY series_id, win"
             )
         )
@@ -100,7 +100,7 @@ def assert_windows_consistent(engine: Engine) -> None:
     """Every window's stored summary agrees with its values, recomputed here in plain Python:
     count, NaNs, first NaN, min and max with the earliest step of each, first and last step."""
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT * FROM point_chunks ORDER BY series_id, win")).mappings()
+        rows = conn.execute(text("SELECT * FROM point_windows ORDER BY series_id, win")).mappings()
         for r in rows:
             st, v = decode(r["win"], r["first_step"], r["last_step"], r["n"], r["steps"], r["vals"])
             steps, vals = st.tolist(), v.tolist()

@@ -24,6 +24,7 @@ TABLES = {
     "metric_names",
     "series",
     "point_chunks",
+    "point_tails",
     "checkpoints",
     "events",
     "sweeps",
@@ -125,7 +126,7 @@ def test_0006_packs_every_value_exactly_and_unpacks_them_again(db_url: str) -> N
     writer = Writer(engine)
     writer.write_series("r", 0, "train/loss", steps, values)
     writer.write_series("r", 0, "optim/lr", steps[::3], lr[::3])  # steps not contiguous
-    at_head = _rows(engine, "SELECT * FROM point_chunks ORDER BY series_id, win")
+    at_head = _rows(engine, "SELECT * FROM point_windows ORDER BY series_id, win")
     points = stored_points(engine)
     assert len(points) == 5_000 + len(steps[::3])
     loss_sid, lr_sid = points[0][0], points[-1][0]
@@ -149,6 +150,6 @@ def test_0006_packs_every_value_exactly_and_unpacks_them_again(db_url: str) -> N
         assert got == want, level
 
     db.upgrade(db_url)
-    assert _rows(engine, "SELECT * FROM point_chunks ORDER BY series_id, win") == at_head
+    assert _rows(engine, "SELECT * FROM point_windows ORDER BY series_id, win") == at_head
     assert_windows_consistent(engine)
     engine.dispose()

@@ -299,7 +299,7 @@ def test_delete_run_removes_everything(db_url: str) -> None:
     writer.write_series("gone", 0, "x", np.arange(5000), np.ones(5000))
     with store.session_factory(db_url)() as session, session.begin():
         store.delete_run(session, run_id="gone")
-    for table in ("point_chunks", "series", "runs", "branches"):
+    for table in ("point_chunks", "point_tails", "series", "runs", "branches"):
         assert count(writer.engine, f"SELECT COUNT(*) FROM {table}") == 0
 
 

@@ -59,7 +59,7 @@ def _store(run_dir: Path) -> dict[str, Counter]:
         windows = conn.execute(
             text(
                 "SELECT m.name, s.branch, s.layer, s.head, c.win, c.first_step, c.last_step, c.n, "
-                "c.steps, c.vals FROM point_chunks c JOIN series s ON s.id = c.series_id "
+                "c.steps, c.vals FROM point_windows c JOIN series s ON s.id = c.series_id "
                 "JOIN metric_names m ON m.id = s.metric_id"
             )
         ).all()
