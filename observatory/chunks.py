@@ -171,32 +171,43 @@ def reduce_buckets(parts: list[Buckets], width: int) -> Buckets:
     s = Buckets(*(np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS))
     if not len(s.n):
         return s
-    g = s.bucket // width
-    order = np.lexsort((s.bucket, g, s.group))
-    grp, g = s.group[order], g[order]
-    edge = np.empty(len(g), bool)
+    key = s.group * (1 << 32) + s.bucket // width
+    if len(key) > 1 and not bool(np.all(key[1:] >= key[:-1])):
+        order = np.argsort(key, kind="stable")
+        s, key = Buckets(*(getattr(s, f)[order] for f in _FIELDS)), key[order]
+    edge = np.empty(len(key), bool)
     edge[0] = True
-    edge[1:] = (grp[1:] != grp[:-1]) | (g[1:] != g[:-1])
+    np.not_equal(key[1:], key[:-1], out=edge[1:])
     starts = np.flatnonzero(edge)
     gid = np.cumsum(edge) - 1
     big = np.iinfo(np.int64).max
-    nan_step = np.where(s.nan_step[order] < 0, big, s.nan_step[order])
-    nan_step = np.minimum.reduceat(nan_step, starts)
-    mn_v, mn_s = s.min_value[order], s.min_step[order]
-    mx_v, mx_s = s.max_value[order], s.max_step[order]
-    imin = np.lexsort((mn_s, mn_v, gid))[starts]  # NaN sorts last: only when all are NaN
-    imax = np.lexsort((mx_s, -mx_v, gid))[starts]
+    nan_step = np.minimum.reduceat(np.where(s.nan_step < 0, big, s.nan_step), starts)
+    mn, mn_s = _extreme(s.min_value, s.min_step, starts, gid, np.minimum, np.inf)
+    mx, mx_s = _extreme(s.max_value, s.max_step, starts, gid, np.maximum, -np.inf)
     return Buckets(
-        grp[starts],
-        g[starts],
-        np.add.reduceat(s.n[order], starts),
-        np.add.reduceat(s.n_nan[order], starts),
+        s.group[starts],
+        key[starts] & ((1 << 32) - 1),
+        np.add.reduceat(s.n, starts),
+        np.add.reduceat(s.n_nan, starts),
         np.where(nan_step == big, -1, nan_step),
-        mn_v[imin],
-        mn_s[imin],
-        mx_v[imax],
-        mx_s[imax],
+        mn,
+        mn_s,
+        mx,
+        mx_s,
     )
+
+
+def _extreme(
+    v: np.ndarray, st: np.ndarray, starts: np.ndarray, gid: np.ndarray, op: Any, fill: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: the extreme of `v` (NaN entries mean "none") and the earliest step holding
+    it; NaN and -1 for a group with none."""
+    nan = np.isnan(v)
+    best = op.reduceat(np.where(nan, fill, v), starts)
+    none = np.add.reduceat(~nan, starts) == 0
+    big = np.iinfo(np.int64).max
+    steps = np.minimum.reduceat(np.where(v == best[gid], st, big), starts)
+    return np.where(none, np.nan, best), np.where(none, -1, steps)
 
 
 def points_as_buckets(groups: np.ndarray, steps: np.ndarray, values: np.ndarray) -> Buckets:

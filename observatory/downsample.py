@@ -105,12 +105,17 @@ def _clip(
     if not segs:
         return []
     ids = ", ".join(str(int(s[1])) for s in segs)
-    q = text(
-        "SELECT s.id, (SELECT first_step FROM point_windows WHERE series_id = s.id "
-        "ORDER BY win LIMIT 1), (SELECT last_step FROM point_windows WHERE series_id = s.id "
-        f"ORDER BY win DESC LIMIT 1) FROM series s WHERE s.id IN ({ids})"
+    q = " UNION ALL ".join(
+        f"SELECT s.id, (SELECT first_step FROM {t} WHERE series_id = s.id ORDER BY win LIMIT 1), "
+        f"(SELECT last_step FROM {t} WHERE series_id = s.id ORDER BY win DESC LIMIT 1) "
+        f"FROM series s WHERE s.id IN ({ids})"
+        for t in ("point_chunks", "point_tails")  # each by its primary key (not the view's union)
     )
-    extent = {sid: (a, b) for sid, a, b in session.execute(q)}
+    extent: dict[int, tuple[int, int]] = {}
+    for sid, a, b in session.execute(text(q)):
+        if a is not None:
+            old = extent.get(sid, (a, b))
+            extent[sid] = (min(a, old[0]), max(b, old[1]))
     out = []
     for g, sid, lo, hi in segs:
         a, b = extent.get(sid, (None, None))

@@ -43,19 +43,11 @@ log = logging.getLogger(__name__)
 
 MAIN, TAIL = "point_chunks", "point_tails"  # windows moved past; each series' newest
 _COLS = ", ".join(ROW_COLUMNS)
-_UPDATE_SET = ", ".join(f"{c} = ?" for c in (*SUMMARY_COLUMNS, "steps", "vals"))
+_SET = ", ".join(f"{c} = ?" for c in (*SUMMARY_COLUMNS, "steps", "vals"))
 INSERT_SQL = f"INSERT INTO {{table}} ({_COLS}) VALUES ({', '.join('?' * len(ROW_COLUMNS))})"
-UPDATE_SQL = f"UPDATE {{table}} SET {_UPDATE_SET} WHERE series_id = ? AND win = ? AND n = ?"
-_MOVE = {  # a series' older windows from the tail table to the main one
-    "sqlite": (
-        f"INSERT INTO {MAIN} ({_COLS}) SELECT {_COLS} FROM {TAIL} WHERE {{where}}; "
-        f"DELETE FROM {TAIL} WHERE {{where}}"
-    ),
-    "postgresql": (  # one statement: the rows moved are the rows deleted, whatever commits
-        f"WITH moved AS (DELETE FROM {TAIL} WHERE {{where}} RETURNING {_COLS}) "
-        f"INSERT INTO {MAIN} ({_COLS}) SELECT {_COLS} FROM moved"
-    ),
-}
+UPDATE_MAIN = f"UPDATE {MAIN} SET {_SET} WHERE series_id = ? AND win = ? AND n = ?"
+UPDATE_TAIL = f"UPDATE {TAIL} SET win = ?, {_SET} WHERE series_id = ? AND win = ? AND n = ?"
+MOVE_SQL = f"INSERT INTO {MAIN} ({_COLS}) SELECT {_COLS} FROM {TAIL} WHERE series_id IN ({{ids}})"
 Piece = tuple[np.ndarray, np.ndarray]  # steps (ascending, unique), values
 
 
@@ -79,7 +71,8 @@ class Writer:
         self._series: dict[tuple[int, int, str], int] = {}
         self._branches: set[tuple[int, int]] = set()
         self._layouts: dict[tuple[int, int], tuple[list[str], np.ndarray]] = {}
-        self._open: dict[int, tuple[int, str, np.ndarray, np.ndarray]] = {}  # newest window
+        # series -> its tail row's (window, count) and, when this writer wrote it, its content
+        self._tail: dict[int, tuple[int, int, np.ndarray | None, np.ndarray | None]] = {}
         self._top: dict[int, int] = {}  # sid -> highest stored window (-1: none)
         self._mark = "%s" if self.dialect == "postgresql" else "?"
 
@@ -106,7 +99,7 @@ class Writer:
         self._series.clear()
         self._branches.clear()
         self._layouts.clear()
-        self._open.clear()
+        self._tail.clear()
         self._top.clear()
 
     def write_series(
@@ -324,12 +317,11 @@ class Writer:
     def _write_points(self, conn: Connection, pieces: dict[int, Piece]) -> None:
         """Merge each series' new values into its windows and write the changed windows.
 
-        A series' newest window is in the tail table; when a batch starts a later window, the
-        older ones move to the main table first, where they are inserted once."""
-        self._learn_tops(conn, [sid for sid in pieces if sid not in self._top])
+        A series' newest window is its row in the tail table, updated in place; when a batch
+        starts a later window, the tail's window is inserted into the main table (merged with
+        the batch's values for it, or copied as it is) and the row takes the new window."""
+        self._learn(conn, [sid for sid in pieces if sid not in self._top])
         splits = {sid: list(_by_window(*piece)) for sid, piece in pieces.items()}
-        newest = {sid: max(self._top[sid], parts[-1][0]) for sid, parts in splits.items()}
-        self._move_to_main(conn, {sid: w for sid, w in newest.items() if w > self._top[sid]})
         stored = self._read_windows(
             conn,
             [
@@ -339,58 +331,59 @@ class Writer:
                 if w <= self._top[sid] and self._cached(sid, w) is None
             ],
         )
-        writes: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+        moves, writes = [], {}
         for sid, parts in splits.items():
+            tail, newest = self._tail.get(sid), max(self._top[sid], parts[-1][0])
+            if tail is not None and tail[0] < newest and tail[0] not in {w for w, _, _ in parts}:
+                moves.append(sid)  # the tail's window, untouched by this batch, as it is
             for w, st, v in parts:
                 old = self._cached(sid, w) or stored.get((sid, w))
-                if old is None:
-                    table = TAIL if w == newest[sid] else MAIN
-                    writes.setdefault((INSERT_SQL, table), []).append(encode(sid, st, v))
-                else:
-                    table = old[0]
+                if old is not None:
                     st, v = _merge(old[1], old[2], st, v)
-                    if len(st) == len(old[1]):
+                    if len(st) == len(old[1]) and not (old[0] == TAIL and w < newest):
                         continue  # every value was there already (a replay)
-                    row = encode(sid, st, v)
-                    writes.setdefault((UPDATE_SQL, table), []).append(
-                        (*row[2:], sid, w, len(old[1]))
-                    )
-                if w == newest[sid]:
-                    self._open[sid] = (w, table, st, v)
-            self._top[sid] = newest[sid]
-        for (sql, table), rows in writes.items():
-            if self._execute(conn, sql.format(table=table), rows) != len(rows):
-                raise StaleWindowError(f"a window of {table} changed while this batch was written")
+                row = encode(sid, st, v)
+                if w == newest:
+                    if tail is None:
+                        writes.setdefault(INSERT_SQL.format(table=TAIL), []).append(row)
+                    else:
+                        guard = (sid, tail[0], tail[1])
+                        writes.setdefault(UPDATE_TAIL, []).append((*row[1:], *guard))
+                    self._tail[sid] = (w, len(st), st, v)
+                elif old is None or old[0] == TAIL:
+                    writes.setdefault(INSERT_SQL.format(table=MAIN), []).append(row)
+                else:
+                    writes.setdefault(UPDATE_MAIN, []).append((*row[2:], sid, w, len(old[1])))
+            self._top[sid] = newest
+        for chunk in _chunked(moves, 5_000):
+            conn.exec_driver_sql(MOVE_SQL.format(ids=", ".join(map(str, chunk))))
+        for sql in sorted(writes, key=lambda q: q.startswith("UPDATE")):  # inserts first
+            rows = writes[sql]
+            if self._execute(conn, sql, rows) != len(rows):
+                raise StaleWindowError("a stored window changed while this batch was written")
 
     def _cached(self, sid: int, w: int) -> tuple[str, np.ndarray, np.ndarray] | None:
-        """(table, steps, values) of the newest window this writer wrote of a series."""
-        cached = self._open.get(sid)
-        return cached[1:] if cached is not None and cached[0] == w else None
+        """(table, steps, values) of a series' tail window, as this writer last wrote it."""
+        tail = self._tail.get(sid)
+        if tail is None or tail[0] != w or tail[2] is None or tail[3] is None:
+            return None
+        return TAIL, tail[2], tail[3]
 
-    def _move_to_main(self, conn: Connection, newest: dict[int, int]) -> None:
-        """Move the tail windows older than each series' new newest window to the main table."""
-        by_win: dict[int, list[int]] = {}
-        for sid, w in newest.items():
-            by_win.setdefault(w, []).append(sid)
-            cached = self._open.get(sid)
-            if cached is not None and cached[1] == TAIL and cached[0] < w:
-                self._open[sid] = (cached[0], MAIN, *cached[2:])
-        for w, sids in by_win.items():
-            for chunk in _chunked(sids, 5_000):
-                where = f"series_id IN ({', '.join(map(str, chunk))}) AND win < {int(w)}"
-                for sql in _MOVE[self.dialect].format(where=where).split("; "):
-                    conn.exec_driver_sql(sql)
-
-    def _learn_tops(self, conn: Connection, sids: list[int]) -> None:
+    def _learn(self, conn: Connection, sids: list[int]) -> None:
+        """Each series' highest stored window and its tail row's (window, count)."""
         if not sids:
             return
-        found: dict[int, int] = {}
+        tops: dict[int, int] = {}
         for chunk in _chunked(sids, 5_000):
             ids = ", ".join(map(str, chunk))
-            q = f"SELECT series_id, MAX(win) FROM point_windows WHERE series_id IN ({ids}) "
-            found.update(conn.exec_driver_sql(q + "GROUP BY series_id").all())  # type: ignore[arg-type]
+            q = f"SELECT series_id, MAX(win) FROM {MAIN} WHERE series_id IN ({ids}) "
+            tops.update(conn.exec_driver_sql(q + "GROUP BY series_id").all())  # type: ignore[arg-type]
+            q = f"SELECT series_id, win, n FROM {TAIL} WHERE series_id IN ({ids})"
+            for sid, win, n in conn.exec_driver_sql(q):
+                self._tail[sid] = (win, n, None, None)
+                tops[sid] = max(tops.get(sid, -1), win)
         for sid in sids:
-            self._top[sid] = found.get(sid, -1)
+            self._top[sid] = tops.get(sid, -1)
 
     def _read_windows(
         self, conn: Connection, keys: list[tuple[int, int]]

@@ -159,10 +159,8 @@ class Series(Base):
 
 
 class _Window:
-    """The columns of a stored window (observatory/chunks.py)."""
+    """The columns of a stored window (observatory/chunks.py) after its key."""
 
-    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
-    win: Mapped[int] = mapped_column(Integer, primary_key=True)  # first step // WINDOW
     first_step: Mapped[int] = mapped_column(Integer)
     last_step: Mapped[int] = mapped_column(Integer)
     n: Mapped[int] = mapped_column(Integer)  # values, NaN included
@@ -183,12 +181,20 @@ class PointChunk(_Window, Base):
 
     __tablename__ = "point_chunks"
 
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
+    win: Mapped[int] = mapped_column(Integer, primary_key=True)  # first step // WINDOW
+
 
 class PointTail(_Window, Base):
-    """The newest window of each series, rewritten as it grows; moved to `point_chunks` when a
-    later window starts. Its churn stays in this small table (one row per series)."""
+    """The newest window of each series, one row per series, rewritten in place as it grows
+    and when the series moves on (its old content then goes to `point_chunks`). Its churn stays
+    in this small table, as updates of the same rows: PostgreSQL rewrites them on their own
+    pages (fillfactor 50) and prunes the old versions as it goes."""
 
     __tablename__ = "point_tails"
+
+    series_id: Mapped[int] = mapped_column(Integer, primary_key=True)  # no FK: see module doc
+    win: Mapped[int] = mapped_column(Integer)
 
 
 class Checkpoint(Base):

@@ -7,9 +7,9 @@ row costs about 3.5 bytes per value and is written at well over 1M values/s
 steps) replaces the `point_blocks` rollups.
 
 Windows a series has moved past go to `point_chunks` and are never updated; each series' newest
-window lives in `point_tails` while it grows; the view `point_windows` reads both. Upgrade
-converts every stored value (into `point_chunks`: a finished window or not, nothing of an old
-database is still growing), exactly, in series order; downgrade unpacks them back into
+window lives in its one row of `point_tails` while it grows; the view `point_windows` reads
+both. Upgrade converts every stored value (into `point_chunks`: nothing of an old database is
+still growing), exactly, in series order; downgrade unpacks them back into
 `points` and rebuilds the four rollup levels in SQL (ties to the earliest step, as before).
 
 Revision ID: 0006
@@ -62,11 +62,16 @@ def _create_window_table(name: str) -> None:
         sa.Column("max_step", sa.Integer(), nullable=True),
         sa.Column("steps", sa.LargeBinary(), nullable=True),
         sa.Column("vals", sa.LargeBinary(), nullable=False),
-        sa.PrimaryKeyConstraint("series_id", "win", name=op.f(f"pk_{name}")),
+        sa.PrimaryKeyConstraint(
+            *(("series_id", "win") if name == "point_chunks" else ("series_id",)),
+            name=op.f(f"pk_{name}"),
+        ),
     )
     if op.get_bind().dialect.name == "postgresql":  # already compressed: keep it in the row
         op.execute(f"ALTER TABLE {name} ALTER COLUMN vals SET STORAGE MAIN")
         op.execute(f"ALTER TABLE {name} ALTER COLUMN steps SET STORAGE MAIN")
+        if name == "point_tails":  # room on each page for a row's next version (HOT update)
+            op.execute(f"ALTER TABLE {name} SET (fillfactor = 50)")
 
 
 def _windows(rows: Iterator[tuple[int, int, float | None]]) -> Iterator[tuple[object, ...]]:
