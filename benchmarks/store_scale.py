@@ -11,9 +11,11 @@ a one-step spike and one scalar a NaN, and the queries must show both.
 
 Per backend it reports:
 
-- bytes on disk per stored value: the SQLite file after a WAL checkpoint; PostgreSQL's
-  `pg_total_relation_size` of every table of the schema (heap, TOAST, indexes), after the
-  autovacuum a long run would see (`VACUUM`, which frees dead rows for reuse but shrinks nothing);
+- bytes on disk per stored value of the finished run: the SQLite file after a WAL checkpoint;
+  PostgreSQL's `pg_total_relation_size` of every table of the schema (heap, TOAST, indexes),
+  after a plain `VACUUM` (autovacuum's work: it frees dead rows for reuse and gives back only
+  empty pages at a table's end). The size while the run was still going is printed too: each
+  series' newest window is rewritten in place until it is full, a fixed cost per series;
 - ingest: values/s from the first `log_metrics` until `flush()` says everything is committed,
   with the producer held at most 512 steps ahead (a trainer that is faster than its writer);
 - p95 of the layer x step heatmap of a per-layer statistic over the whole run at 1,000 buckets,
@@ -145,7 +147,7 @@ def db_bytes(url: str) -> int:
         engine.dispose()
 
 
-def ingest(url: str, spool: Path, sim: Simulation) -> tuple[float, int]:
+def ingest(url: str, spool: Path, sim: Simulation) -> tuple[float, int, int]:
     f32, f64 = sim.table()
     sink = DbSink(url, spool_dir=spool)
     sink.start_run(RUN, name="70B-shaped")
@@ -157,10 +159,12 @@ def ingest(url: str, spool: Path, sim: Simulation) -> tuple[float, int]:
         sink.log_metrics(RUN, 0, step, sim.values(f32, f64, step))
     assert sink.flush(3600), "ingest did not finish"
     elapsed = time.perf_counter() - t0
+    running = db_bytes(url)
+    sink.set_status(RUN, "completed")  # the run ends: its tail windows join the others
     sink.close()
     assert sink.stats["overflow"] == 0 and sink.stats["spooled"] == 0, sink.stats
     n = sim.steps * len(sim.names)
-    return n / elapsed, n
+    return n / elapsed, n, running
 
 
 def queries(url: str, sim: Simulation, reps: int) -> dict[str, float]:
@@ -202,14 +206,16 @@ def backend(name: str, url: str, args: argparse.Namespace, tmp: Path) -> dict[st
     db.upgrade(url)
     empty = db_bytes(url)
     sim = Simulation(args.layers, args.heads, args.steps)
-    rate, n = ingest(url, tmp / f"{name}-spool", sim)
+    rate, n, running = ingest(url, tmp / f"{name}-spool", sim)
     size = db_bytes(url) - empty
     per = size / n
     projected = per * len(sim.names) * 100_000
     print(
         f"[{name}] {n:,} values ({len(sim.names)} per step x {args.steps} steps): "
         f"{size / 2**20:,.1f} MiB, {per:.2f} bytes/value; ingest {rate:,.0f} values/s; "
-        f"100k steps -> {projected / 2**30:.1f} GiB"
+        f"100k steps -> {projected / 2**30:.1f} GiB; while running "
+        f"{(running - empty) / 2**20:,.1f} MiB (the newest window of each series is rewritten "
+        "in place until it is full: a fixed cost per series, not per step)"
     )
     q = queries(url, sim, args.reps)
     print(

@@ -73,16 +73,23 @@ def encode(series_id: int, steps: np.ndarray, values: np.ndarray) -> tuple[Any, 
     first, last = int(steps[0]), int(steps[-1])
     win = first // WINDOW
     nan = np.isnan(values)
-    n_nan = int(nan.sum())
-    nan_step = int(steps[int(np.argmax(nan))]) if n_nan else None
-    if n_nan < n:
-        i, j = int(np.nanargmin(values)), int(np.nanargmax(values))  # first of ties
-        lo: tuple[Any, Any] = (float(values[i]), int(steps[i]))
-        hi: tuple[Any, Any] = (float(values[j]), int(steps[j]))
-    else:
-        lo = hi = (None, None)
+    n_nan = int(np.count_nonzero(nan))
+    nan_step = int(steps[int(nan.argmax())]) if n_nan else None
+    lo: tuple[Any, Any] = (None, None)
+    hi: tuple[Any, Any] = (None, None)
+    if n_nan < n:  # argmin/argmax give the first of ties; NaN would win them, so fill it
+        real = np.where(nan, np.inf, values) if n_nan else values
+        i = int(real.argmin())
+        real = np.where(nan, -np.inf, values) if n_nan else values
+        j = int(real.argmax())
+        if n_nan and nan[i]:  # every real value is +inf
+            i = int(np.flatnonzero(values == np.inf)[0])
+        if n_nan and nan[j]:  # every real value is -inf
+            j = int(np.flatnonzero(values == -np.inf)[0])
+        lo, hi = (float(values[i]), int(steps[i])), (float(values[j]), int(steps[j]))
     narrow = values.astype(np.float32)
-    if np.array_equal(narrow.astype(np.float64), values, equal_nan=True):
+    same = narrow.astype(np.float64) == values
+    if bool(same.all()) or bool((same | nan).all()):
         vals = _compress.compress(_shuffle(narrow))
     else:
         vals = _compress.compress(_shuffle(values))

@@ -165,6 +165,14 @@ class Writer:
 
     def _on_status(self, conn: Connection, run_key: str, data: Mapping[str, Any]) -> None:
         run_id = self._run_id(conn, run_key)
+        if data["status"] != "running" and self.dialect == "postgresql":
+            # nothing grows any more: the tails join the other windows, and the tail table's
+            # old row versions become reusable (SQLite rewrites rows in place: nothing to do)
+            series = f"SELECT id FROM series WHERE run_id = {int(run_id)}"
+            conn.exec_driver_sql(MOVE_SQL.format(ids=series))
+            conn.exec_driver_sql(f"DELETE FROM {TAIL} WHERE series_id IN ({series})")
+            self._tail.clear()
+            self._top.clear()
         now = utcnow()
         ended = now if data["status"] != "running" else None
         stmt = update(Run).where(Run.id == run_id)
@@ -343,7 +351,7 @@ class Writer:
                     if len(st) == len(old[1]) and not (old[0] == TAIL and w < newest):
                         continue  # every value was there already (a replay)
                 row = encode(sid, st, v)
-                if w == newest:
+                if w == newest and not (old is not None and old[0] == MAIN):
                     if tail is None:
                         writes.setdefault(INSERT_SQL.format(table=TAIL), []).append(row)
                     else:

@@ -53,6 +53,10 @@ def test_random_batches_store_the_first_value_of_every_step_exactly_once(db_url:
         step += size
         if i % 11 == 10:
             writer = Writer(engine)  # a new process: nothing cached
+        if i % 17 == 16:  # the run ends (on PostgreSQL its tails join the other windows)
+            writer.write([Record("status", "w", {"status": "completed"})])
+            if engine.dialect.name == "postgresql":
+                assert count(engine, "SELECT COUNT(*) FROM point_tails") == 0
     with engine.connect() as conn:
         names = dict(
             conn.execute(
@@ -74,7 +78,7 @@ def test_random_batches_store_the_first_value_of_every_step_exactly_once(db_url:
     for key, want in first.items():
         assert got[key] == want or (math.isnan(got[key]) and math.isnan(want)), key
     assert_windows_consistent(engine)
-    assert count(engine, "SELECT COUNT(*) FROM point_tails") == len(NAMES)
+    assert count(engine, "SELECT COUNT(*) FROM point_tails") <= len(NAMES)
     assert (
         count(
             engine,
