@@ -50,7 +50,7 @@ LINES = ["train/loss", "val/loss", "optim/grad_norm", "optim/lr", "optim/clip_fa
 HEATS = ["layer/{i}/attn/grad_norm", "layer/{i}/attn/update_ratio", "layer/{i}/attn_max"]
 
 
-def populate(url: str, points: int, layers: int, heat_steps: int) -> None:
+def populate(url: str, points: int, layers: int, heat_steps: int, heads: int = 12) -> None:
     db.upgrade(url)
     w = Writer(db.make_engine(url, writer=True))
     w.write([Record("run", "big", {"status": "running", "config": {}, "tags": []})])
@@ -64,8 +64,10 @@ def populate(url: str, points: int, layers: int, heat_steps: int) -> None:
     for template in HEATS:
         for i in range(layers):
             w.write_series("big", 0, template.format(i=i), hsteps, rng.random(heat_steps) + i)
-    for h in range(12):
-        w.write_series("big", 0, f"layer/0/head/{h}/attn_max", hsteps, rng.random(heat_steps))
+    for i in range(layers if heads > 12 else 1):  # a 70B shape: every head of every layer
+        for h in range(heads):
+            values = rng.random(heat_steps)
+            w.write_series("big", 0, f"layer/{i}/head/{h}/attn_max", hsteps, values)
 
 
 def api_times(client: TestClient, reps: int) -> dict[str, float]:
@@ -79,6 +81,7 @@ def api_times(client: TestClient, reps: int) -> dict[str, float]:
         chart: (f"/api/runs/big/figures/{chart}", {})
         for chart in ("heat-grad", "heat-update", "heat-attn", "heat-heads")
     }
+    requests["heat-heads (another layer)"] = ("/api/runs/big/figures/heat-heads", {"layer": 1})
     out = {}
     for name, (path, params) in requests.items():
         client.get(path, params=params).raise_for_status()  # warm
@@ -141,13 +144,14 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=1_000_000)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--heat-steps", type=int, default=20_000)
+    ap.add_argument("--heads", type=int, default=12, help="per layer (above 12: every layer)")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     print("machine:", json.dumps(machine()))
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{Path(tmp) / 'web.db'}"
         t0 = time.perf_counter()
-        populate(url, args.points, args.layers, args.heat_steps)
+        populate(url, args.points, args.layers, args.heat_steps, args.heads)
         print(f"populated in {time.perf_counter() - t0:.0f} s")
         with TestClient(create_app(Settings(db_url=url))) as client:
             per_chart = api_times(client, args.reps)

@@ -40,7 +40,7 @@ from sqlalchemy import text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from observatory import db, store  # noqa: E402
-from observatory.chunks import decode, points_as_buckets, reduce_buckets  # noqa: E402
+from observatory.chunks import decode, reduce_points  # noqa: E402
 from observatory.ingest import Writer  # noqa: E402
 from observatory.records import Record  # noqa: E402
 from observatory.sink import DbSink  # noqa: E402
@@ -140,8 +140,8 @@ def bench_query(url: str, reps: int) -> dict[str, float]:
         with sessions() as s:
             rows = s.connection().exec_driver_sql(raw_sql).all()
             st, v = (np.concatenate(a) for a in zip(*(decode(*r) for r in rows), strict=True))
-            b = reduce_buckets([points_as_buckets(np.zeros(len(st), np.int64), st, v)], 500)
-            assert len(b.n) == 2000
+            b = reduce_points(np.zeros(len(st), np.int64), st, v, 512)
+            assert len(b.n) == -(-n // 512)
 
     query()  # warm the cache, as a dashboard would be
     fast, slow = [], []

@@ -31,7 +31,7 @@ __all__ = [
     "Buckets",
     "decode",
     "encode",
-    "points_as_buckets",
+    "reduce_points",
     "reduce_buckets",
 ]
 
@@ -217,19 +217,33 @@ def _extreme(
     return np.where(none, np.nan, best), np.where(none, -1, steps)
 
 
-def points_as_buckets(groups: np.ndarray, steps: np.ndarray, values: np.ndarray) -> Buckets:
-    """Raw points as one-step summaries (each point's group in `groups`)."""
+def reduce_points(groups: np.ndarray, steps: np.ndarray, values: np.ndarray, width: int) -> Buckets:
+    """Raw points reduced into buckets of `width` steps per group (`bucket` is the bucket's
+    first step, so `reduce_buckets` with the same width keeps them whole)."""
+    key = groups * (1 << 32) + steps // width
+    if len(key) > 1 and not bool(np.all(key[1:] >= key[:-1])):
+        order = np.argsort(key, kind="stable")
+        groups, steps, values, key = groups[order], steps[order], values[order], key[order]
+    edge = np.empty(len(key), bool)
+    edge[0] = True
+    np.not_equal(key[1:], key[:-1], out=edge[1:])
+    starts = np.flatnonzero(edge)
+    gid = np.cumsum(edge) - 1
     nan = np.isnan(values)
+    big = np.iinfo(np.int64).max
+    nan_step = np.minimum.reduceat(np.where(nan, steps, big), starts)
+    mn, mn_s = _extreme(values, steps, starts, gid, np.minimum, np.inf)
+    mx, mx_s = _extreme(values, steps, starts, gid, np.maximum, -np.inf)
     return Buckets(
-        groups,
-        steps,
-        np.ones(len(steps), np.int64),
-        nan.astype(np.int64),
-        np.where(nan, steps, -1),
-        values,
-        np.where(nan, -1, steps),
-        values,
-        np.where(nan, -1, steps),
+        groups[starts],
+        (key[starts] & ((1 << 32) - 1)) * width,
+        np.diff(np.append(starts, len(key))),
+        np.add.reduceat(nan.astype(np.int64), starts),
+        np.where(nan_step == big, -1, nan_step),
+        mn,
+        mn_s,
+        mx,
+        mx_s,
     )
 
 

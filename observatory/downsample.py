@@ -16,7 +16,7 @@ import numpy as np
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from observatory.chunks import WINDOW, Buckets, decode, points_as_buckets, reduce_buckets
+from observatory.chunks import WINDOW, Buckets, decode, reduce_buckets, reduce_points
 from observatory.models import Branch
 
 __all__ = [
@@ -131,9 +131,11 @@ def _clip(
 
 
 def grid(lo: int, hi: int, buckets: int) -> int:
-    """Bucket width: at least a window wide, a whole number of windows."""
+    """Bucket width. A whole number of windows when that costs at most a tenth of the buckets
+    asked for (then whole windows are read as their stored summaries, nothing decoded)."""
     want = -(-(hi - lo + 1) // buckets)
-    step = WINDOW if want >= WINDOW else 1
+    aligned = -(-want // WINDOW) * WINDOW
+    step = WINDOW if aligned * 10 <= want * 11 else 1
     width = -(-want // step) * step
     while hi // width - lo // width + 1 > buckets:
         width += step
@@ -176,7 +178,7 @@ def _read(session: Session, segs: list[Segment], labels: list[Any], width: int) 
             parts.append(_summaries(rows, seg_of))
     if packed:
         rows = conn.exec_driver_sql(f"SELECT {_PACKED} FROM point_windows WHERE {_where(packed)}")
-        parts.append(_points(rows, seg_of))
+        parts.append(_points(rows, seg_of, width))
     return parts
 
 
@@ -209,17 +211,20 @@ def _summaries(rows: list[Any], seg_of: dict[int, tuple[int, int, int]]) -> Buck
     )
 
 
-def _points(rows: Any, seg_of: dict[int, tuple[int, int, int]]) -> Buckets:
-    groups, steps, values = [], [], []
+def _points(rows: Any, seg_of: dict[int, tuple[int, int, int]], width: int) -> Buckets:
+    """The decoded values of `rows`, clipped to their segments, reduced into buckets."""
+    pieces = []
     for sid, win, first, last, n, packed, vals in rows:
         g, lo, hi = seg_of[sid]
         st, v = decode(win, first, last, n, packed, vals)
         if st[0] < lo or st[-1] > hi:
             keep = (st >= lo) & (st <= hi)
             st, v = st[keep], v[keep]
-        groups.append(np.full(len(st), g, np.int64))
-        steps.append(st)
-        values.append(v)
-    if not steps:
+        if len(st):
+            pieces.append((g, int(st[0]), st, v))
+    if not pieces:
         return _EMPTY
-    return points_as_buckets(np.concatenate(groups), np.concatenate(steps), np.concatenate(values))
+    pieces.sort(key=lambda p: p[:2])  # by group, then step: buckets come out contiguous
+    groups = np.repeat([p[0] for p in pieces], [len(p[2]) for p in pieces])
+    steps = np.concatenate([p[2] for p in pieces])
+    return reduce_points(groups, steps, np.concatenate([p[3] for p in pieces]), width)
