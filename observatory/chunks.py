@@ -18,6 +18,7 @@ equal extremes go to the earliest step.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,21 @@ SUMMARY_COLUMNS = (
 )
 ROW_COLUMNS = ("series_id", "win", *SUMMARY_COLUMNS, "steps", "vals")
 
-_compress = zstandard.ZstdCompressor(level=LEVEL)
-_decompress = zstandard.ZstdDecompressor()
+_local = threading.local()  # zstd's (de)compressor objects are not thread-safe: one per thread
+
+
+def _compress(data: bytes) -> bytes:
+    c = getattr(_local, "compressor", None)
+    if c is None:
+        c = _local.compressor = zstandard.ZstdCompressor(level=LEVEL)
+    return c.compress(data)  # type: ignore[no-any-return]
+
+
+def _decompress(data: bytes) -> bytes:
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d.decompress(data)  # type: ignore[no-any-return]
 
 
 def _shuffle(a: np.ndarray) -> bytes:
@@ -90,12 +104,12 @@ def encode(series_id: int, steps: np.ndarray, values: np.ndarray) -> tuple[Any, 
     narrow = values.astype(np.float32)
     same = narrow.astype(np.float64) == values
     if bool(same.all()) or bool((same | nan).all()):
-        vals = _compress.compress(_shuffle(narrow))
+        vals = _compress(_shuffle(narrow))
     else:
-        vals = _compress.compress(_shuffle(values))
+        vals = _compress(_shuffle(values))
     packed = None
     if last - first + 1 != n:
-        packed = _compress.compress((steps - win * WINDOW).astype("<u2").tobytes())
+        packed = _compress((steps - win * WINDOW).astype("<u2").tobytes())
     return (series_id, win, first, last, n, n_nan, nan_step, *lo, *hi, packed, vals)
 
 
@@ -106,9 +120,9 @@ def decode(
     if steps is None:
         st = np.arange(first, last + 1, dtype=np.int64)
     else:
-        offsets = np.frombuffer(_decompress.decompress(steps), "<u2")
+        offsets = np.frombuffer(_decompress(steps), "<u2")
         st = offsets.astype(np.int64) + win * WINDOW
-    return st, _unshuffle(_decompress.decompress(vals), n)
+    return st, _unshuffle(_decompress(vals), n)
 
 
 @dataclass

@@ -4,6 +4,7 @@ whatever order and batching it arrives in, checked against a plain dict of what 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -121,3 +122,20 @@ def test_a_series_moving_on_leaves_one_tail_row(sqlite_url: str, batch: int) -> 
     assert count(engine, "SELECT win FROM point_tails") == 3
     assert [s for _, s, _ in stored_points(engine)] == list(range(3 * WINDOW + 5))
     assert_windows_consistent(engine)
+
+
+def test_windows_decode_right_from_many_threads_at_once() -> None:
+    """The dashboard serves requests from a thread pool: zstd's objects are per thread."""
+    rng = np.random.default_rng(1)
+    rows = [encode(i, np.arange(WINDOW), rng.standard_normal(WINDOW)) for i in range(64)]
+    want = [decode(r[1], r[2], r[3], r[4], r[-2], r[-1])[1] for r in rows]
+
+    def work(_: int) -> bool:
+        again = [encode(r[0], *decode(r[1], r[2], r[3], r[4], r[-2], r[-1])) for r in rows]
+        return again == rows and all(
+            np.array_equal(decode(r[1], r[2], r[3], r[4], r[-2], r[-1])[1], w)
+            for r, w in zip(rows, want, strict=True)
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(64)))
