@@ -59,14 +59,14 @@ def _compress(data: bytes) -> bytes:
     c = getattr(_local, "compressor", None)
     if c is None:
         c = _local.compressor = zstandard.ZstdCompressor(level=LEVEL)
-    return c.compress(data)  # type: ignore[no-any-return]
+    return c.compress(data)
 
 
 def _decompress(data: bytes) -> bytes:
     d = getattr(_local, "decompressor", None)
     if d is None:
         d = _local.decompressor = zstandard.ZstdDecompressor()
-    return d.decompress(data)  # type: ignore[no-any-return]
+    return d.decompress(data)
 
 
 def _shuffle(a: np.ndarray) -> bytes:
@@ -159,7 +159,7 @@ class Buckets:
     def subset(self, mask: np.ndarray) -> Buckets:
         return Buckets(*(getattr(self, f)[mask] for f in _FIELDS))
 
-    def grids(self, rows: np.ndarray, n_rows: int) -> tuple[list[int], list[list[Any]], ...]:
+    def grids(self, rows: np.ndarray, n_rows: int) -> tuple[Any, ...]:
         """Bucket numbers and rows x buckets grids of n, n_nan, min, min step, max, max step
         (0 or None where a row has no value), `rows` giving each entry's row."""
         ks, col = np.unique(self.bucket, return_inverse=True)
@@ -171,7 +171,7 @@ class Buckets:
             if missing is not None:
                 cells[missing] = None
             grid[rows, col] = cells
-            return grid.tolist()  # type: ignore[no-any-return]
+            return grid.tolist()
 
         no_min, no_max = np.isnan(self.min_value), np.isnan(self.max_value)
         return (

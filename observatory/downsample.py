@@ -118,9 +118,9 @@ def _clip(
             extent[sid] = (min(a, old[0]), max(b, old[1]))
     out = []
     for g, sid, lo, hi in segs:
-        a, b = extent.get(sid, (None, None))
-        if a is None:
+        if sid not in extent:
             continue
+        a, b = extent[sid]
         lo, hi = (
             max(lo, a, start if start is not None else 0),
             min(hi, b, end if end is not None else END),
@@ -171,11 +171,11 @@ def _read(session: Session, segs: list[Segment], labels: list[Any], width: int) 
     conn = session.connection()
     parts = []
     if whole:
-        rows = conn.exec_driver_sql(
-            f"SELECT {_SUMMARY} FROM point_windows WHERE {_where(whole)}"
-        ).all()
-        if rows:
-            parts.append(_summaries(rows, seg_of))
+        summaries = list(
+            conn.exec_driver_sql(f"SELECT {_SUMMARY} FROM point_windows WHERE {_where(whole)}")
+        )
+        if summaries:
+            parts.append(_summaries(summaries, seg_of))
     if packed:
         rows = conn.exec_driver_sql(f"SELECT {_PACKED} FROM point_windows WHERE {_where(packed)}")
         parts.append(_points(rows, seg_of, width))

@@ -339,7 +339,8 @@ class Writer:
                 if w <= self._top[sid] and self._cached(sid, w) is None
             ],
         )
-        moves, writes = [], {}
+        moves: list[int] = []
+        writes: dict[str, list[tuple[Any, ...]]] = {}
         for sid, parts in splits.items():
             tail, newest = self._tail.get(sid), max(self._top[sid], parts[-1][0])
             if tail is not None and tail[0] < newest and tail[0] not in {w for w, _, _ in parts}:
@@ -385,7 +386,7 @@ class Writer:
         for chunk in _chunked(sids, 5_000):
             ids = ", ".join(map(str, chunk))
             q = f"SELECT series_id, MAX(win) FROM {MAIN} WHERE series_id IN ({ids}) "
-            tops.update(conn.exec_driver_sql(q + "GROUP BY series_id").all())  # type: ignore[arg-type]
+            tops.update({sid: w for sid, w in conn.exec_driver_sql(q + "GROUP BY series_id")})
             q = f"SELECT series_id, win, n FROM {TAIL} WHERE series_id IN ({ids})"
             for sid, win, n in conn.exec_driver_sql(q):
                 self._tail[sid] = (win, n, None, None)

@@ -483,9 +483,9 @@ def _matrix(
     labels = sorted({getattr(r, attr) for r in found})
     segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
     buckets, start, end, extremes = window
-    width, found, read_labels, _ = downsample_buckets(session, segs, buckets, start, end)
+    width, got, read_labels, _ = downsample_buckets(session, segs, buckets, start, end)
     row_of = np.array([labels.index(lab) for lab in read_labels], np.int64)
-    ks, n, n_nan, mn, mn_s, mx, mx_s = found.grids(row_of[found.group], len(labels))
+    ks, n, n_nan, mn, mn_s, mx, mx_s = got.grids(row_of[got.group], len(labels))
     if extremes != "both":
         mn = mn_s = [[None] * len(ks) for _ in labels]
     return Matrix(
@@ -532,8 +532,8 @@ def delete_run(session: Session, *, run_id: str) -> None:
     """Delete a run and everything stored for it (values have no FK to cascade)."""
     run = _run(session, run_id)
     ids = select(Series.id).where(Series.run_id == run.id).scalar_subquery()
-    for model in (PointChunk, PointTail):
-        session.execute(delete(model).where(model.series_id.in_(ids)))
+    for table in (PointChunk, PointTail):
+        session.execute(delete(table).where(table.series_id.in_(ids)))
     for model in (Series, Event, Checkpoint, Branch):
         session.execute(delete(model).where(model.run_id == run.id))
     session.execute(delete(Run).where(Run.id == run.id))
