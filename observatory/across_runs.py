@@ -15,13 +15,22 @@ import numpy as np
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 
+from observatory import metric_names as M
 from observatory.chunks import WINDOW, decode
 from observatory.downsample import END, Tree, downsample, downsample_buckets, lineage
 from observatory.models import Branch, MetricName, Run, Series
 from observatory.names import NO_INDEX, parse_name
 from observatory.store import Matrix, SeriesData, _bucket
 
-__all__ = ["end_values", "histories", "layer_matrices", "peaks", "runs_by_key", "trees"]
+__all__ = [
+    "end_values",
+    "histories",
+    "layer_matrices",
+    "layer_values",
+    "peaks",
+    "runs_by_key",
+    "trees",
+]
 
 
 def runs_by_key(session: Session, keys: Iterable[str]) -> dict[str, Run]:
@@ -191,4 +200,44 @@ def peaks(session: Session, run_pks: Sequence[int], template: str) -> dict[int, 
     if run_pks:
         for pk, v in session.execute(q, {"runs": list(run_pks), "name": template}):
             out[pk] = None if v is None else float(v)
+    return out
+
+
+def layer_values(
+    session: Session, run_pks: Sequence[int], tree_of: dict[int, Tree], stat: str
+) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Every per-layer series of `stat` (`layer/<layer>/<stat>`, per-head ones excluded) of
+    these runs, in full, on each run's newest branch's history: {run pk: {name: (steps,
+    values)}}, steps increasing. Two statements."""
+    q = (
+        select(Series.run_id, Series.id, Series.branch, Series.layer, MetricName.name)
+        .join(MetricName, MetricName.id == Series.metric_id)
+        .where(Series.run_id.in_(list(run_pks)), MetricName.name.like(f"layer/%/{stat}"))
+    )
+    rows = [r for r in session.execute(q) if M.is_per_layer(r[4], stat)] if run_pks else []
+    parts = {pk: _newest_parts(tree_of.get(pk, {})) for pk in run_pks}
+    keep = {}  # series id -> (run pk, name, lo, hi) for the series on a run's newest history
+    for pk, sid, br, layer, template in rows:
+        for b, lo, hi in parts[pk]:
+            if b == br:
+                name = template.replace("*", str(layer), 1) if layer >= 0 else template
+                keep[sid] = (pk, name, lo, hi)
+    if not keep:
+        return {pk: {} for pk in run_pks}
+    sql = text(
+        "SELECT series_id, win, first_step, last_step, n, steps, vals FROM point_windows "
+        "WHERE series_id IN :ids"
+    ).bindparams(bindparam("ids", expanding=True))
+    pieces: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for sid, win, first, last, n, steps, vals in session.execute(sql, {"ids": list(keep)}):
+        pk, name, lo, hi = keep[sid]
+        st, v = decode(win, first, last, n, steps, vals)
+        inside = (st >= lo) & (st <= hi)
+        pieces.setdefault((pk, name), []).append((st[inside], v[inside]))
+    out: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {pk: {} for pk in run_pks}
+    for (pk, name), got in pieces.items():
+        st = np.concatenate([s for s, _ in got])
+        v = np.concatenate([x for _, x in got])
+        order = np.argsort(st, kind="stable")
+        out[pk][name] = (st[order], v[order])
     return out

@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session
 
 from observatory import across_runs as across
 from observatory import metric_names as M
+from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW, Census, census_of
 from observatory.models import (
     Event,
     Sweep,
@@ -42,6 +43,8 @@ from observatory.store import LOSS_METRIC, NotFoundError, RunSummary, list_runs,
 
 __all__ = [
     "Cell",
+    "CensusRow",
+    "Rate",
     "SweepConflictError",
     "SweepInfo",
     "SweepReport",
@@ -93,6 +96,7 @@ class Cell:
     first_spike: int | None = None
     rollbacks: int = 0
     recovery_steps: int = 0  # steps redone because of rollbacks (from_step - to_step, summed)
+    census: Census = field(default_factory=Census)  # observatory/census.py
 
     @property
     def diverged(self) -> bool:
@@ -117,6 +121,29 @@ class VariantSummary:
 
 
 @dataclass(frozen=True)
+class Rate:
+    """A rate per 1k steps over a cell's seeds: the mean, and the lowest and highest seed."""
+
+    mean: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+
+
+@dataclass(frozen=True)
+class CensusRow:
+    """The spike census of one variant at one learning rate, over its runs (seeds)."""
+
+    variant: str
+    lr: float
+    runs: int
+    steps: int
+    loss_spikes: Rate
+    grad_spikes: Rate
+    nonfinite: Rate
+    rollbacks: Rate
+
+
+@dataclass(frozen=True)
 class SweepReport:
     group: str | None
     hypothesis: str | None
@@ -125,6 +152,7 @@ class SweepReport:
     lrs: list[float]
     variants: list[VariantSummary]
     cells: list[Cell] = field(default_factory=list)
+    census: list[CensusRow] = field(default_factory=list)
 
     @property
     def is_lr_sweep(self) -> bool:
@@ -211,6 +239,7 @@ def sweep_report(session: Session, group: str) -> SweepReport:
         report.lrs,
         report.variants,
         report.cells,
+        report.census,
     )
 
 
@@ -224,7 +253,7 @@ def report_for_runs(
     summaries = _summaries_of(session, runs)
     rows = across.runs_by_key(session, [r.run_id for r in summaries])
     pks = [rows[r.run_id].id for r in summaries]
-    facts = _facts(session, pks)
+    facts = _facts(session, pks, {rows[r.run_id].id: r.last_step for r in summaries})
     cells: dict[tuple[str, float, int], Cell] = {}
     for r in sorted(summaries, key=lambda s: s.created_at):
         cell = _cell(r, rows[r.run_id].id, facts)
@@ -239,7 +268,37 @@ def report_for_runs(
     lrs = sorted({lr for _, lr, _ in cells})
     ordered = sorted(cells.values(), key=lambda c: (variants.index(c.variant), c.lr, c.seed))
     summary = [_variant(v, lrs, [c for c in ordered if c.variant == v]) for v in variants]
-    return SweepReport(None, None, None, dict(grid or {}), lrs, summary, ordered)
+    census = [
+        row
+        for v in variants
+        for lr in lrs
+        if (row := _census_row(v, lr, [c for c in ordered if (c.variant, c.lr) == (v, lr)]))
+    ]
+    return SweepReport(None, None, None, dict(grid or {}), lrs, summary, ordered, census)
+
+
+def _rate(values: list[float | None]) -> Rate:
+    known = [v for v in values if v is not None]
+    if not known:
+        return Rate()
+    return Rate(sum(known) / len(known), min(known), max(known))
+
+
+def _census_row(variant: str, lr: float, cells: list[Cell]) -> CensusRow | None:
+    """The census over a cell's seeds that have run (None when none has)."""
+    ran = [c.census for c in cells if c.run_id is not None and c.census.steps]
+    if not ran:
+        return None
+    return CensusRow(
+        variant,
+        lr,
+        len(ran),
+        sum(c.steps or 0 for c in ran),
+        _rate([c.loss_spikes_per_1k for c in ran]),
+        _rate([c.grad_spikes_per_1k for c in ran]),
+        _rate([c.nonfinite_per_1k for c in ran]),
+        _rate([c.rollbacks_per_1k for c in ran]),
+    )
 
 
 def _variant(name: str, lrs: list[float], cells: list[Cell]) -> VariantSummary:
@@ -289,9 +348,11 @@ def _summaries_of(session: Session, runs: Sequence[RunSummary | str]) -> list[Ru
     return [found[r] if isinstance(r, str) else r for r in runs]
 
 
-def _facts(session: Session, pks: list[int]) -> dict[str, dict[int, Any]]:
+def _facts(
+    session: Session, pks: list[int], last_step: dict[int, int | None]
+) -> dict[str, dict[int, Any]]:
     """What the cells need beyond the run summaries, for all runs at once (a fixed number of
-    statements): first spike, rollback records, first loss, last val loss, peak logit."""
+    statements): first spike, rollback records, first loss, last val loss, peak logit, census."""
     first_spike = dict(
         session.execute(
             select(Event.run_id, func.min(Event.step))
@@ -310,6 +371,7 @@ def _facts(session: Session, pks: list[int]) -> dict[str, dict[int, Any]]:
         "init": across.end_values(session, pks, tree_of, LOSS_METRIC, last=False),
         "final_val": across.end_values(session, pks, tree_of, VAL_METRIC, last=True),
         "peak": across.peaks(session, pks, ATTN_MAX_TEMPLATE),
+        "census": census_of(session, pks, tree_of, last_step),
     }
 
 
@@ -337,6 +399,7 @@ def _cell(r: RunSummary, pk: int, facts: dict[str, dict[int, Any]]) -> Cell:
         first_spike=facts["first_spike"].get(pk),
         rollbacks=r.rollbacks,
         recovery_steps=redone,
+        census=facts["census"].get(pk, Census()),
     )
 
 
@@ -386,5 +449,37 @@ def report_markdown(report: SweepReport) -> str:
             f"| {v.variant} | {_num(v.lr_sensitivity, '.4f')} | {_num(v.best_loss)} | "
             f"{_num(v.init_loss)} | {v.spikes} | {v.rollbacks} | {v.done}/{v.total} |"
         )
+    out += _census_markdown(report)
     out.append("")
     return "\n".join(out)
+
+
+def _rate_md(r: Rate) -> str:
+    if r.mean is None:
+        return "–"
+    if r.lo is None or r.hi is None or r.lo == r.hi:
+        return f"{r.mean:.2f}"
+    return f"{r.mean:.2f} ({r.lo:.2f}–{r.hi:.2f})"
+
+
+def _census_markdown(report: SweepReport) -> list[str]:
+    out = [
+        "",
+        "## Spike census (per 1k steps; mean over seeds, lowest–highest seed)",
+        "",
+        f"Gradient spike: a step where some layer's gradient norm exceeds {GRAD_SPIKE_FACTOR:g}x "
+        f"the median of its previous {GRAD_SPIKE_WINDOW} values (observatory/census.py).",
+        "",
+        "| variant | lr | runs | steps | loss spikes | gradient spikes | non-finite steps "
+        "| rollbacks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in report.census:
+        out.append(
+            f"| {row.variant} | {_lr(row.lr)} | {row.runs} | {row.steps} | "
+            f"{_rate_md(row.loss_spikes)} | {_rate_md(row.grad_spikes)} | "
+            f"{_rate_md(row.nonfinite)} | {_rate_md(row.rollbacks)} |"
+        )
+    if not report.census:
+        out.append("| (no run has recorded a step yet) | | | | | | | |")
+    return out

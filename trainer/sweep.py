@@ -2,9 +2,10 @@
 
 Each cell is a child process (`python -m trainer.cli train ...`), so a cell that crashes or
 diverges takes nothing else down and `--jobs N` runs N at once. A cell's run directory is
-`ROOT/GROUP/<variant>-lr<lr>-s<seed>`; it is done when its `summary.json` exists. Running the
-same command again resumes the sweep: done cells are not re-run, a cell with checkpoints
-continues from its newest one (`--resume`), any other unfinished cell starts over.
+`ROOT/GROUP/GROUP-<variant>-lr<lr>-s<seed>` (its name is the run id, unique in the store); it
+is done when its `summary.json` exists. Running the same command again resumes the sweep: done
+cells are not re-run, a cell with checkpoints continues from its newest one (`--resume`), any
+other unfinished cell starts over.
 
 The sweep is registered in the store before its first cell (observatory/sweeps.py), with its
 grid and the optional pre-registered hypothesis; every run carries the group and the tags
@@ -167,9 +168,9 @@ class _Runner:
 
     def run(self, cells: list[CellSpec], sessions: Any, console: Console) -> SweepResult:
         self.home.mkdir(parents=True, exist_ok=True)
-        todo = [_Job(c, self.home / c.key) for c in cells]
         with sessions() as session:
             stored = {r.run_id for r in list_runs(session, sweep_group=self.group)}
+        todo = [_Job(c, self._run_dir(c, stored)) for c in cells]
         for job in todo:
             if job.run_dir.exists() and job.run_dir.name not in stored:
                 self._set_aside(job.run_dir)  # from a sweep into another store: not this one's
@@ -212,6 +213,15 @@ class _Runner:
                     job.log_file.close()
         result.cells = {j.cell.key: j.state for j in todo}
         return result
+
+    def _run_dir(self, cell: CellSpec, stored: set[str]) -> Path:
+        """ROOT/GROUP/GROUP-<cell>: the directory's name is the run id, which must be unique in
+        the store, so it carries the group (two sweeps share cell names). A cell this group
+        ran before the group was in the name keeps its directory."""
+        legacy = self.home / cell.key
+        if legacy.is_dir() and cell.key in stored:
+            return legacy
+        return self.home / f"{self.group}-{cell.key}"
 
     @staticmethod
     def _set_aside(run_dir: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
+from observatory.census import Census
 from observatory.store import (
     BranchRow,
     Bucket,
@@ -24,7 +25,7 @@ from observatory.store import (
     SeriesData,
 )
 from observatory.strict_json import tagged_number
-from observatory.sweeps import Cell, SweepInfo, SweepReport, VariantSummary
+from observatory.sweeps import Cell, CensusRow, Rate, SweepInfo, SweepReport, VariantSummary
 
 __all__ = [
     "BranchOut",
@@ -105,6 +106,15 @@ EventOut = out_model(EventRow, name="EventOut")
 BranchOut = out_model(BranchRow, name="BranchOut")
 CheckpointOut = out_model(CheckpointRow, name="CheckpointOut")
 SweepOut = out_model(SweepInfo, name="SweepOut")
+CensusOut = out_model(
+    Census,
+    name="CensusOut",
+    extra={
+        f"{k}_per_1k": (Num, None) for k in ("loss_spikes", "grad_spikes", "nonfinite", "rollbacks")
+    },
+)
+RateOut = out_model(Rate, name="RateOut")
+CensusRowOut = out_model(CensusRow, name="CensusRowOut")
 CellOut = out_model(Cell, name="CellOut", extra={"diverged": (bool, ...)})
 VariantOut = out_model(VariantSummary, name="VariantOut")
 SweepReportOut = out_model(SweepReport, name="SweepReportOut")

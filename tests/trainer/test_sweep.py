@@ -49,7 +49,7 @@ def test_the_report_equals_the_store_and_the_run_summaries(swept) -> None:
         assert report.hypothesis == "QK-norm helps"
         for c in report.cells:
             summary = json.loads(
-                (root / group / f"{c.variant}-lr{c.lr:g}-s0" / "summary.json").read_text()
+                (root / group / f"{group}-{c.variant}-lr{c.lr:g}-s0" / "summary.json").read_text()
             )
             assert c.run_id == summary["run_id"]
             assert c.final_val == pytest.approx(summary["final_val_loss"], rel=1e-6)
@@ -72,13 +72,36 @@ def test_sweep_report_cli_prints_the_tables(swept, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert [v["variant"] for v in data["variants"]] == ["baseline", "qk_norm"]
     assert main(["sweep-report", "no-such-group", "--db", db]) == 2
+    assert "| variant | lr | runs | steps | loss spikes | gradient spikes | non-finite steps" in out
+    for v in ("baseline", "qk_norm"):
+        for lr in ("0.01", "0.1"):
+            assert f"| {v} | {lr} | 1 | 20 |" in out
+
+
+def test_two_groups_in_one_store_keep_their_own_runs(swept, tmp_path) -> None:
+    """Cells of different groups share names (baseline-lr0.01-s0); their run ids must not, or
+    the second group's run would be written into the first one's (and its points dropped)."""
+    root, db, group = swept
+    other = run_sweep(
+        "tiny_cpu", root=root, db_url=db, group="other", variants=["baseline"], lrs=[1e-2],
+        overrides=[*TINY, "train.max_steps=12"],
+    )  # fmt: skip
+    assert other.cells == {"baseline-lr0.01-s0": "ok"}
+    with store.session_factory(db)() as s:
+        mine = sweep_report(s, group).cells
+        theirs = sweep_report(s, "other").cells
+        assert len(theirs) == 1 and theirs[0].run_id not in {c.run_id for c in mine}
+        assert theirs[0].last_step == 12 and theirs[0].census.steps == 12
+        assert {c.last_step for c in mine} == {20}
+        losses = store.series(s, run_id=theirs[0].run_id, metric="train/loss", buckets=100)
+        assert sum(b.n for b in losses[0].buckets) == 12  # its own 12 steps, nothing merged
 
 
 def test_resuming_runs_only_the_unfinished_cells(swept) -> None:
     root, db, group = swept
     again = run_sweep("tiny_cpu", root=root, db_url=db, **GRID)
     assert again.group == group and set(again.cells.values()) == {"done"}
-    lost = root / group / "qk_norm-lr0.1-s0" / "summary.json"
+    lost = root / group / f"{group}-qk_norm-lr0.1-s0" / "summary.json"
     lost.unlink()  # as if that cell had been killed before it finished
     third = run_sweep("tiny_cpu", root=root, db_url=db, **GRID)
     assert third.cells == {
@@ -118,7 +141,8 @@ def test_the_same_grid_into_a_new_store_runs_again(tmp_path) -> None:
     )
     again = run_sweep("tiny_cpu", root=tmp_path / "r", db_url=db, **small)
     assert again.group == first.group and again.cells == {"baseline-lr0.01-s0": "ok"}
-    assert (tmp_path / "r" / first.group / "baseline-lr0.01-s0.other-store-1").is_dir()
+    aside = f"{first.group}-baseline-lr0.01-s0.other-store-1"
+    assert (tmp_path / "r" / first.group / aside).is_dir()
     with store.session_factory(db)() as s:
         report = sweep_report(s, again.group)
     assert [c.final_val is not None for c in report.cells] == [True]

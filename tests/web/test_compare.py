@@ -58,6 +58,11 @@ def test_sweeps_api(client) -> None:
     assert qk["lr_sensitivity"] is None and (qk["done"], qk["total"]) == (1, 2)
     pending = [c for c in report["cells"] if c["status"] == "pending"]
     assert [(c["variant"], c["lr"]) for c in pending] == [("qk_norm", 0.1)]
+    census = [(r["variant"], r["lr"], r["runs"]) for r in report["census"]]
+    assert census == [("baseline", 0.01, 1), ("baseline", 0.1, 1), ("qk_norm", 0.01, 1)]
+    ran = [c for c in report["cells"] if c["run_id"]]
+    assert all(c["census"]["steps"] == c["last_step"] for c in ran)
+    assert all(c["census"]["loss_spikes_per_1k"] is not None for c in ran)
     missing = client.get("/api/sweeps/nope")
     assert missing.status_code == 404 and "nope" in missing.json()["detail"]
 
@@ -82,6 +87,7 @@ def test_compare_page_of_a_group_shows_the_hypothesis_and_the_lr_table(client) -
     html = page.text
     assert "Pre-registered hypothesis" in html and HYPOTHESIS in html
     assert 'id="lr-table"' in html and "700.0" in html and "pending" in html
+    assert 'id="census-table"' in html and "gradient spikes" in html
     for chart in ("chart-compare", "chart-logits", "chart-lr-loss", "chart-lr-peak"):
         assert f'id="{chart}"' in html
     assert client.get("/compare", params={"group": "nope"}).status_code == 404
@@ -116,5 +122,5 @@ def test_the_compare_page_costs_the_same_statements_for_1_or_3_runs(client) -> N
             counts[query.count("run=")] = len(statements)
     finally:
         event.remove(engine, "before_cursor_execute", listen)
-    assert counts[1] == counts[3] <= 30, counts  # 28 today, for any number of runs
+    assert counts[1] == counts[3] <= 30, counts  # 30 today (3 of them the census), any runs
     assert "chart-logits" in page.text and "qk_norm-0.01" in page.text

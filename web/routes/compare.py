@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from observatory import across_runs as across
 from observatory import metric_names as M
 from observatory import store
+from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
 from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_report
 from web import charts
 from web.deps import SessionDep
@@ -96,6 +97,8 @@ def compare_page(
         "metric": metric,
         "align": align,
         "fmt": _fmt,
+        "grad_factor": GRAD_SPIKE_FACTOR,
+        "grad_window": GRAD_SPIKE_WINDOW,
     }
     return templates.TemplateResponse(request, "compare.html", context)
 
