@@ -319,11 +319,19 @@ class DistributedConfig(_Section):
 
 class FaultConfig(_Section):
     kind: Literal[
-        "shifted_labels", "repeated_bytes", "random_bytes", "lr_scale", "nan_loss", "flaky_lr_scale"
+        "shifted_labels",
+        "repeated_bytes",
+        "random_bytes",
+        "lr_scale",
+        "nan_loss",
+        "flaky_lr_scale",
+        "lr_ramp",
     ] = Field(description="What goes wrong (trainer/faults.py describes each).")
     start: int = Field(ge=0, description="First global batch index affected.")
     length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
-    factor: float = Field(30.0, gt=0, description="LR multiplier, for kind = 'lr_scale'.")
+    factor: float = Field(
+        30.0, gt=0, description="LR multiplier of 'lr_scale'; the final one of 'lr_ramp'."
+    )
     rank: int | None = Field(
         None,
         ge=0,
@@ -333,7 +341,7 @@ class FaultConfig(_Section):
 
     @model_validator(mode="after")
     def _rank_only_for_data(self) -> FaultConfig:
-        if self.rank is not None and self.kind in ("lr_scale", "flaky_lr_scale"):
+        if self.rank is not None and self.kind in ("lr_scale", "flaky_lr_scale", "lr_ramp"):
             raise ValueError(f"rank applies to data faults only, not kind='{self.kind}'")
         return self
 

@@ -9,7 +9,10 @@ does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small 
 - "lr_scale": the learning rate times `factor` on those batches (x30 for 3 steps: +26%);
 - "nan_loss": a non-finite loss (exercises the refusal of non-finite updates);
 - "flaky_lr_scale": like "lr_scale", but only the first time a batch index is trained: a
-  transient fault (think of a flipped bit) that a replay does not reproduce.
+  transient fault (think of a flipped bit) that a replay does not reproduce;
+- "lr_ramp": the learning rate times factor^((i + 1) / length) on the i-th batch of the range,
+  growing geometrically to `factor` at its last batch: a fault whose damage develops over many
+  steps (a mis-set schedule), for measuring which signal warns before the loss moves.
 
 Under torchrun a fault applies to each rank's shard of the global batch; with `rank` set, to
 that rank's shard only (a bad shard on one host). The LR kinds cannot be restricted to a rank.
@@ -61,6 +64,8 @@ def apply_faults(
             x, y = buf[:, :-1].to(x.device), buf[:, 1:].to(y.device)
         elif f.kind == "lr_scale" or (f.kind == "flaky_lr_scale" and first_time):
             lr *= f.factor
+        elif f.kind == "lr_ramp":
+            lr *= f.factor ** ((index - f.start + 1) / f.length)
         elif f.kind == "nan_loss":
             nan = True
     return FaultEffect(x, y, lr, nan, tuple(kinds))

@@ -28,6 +28,9 @@ def test_faults_touch_only_their_batch_indices() -> None:
     assert torch.equal(rnd.x[:, 1:], rnd.y[:, :-1]) and not torch.equal(rnd.x, x)
     lr = apply_faults([FaultConfig(kind="lr_scale", start=0, factor=30)], 0, x, y)
     assert lr.lr_factor == 30 and lr.kinds == ("lr_scale",)
+    ramp = [FaultConfig(kind="lr_ramp", start=10, length=4, factor=16)]
+    factors = [apply_faults(ramp, i, x, y).lr_factor for i in range(9, 15)]
+    assert factors == pytest.approx([1, 2, 4, 8, 16, 1])  # 16^(1/4) per batch, then over
 
 
 def test_a_fault_makes_a_real_spike_and_lasting_harm(tmp_path) -> None:
