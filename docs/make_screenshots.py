@@ -2,10 +2,13 @@
 
     python docs/make_screenshots.py DB_URL RUN_ID [COMPARE_RUN ...]
     python docs/make_screenshots.py DB_URL --group GROUP
+    python docs/make_screenshots.py DB_URL --page PATH FILE.png=ELEMENT_ID ...
 
 The first form shoots the run page and the compare page of the given runs. The second shoots
 a sweep group's compare page (compare_page.png) and exports its charts, as the dashboard's
-chart functions draw them, for docs/ablations.md (ablation_*.png).
+chart functions draw them, for docs/ablations.md (ablation_*.png). The third opens any page of
+the dashboard (`/runs/RUN_ID`, `/compare?group=G`) and saves the listed elements (a chart's or a
+table's id) as docs/FILE.png, for docs/spikes.md.
 Serves the dashboard on a free local port and drives Debian's Chromium with Playwright.
 """
 
@@ -49,7 +52,30 @@ def shoot_group(page, base: str, group: str, out: Path) -> None:
         page.locator(f"#{chart}").screenshot(path=str(out / name))
 
 
+def shoot_elements(page, base: str, path: str, wanted: list[str], out: Path) -> None:
+    page.goto(f"{base}{path}")
+    for item in wanted:
+        name, _, element = item.partition("=")
+        if element.startswith(("chart-", "heat-")):
+            page.wait_for_selector(f"#{element} .main-svg")
+    page.wait_for_timeout(800)
+    for item in wanted:
+        name, _, element = item.partition("=")
+        page.locator(f"#{element}").screenshot(path=str(out / name))
+
+
 def main() -> None:
+    if sys.argv[2] == "--page":
+        db, _, path, *wanted = sys.argv[1:]
+        served = serve_in_thread(create_app(Settings(db_url=db)))
+        assert served is not None
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            shoot_elements(page, served.url, path, wanted, Path(__file__).parent)
+            browser.close()
+        served.stop()
+        return
     if sys.argv[2] == "--group":
         db, _, group = sys.argv[1:4]
         run, others = None, []

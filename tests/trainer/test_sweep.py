@@ -146,3 +146,15 @@ def test_the_same_grid_into_a_new_store_runs_again(tmp_path) -> None:
     with store.session_factory(db)() as s:
         report = sweep_report(s, again.group)
     assert [c.final_val is not None for c in report.cells] == [True]
+
+
+def test_a_cell_run_before_run_ids_carried_the_group_keeps_its_directory(tmp_path) -> None:
+    """Sweeps run before the group was in the run id resume in their old directories."""
+    from trainer.sweep import CellSpec, _Runner
+
+    runner = _Runner("cfg.toml", [], tmp_path / "g", "g", "sqlite://", 1)
+    cell = CellSpec("baseline", 0.01, 0)
+    assert runner._run_dir(cell, set()) == tmp_path / "g" / "g-baseline-lr0.01-s0"
+    (tmp_path / "g" / "baseline-lr0.01-s0").mkdir(parents=True)
+    assert runner._run_dir(cell, {"baseline-lr0.01-s0"}) == tmp_path / "g" / "baseline-lr0.01-s0"
+    assert runner._run_dir(cell, set()) == tmp_path / "g" / "g-baseline-lr0.01-s0"  # not ours
