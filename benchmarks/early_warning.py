@@ -23,9 +23,11 @@ signal when one of its episodes starts within `--horizon` (100) steps before the
 onset included; the **lead** is the onset minus the first such start. **False warnings** are
 episodes on clean runs, per 10k steps.
 
-**Recovery.** The same ramp with rollback on (checkpoints every 25 steps) twice per seed: with
-the detector's warnings (each pins the newest checkpoint as a pre-spike anchor) and with them
-switched off; the table compares rollbacks, steps redone, halts and the final validation loss.
+**Recovery.** The same ramp with rollback on (checkpoints every 25 steps) three times per seed:
+with the detector's warnings (each pins the newest checkpoint as a pre-spike anchor), with them
+switched off, and with `watch.policy.warning_horizon=100` (the rollback goes to before the
+earliest warning episode within 100 steps of the onset, and skips from there); the table
+compares rollbacks, steps redone, halts and the final validation loss.
 Last line: one JSON object.
 """
 
@@ -68,9 +70,16 @@ GROUPS: dict[str, list[str]] = {
     "warning-clean": [*COMMON, *WATCH_ONLY],
     "recovery-ramp-warnings": [*COMMON, RAMP, "checkpoint.interval=25"],
     "recovery-ramp-no-warnings": [*COMMON, RAMP, "checkpoint.interval=25", *NO_WARNINGS],
+    "recovery-ramp-warning-target": [
+        *COMMON,
+        RAMP,
+        "checkpoint.interval=25",
+        "watch.policy.warning_horizon=100",
+    ],
 }
 SEEDS = {"warning-ramp": 6, "warning-clean": 3, "recovery-ramp-warnings": 4}
 SEEDS["recovery-ramp-no-warnings"] = SEEDS["recovery-ramp-warnings"]
+SEEDS["recovery-ramp-warning-target"] = SEEDS["recovery-ramp-warnings"]
 
 
 @dataclass
@@ -165,14 +174,19 @@ def load(session, run_id: str, steps: int) -> RunData:
 def runs_of(session, groups: list[str]) -> list[RunData]:
     out = []
     for g in groups:
-        for c in sweep_report(session, g).cells:
+        try:
+            cells = sweep_report(session, g).cells
+        except store.NotFoundError:  # not run yet
+            continue
+        for c in cells:
             if c.run_id and c.last_step:
                 out.append(load(session, c.run_id, c.last_step))
     return out
 
 
-def warning_table(spiky: list[RunData], clean: list[RunData], horizon: int) -> list[dict]:
-    clean_steps = sum(r.steps for r in clean)
+def warning_table(
+    spiky: list[RunData], cleans: dict[str, list[RunData]], horizon: int
+) -> list[dict]:
     rows = []
     for name in [*ONLINE, *(o[0] for o in OFFLINE)]:
         leads = []
@@ -181,23 +195,27 @@ def warning_table(spiky: list[RunData], clean: list[RunData], horizon: int) -> l
             early = [s for s in r.episodes[name] if r.onset - horizon <= s <= r.onset]
             if early:
                 leads.append(r.onset - min(early))
-        false = sum(len(r.episodes[name]) for r in clean)
-        rows.append(
-            {
-                "signal": name,
-                "warned": len(leads),
-                "spikes": len(spiky),
-                "median_lead": statistics.median(leads) if leads else None,
-                "false_per_10k": 1e4 * false / clean_steps if clean_steps else None,
-            }
-        )
+        row = {
+            "signal": name,
+            "warned": len(leads),
+            "spikes": len(spiky),
+            "median_lead": statistics.median(leads) if leads else None,
+        }
+        for kind, clean in cleans.items():
+            steps = sum(r.steps for r in clean)
+            false = sum(len(r.episodes[name]) for r in clean)
+            row[f"false_per_10k_{kind}"] = 1e4 * false / steps if steps else None
+        rows.append(row)
     return rows
 
 
 def recovery_table(session) -> list[dict]:
     rows = []
-    for g in ("recovery-ramp-warnings", "recovery-ramp-no-warnings"):
-        cells = [c for c in sweep_report(session, g).cells if c.run_id]
+    for g in [g for g in GROUPS if g.startswith("recovery-")]:
+        try:
+            cells = [c for c in sweep_report(session, g).cells if c.run_id]
+        except store.NotFoundError:  # not run yet
+            continue
         vals = [c.final_val for c in cells if c.final_val is not None]
         rows.append(
             {
@@ -242,24 +260,26 @@ def main() -> None:
                 jobs=args.jobs,
             )
     with store.session_factory(url)() as session:
-        runs = runs_of(session, ["warning-ramp", "warning-clean"])
+        spiky = [r for r in runs_of(session, ["warning-ramp"]) if r.onset is not None]
+        cleans = {"default": [r for r in runs_of(session, ["warning-clean"]) if r.onset is None]}
         recovery = recovery_table(session)
     if args.clean_root:
         other = resolve_url(f"sqlite:///{Path(args.clean_root).resolve() / 'spikewatch.db'}")
         with store.session_factory(other)() as session:
             groups = [s.name for s in list_sweeps(session)]
-            runs += runs_of(session, groups)
-    spiky = [r for r in runs if r.onset is not None and r.run_id.startswith("warning-ramp")]
-    clean = [r for r in runs if r.onset is None]
-    table = warning_table(spiky, clean, args.horizon)
-    print(f"spikes: {len(spiky)} (onsets {[r.onset for r in spiky]}); clean runs: {len(clean)},")
-    print(f"{sum(r.steps for r in clean)} steps")
-    print("| signal | spikes warned | median lead (steps) | false warnings per 10k clean steps |")
-    print("|---|---:|---:|---:|")
+            cleans["search"] = [r for r in runs_of(session, groups) if r.onset is None]
+    table = warning_table(spiky, cleans, args.horizon)
+    print(f"spikes: {len(spiky)}, loss onsets at steps {[r.onset for r in spiky]}")
+    for kind, clean in cleans.items():
+        print(f"clean runs ({kind}): {len(clean)}, {sum(r.steps for r in clean)} steps")
+    head = " | ".join(f"false warnings per 10k clean steps ({kind})" for kind in cleans)
+    print(f"| signal | spikes warned | median lead (steps) | {head} |")
+    print("|---|---:|---:|" + "---:|" * len(cleans))
     for row in table:
+        rates = " | ".join(_f(row[f"false_per_10k_{kind}"]) for kind in cleans)
         print(
             f"| {row['signal']} | {row['warned']}/{row['spikes']} | {_f(row['median_lead'])} | "
-            f"{_f(row['false_per_10k'])} |"
+            f"{rates} |"
         )
     print()
     print("| arm | runs | halted | rollbacks | steps redone | final val loss (lowest-highest) |")

@@ -8,6 +8,11 @@ of the previous rollback is a repeat: the extra skip grows by `skip_growth` and 
 by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
 why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
 
+With `warning_horizon` set, a leading signal moves the rollback target earlier: when a warning
+episode (observatory/detect.py's warnings) began at most that many steps before the onset, the
+onset is taken to be the earliest such start, so the restore point precedes the warning and the
+skip covers the batches from there (docs/spikes.md measures what it buys).
+
 Two ways out of a cut: after `repeat_window` calm steps since the last rollback, one LR cut is
 given back (`recover`), and so on each window, up to the full LR. And a real new plateau (a
 data change the trainer was not told about) is not a spike: when, `accept_level_after`
@@ -55,6 +60,12 @@ class PolicyConfig(BaseModel):
     level_tolerance: float = Field(
         0.15, gt=0, description="Largest |log ratio| of two spikes' levels that is one level."
     )
+    warning_horizon: int | None = Field(
+        None,
+        ge=1,
+        description="Roll back to before a warning episode that began at most this many steps "
+        "before the onset (and skip from there); None = before the onset only.",
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,9 @@ class Policy:
         checkpoints: Iterable[int],
         batch_of: Mapping[int, int],
         loss_of: Mapping[int, float] | None = None,
+        warned_at: Iterable[int] = (),
     ) -> Plan:
+        """`warned_at`: steps where warning episodes began (used with `warning_horizon`)."""
         if verdict.kind == "nonfinite":
             self.nonfinite_run.append(verdict.step)
             if len(self.nonfinite_run) < self.cfg.nonfinite_tolerance:
@@ -99,7 +112,11 @@ class Policy:
         again = self._same_level_again(verdict, batch_of, level)
         if again >= self.cfg.accept_level_after:
             return self._accept(verdict, level, again)
-        plan = self._rollback(verdict, verdict.onset_step, checkpoints, batch_of, "loss spike")
+        onset = start = verdict.onset_step
+        if self.cfg.warning_horizon is not None:
+            early = [w for w in warned_at if onset - self.cfg.warning_horizon <= w < onset]
+            start = min(early, default=onset)
+        plan = self._rollback(verdict, onset, checkpoints, batch_of, "loss spike", start=start)
         if plan.action == "rollback" and level is not None:
             cuts = (self.shift or {}).get("cuts", []) if again else []
             self.shift = {
@@ -175,8 +192,12 @@ class Policy:
         checkpoints: Iterable[int],
         batch_of: Mapping[int, int],
         what: str,
+        *,
+        start: int | None = None,
     ) -> Plan:
+        """Back to before `start` (the onset, or an earlier warning), skipping from there."""
         cfg = self.cfg
+        start = onset if start is None else start
         recent = [s for s in self.rollback_steps if verdict.step - s <= cfg.repeat_window]
         info = {
             "onset_step": onset,
@@ -196,7 +217,9 @@ class Policy:
                 "(a resume may change it: spikewatch train --resume RUN_DIR --set optim.lr=...)",
                 info=info,
             )
-        limit = onset - cfg.margin
+        if start < onset:
+            info["warning_step"] = start
+        limit = start - cfg.margin
         before = [c for c in checkpoints if c < limit]
         if not before:
             return Plan(
@@ -224,8 +247,9 @@ class Policy:
         info.update(to_step=to_step, skip_ranges=[list(skip)], lr_scale=lr_scale)
         return Plan(
             "rollback",
-            f"{what} at step {verdict.step}, onset {onset}: back to step "
-            f"{to_step}, skipping batches [{skip[0]}, {skip[1]})",
+            f"{what} at step {verdict.step}, onset {onset}: back to step {to_step}"
+            + (f" (before the warning at step {start})" if start < onset else "")
+            + f", skipping batches [{skip[0]}, {skip[1]})",
             to_step=to_step,
             skip_ranges=(skip,),
             lr_scale=lr_scale,

@@ -68,6 +68,7 @@ class SpikeGuard(Callback):
         self._notes: list[Note] = []
         self._pin: str | None = None
         self._warned: dict[str, int] = {}  # signal -> last step it warned
+        self._episodes: list[int] = []  # steps where warning episodes began (recent ones)
         self._keep = 4 * (watch.detector.window + watch.policy.skip_extra) + 64
 
     @classmethod
@@ -127,12 +128,17 @@ class SpikeGuard(Callback):
         self._warned[v.signal] = v.step
         if last is None or v.step - last > 1:
             log.info("step %d: warning (%s)", v.step, v.message)
+            self._episodes = [s for s in self._episodes if s > v.step - self._keep] + [v.step]
             return True
         return False
 
     def _act(self, v: Verdict, level: float | None) -> Action:
         plan = self.policy.decide(
-            v, checkpoints=self.retained(), batch_of=self.batch_of, loss_of=self.loss_of
+            v,
+            checkpoints=self.retained(),
+            batch_of=self.batch_of,
+            loss_of=self.loss_of,
+            warned_at=self._episodes,
         )
         if plan.action == "accept":  # a new level: the baseline restarts at its onset
             self.detector.rebase(v.onset_step)
@@ -209,6 +215,7 @@ class SpikeGuard(Callback):
         # the restored branch has not seen the warnings raised after `step`: a warning there
         # starts a new episode (and pins a new anchor)
         self._warned = {k: s for k, s in self._warned.items() if s <= step}
+        self._episodes = [s for s in self._episodes if s <= step]
         for s in [s for s in self.batch_of if s > step]:
             del self.batch_of[s]
             self.loss_of.pop(s, None)
@@ -226,6 +233,7 @@ class SpikeGuard(Callback):
             "watching": [[spike.record(), level] for spike, level in self.watching],
             "outcomes": self.outcomes,
             "warned": self._warned,
+            "episodes": self._episodes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -242,3 +250,4 @@ class SpikeGuard(Callback):
         self.watching = [(Spike.from_record(r), float(lv)) for r, lv in state.get("watching", [])]
         self.outcomes = list(state.get("outcomes", []))
         self._warned = {str(k): int(s) for k, s in state.get("warned", {}).items()}
+        self._episodes = [int(s) for s in state.get("episodes", [])]

@@ -19,6 +19,20 @@ def test_rollback_targets_the_newest_checkpoint_before_onset_minus_margin() -> N
     assert plan.lr_scale == 1.0 and plan.info["onset_step"] == 151
 
 
+def test_a_warning_before_the_onset_moves_the_target_earlier_when_asked() -> None:
+    ck = [0, 100, 120, 140, 150]
+    warned = [20, 125, 160]  # too early, within 50 steps before the onset, after it
+    off = Policy().decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
+    assert off.to_step == 140 and "warning_step" not in off.info
+    on = Policy(PolicyConfig(warning_horizon=50))
+    plan = on.decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
+    assert plan.to_step == 120 and plan.skip_ranges == ((123, 163),)  # from step 124's batch
+    assert plan.info["onset_step"] == 151 and plan.info["warning_step"] == 125
+    assert "before the warning at step 125" in plan.reason
+    none = on.decide(_spike(453, 451), checkpoints=ck + [440], batch_of=BATCH_OF, warned_at=[])
+    assert none.to_step == 440
+
+
 def test_repeats_escalate_then_halt() -> None:
     p = Policy(PolicyConfig(max_rollbacks=2, repeat_window=500, skip_extra=10))
     ck = list(range(0, 2000, 10))

@@ -230,3 +230,26 @@ def test_a_rollback_resets_the_warning_memory() -> None:
     guard.on_rollback(90, {})
     assert guard._new_episode(warn(92))  # the same signal, one branch later
     assert not guard._new_episode(warn(93))
+
+
+def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -> None:
+    """With policy.warning_horizon the guard's warning episodes move the rollback target to
+    before the earliest one within the horizon; episodes of an abandoned branch are gone."""
+    from observatory.detect import Verdict
+    from observatory.policy import PolicyConfig
+    from trainer.config import WatchConfig
+    from trainer.guard import SpikeGuard
+
+    watch = WatchConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
+    guard = SpikeGuard(watch, retained=lambda: [0, 100, 120, 140])
+    guard.batch_of = {s: s - 1 for s in range(1, 200)}
+
+    def warn(step: int) -> Verdict:
+        return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
+
+    for step in (125, 126, 130, 131, 170):  # episodes begin at 125 and 130 (130 > 126 + 1)
+        guard._new_episode(warn(step))
+    guard.on_rollback(160, {})  # the episode at 170 was on the abandoned branch
+    action = guard._act(Verdict("spike", 153, 151, 152, 30.0), level=None)
+    assert action.to_step == 120 and action.skip_ranges == ((123, 163),)  # from step 124
+    assert guard.state_dict()["episodes"] == [125, 130]
