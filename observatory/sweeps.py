@@ -24,6 +24,7 @@ run stands for it.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -175,8 +176,14 @@ def register_sweep(
         session.add(row)
         session.commit()
         return _info(row)
-    if row.spec != spec:
-        diff = sorted(k for k in set(spec) | set(row.spec) if spec.get(k) != row.spec.get(k))
+    diff = sorted(
+        k
+        for k in set(spec) | set(row.spec)
+        if k not in spec
+        or k not in row.spec
+        or not (_same_config if k == "config" else operator.eq)(row.spec[k], spec[k])
+    )
+    if diff:
         raise SweepConflictError(
             f"sweep {name!r} exists with another grid (differs in: {', '.join(diff)}); "
             "resume it with the same arguments or choose another --group"
@@ -187,6 +194,14 @@ def register_sweep(
             f"hypothesis {row.hypothesis!r}; a pre-registered hypothesis cannot be changed"
         )
     return _info(row)
+
+
+def _same_config(old: Any, new: Any) -> bool:
+    """Equal, except for keys only one side has: a setting added by a newer version of
+    spikewatch (with its default) does not make a resumed sweep another grid."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return all(_same_config(old[k], new[k]) for k in old.keys() & new.keys())
+    return bool(old == new)
 
 
 def get_sweep(session: Session, name: str) -> SweepInfo | None:

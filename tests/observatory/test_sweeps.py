@@ -46,9 +46,18 @@ def test_a_hypothesis_is_registered_once_and_never_changed(db_url: str) -> None:
         assert register_sweep(s, name="g", spec=SPEC, hypothesis=info.hypothesis)
         with pytest.raises(SweepConflictError, match="cannot be changed"):
             register_sweep(s, name="g", spec=SPEC, hypothesis="z-loss wins")
+        with pytest.raises(SweepConflictError, match="differs in: seeds"):
+            register_sweep(s, name="g", spec={k: v for k, v in SPEC.items() if k != "seeds"})
         with pytest.raises(SweepConflictError, match="differs in: lrs"):
             register_sweep(s, name="g", spec={**SPEC, "lrs": [0.01]})
         assert get_sweep(s, "g").created_at == info.created_at
+        cfg = {"optim": {"lr": 0.01, "eps": 1e-8}}
+        register_sweep(s, name="c", spec={**SPEC, "config": cfg})
+        # a newer spikewatch adds a setting (with its default): the same grid, resumable
+        newer = {"optim": {"lr": 0.01, "eps": 1e-8}, "watch": {"policy": {"new_knob": None}}}
+        assert register_sweep(s, name="c", spec={**SPEC, "config": newer}).name == "c"
+        with pytest.raises(SweepConflictError, match="differs in: config"):
+            register_sweep(s, name="c", spec={**SPEC, "config": {"optim": {"lr": 0.1}}})
         assert get_sweep(s, "nope") is None
 
 
