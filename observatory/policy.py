@@ -61,7 +61,7 @@ class PolicyConfig(BaseModel):
         0.15, gt=0, description="Largest |log ratio| of two spikes' levels that is one level."
     )
     warning_horizon: int | None = Field(
-        None,
+        100,
         ge=1,
         description="Roll back to before a warning episode that began at most this many steps "
         "before the onset (and skip from there); None = before the onset only.",

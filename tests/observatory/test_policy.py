@@ -19,10 +19,11 @@ def test_rollback_targets_the_newest_checkpoint_before_onset_minus_margin() -> N
     assert plan.lr_scale == 1.0 and plan.info["onset_step"] == 151
 
 
-def test_a_warning_before_the_onset_moves_the_target_earlier_when_asked() -> None:
+def test_a_warning_before_the_onset_moves_the_target_earlier() -> None:
+    assert PolicyConfig().warning_horizon == 100  # on by default (docs/spikes.md)
     ck = [0, 100, 120, 140, 150]
     warned = [20, 125, 160]  # too early, within 50 steps before the onset, after it
-    off = Policy().decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
+    off = Policy(PolicyConfig(warning_horizon=None)).decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
     assert off.to_step == 140 and "warning_step" not in off.info
     on = Policy(PolicyConfig(warning_horizon=50))
     plan = on.decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
