@@ -343,7 +343,7 @@ def _variant(name: str, lrs: list[float], cells: list[Cell]) -> VariantSummary:
         diverged,
         init,
         min(finite) if finite else None,
-        lr_sensitivity(present, init),
+        lr_sensitivity(present, init) if len(lrs) >= 2 else None,  # one LR: nothing to say
         sum(c.spikes for c in cells),
         sum(c.rollbacks for c in cells),
         len(finished),

@@ -94,6 +94,7 @@ def test_the_census_of_stored_runs(db_url: str, tmp_path: Path) -> None:
     assert rough == census.Census(steps=100, loss_spikes=1, grad_spikes=3, nonfinite=2, rollbacks=1)
     assert calm == census.Census(steps=100)
     assert (rough.grad_spikes_per_1k, rough.nonfinite_per_1k) == (30.0, 20.0)
+    assert report.variants[0].lr_sensitivity is None  # one learning rate: no sensitivity
     [row] = report.census
     assert (row.variant, row.lr, row.runs, row.steps) == ("baseline", 0.01, 2, 200)
     assert (row.grad_spikes.mean, row.grad_spikes.lo, row.grad_spikes.hi) == (15.0, 0.0, 30.0)
