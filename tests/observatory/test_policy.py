@@ -23,7 +23,9 @@ def test_a_warning_before_the_onset_moves_the_target_earlier() -> None:
     assert PolicyConfig().warning_horizon == 100  # on by default (docs/spikes.md)
     ck = [0, 100, 120, 140, 150]
     warned = [20, 125, 160]  # too early, within 50 steps before the onset, after it
-    off = Policy(PolicyConfig(warning_horizon=None)).decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
+    off = Policy(PolicyConfig(warning_horizon=None)).decide(
+        _spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned
+    )
     assert off.to_step == 140 and "warning_step" not in off.info
     on = Policy(PolicyConfig(warning_horizon=50))
     plan = on.decide(_spike(153, 151), checkpoints=ck, batch_of=BATCH_OF, warned_at=warned)
