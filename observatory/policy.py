@@ -8,9 +8,9 @@ of the previous rollback is a repeat: the extra skip grows by `skip_growth` and 
 by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
 why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
 
-With `warning_horizon` set, a leading signal moves the rollback target earlier: when a warning
-episode (observatory/detect.py's warnings) began at most that many steps before the onset, the
-onset is taken to be the earliest such start, so the restore point precedes the warning and the
+With `warning_horizon` (100 steps by default; None turns it off), a leading signal moves the
+rollback target earlier: when a warning episode (observatory/detect.py's warnings) began at most
+that many steps before the onset, the restore point precedes the earliest such start and the
 skip covers the batches from there (docs/spikes.md measures what it buys).
 
 Two ways out of a cut: after `repeat_window` calm steps since the last rollback, one LR cut is
