@@ -50,6 +50,7 @@ __all__ = [
     "SweepInfo",
     "SweepReport",
     "VariantSummary",
+    "format_rate",
     "get_sweep",
     "list_sweeps",
     "lr_sensitivity",
@@ -469,7 +470,8 @@ def report_markdown(report: SweepReport) -> str:
     return "\n".join(out)
 
 
-def _rate_md(r: Rate) -> str:
+def format_rate(r: Rate) -> str:
+    """A census rate as the report and the compare page show it: mean (lowest–highest)."""
     if r.mean is None:
         return "–"
     if r.lo is None or r.hi is None or r.lo == r.hi:
@@ -492,8 +494,8 @@ def _census_markdown(report: SweepReport) -> list[str]:
     for row in report.census:
         out.append(
             f"| {row.variant} | {_lr(row.lr)} | {row.runs} | {row.steps} | "
-            f"{_rate_md(row.loss_spikes)} | {_rate_md(row.grad_spikes)} | "
-            f"{_rate_md(row.nonfinite)} | {_rate_md(row.rollbacks)} |"
+            f"{format_rate(row.loss_spikes)} | {format_rate(row.grad_spikes)} | "
+            f"{format_rate(row.nonfinite)} | {format_rate(row.rollbacks)} |"
         )
     if not report.census:
         out.append("| (no run has recorded a step yet) | | | | | | | |")

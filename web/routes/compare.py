@@ -17,7 +17,13 @@ from observatory import across_runs as across
 from observatory import metric_names as M
 from observatory import store
 from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
-from observatory.sweeps import SweepReport, list_sweeps, report_for_runs, sweep_report
+from observatory.sweeps import (
+    SweepReport,
+    format_rate,
+    list_sweeps,
+    report_for_runs,
+    sweep_report,
+)
 from web import charts
 from web.deps import SessionDep
 from web.routes.pages import templates
@@ -97,6 +103,7 @@ def compare_page(
         "metric": metric,
         "align": align,
         "fmt": _fmt,
+        "rate": format_rate,
         "grad_factor": GRAD_SPIKE_FACTOR,
         "grad_window": GRAD_SPIKE_WINDOW,
     }
