@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _common import machine, median  # noqa: E402
 
-from trainer.checkpointer import Checkpointer  # noqa: E402
+from trainer.builtin.loop import build_trainer  # noqa: E402
+from trainer.checkpoints.disk import Checkpointer  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.loop import build_trainer  # noqa: E402
-from trainer.snapshot import build_snapshot  # noqa: E402
+from trainer.core.state import build_snapshot  # noqa: E402
 
 
 def main() -> None:

@@ -39,10 +39,10 @@ from fastapi.responses import HTMLResponse  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from observatory import db  # noqa: E402
-from observatory.ingest import Writer  # noqa: E402
-from observatory.records import Record  # noqa: E402
 from observatory.serving import serve_in_thread  # noqa: E402
+from observatory.store import db  # noqa: E402
+from observatory.store.ingest import Writer  # noqa: E402
+from observatory.store.records import Record  # noqa: E402
 from web.app import create_app  # noqa: E402
 from web.settings import Settings  # noqa: E402
 

@@ -95,8 +95,8 @@ def synthetic(rng: random.Random, n: int) -> Curve:
 
 
 def recorded(tmp: Path) -> list[Curve]:
+    from trainer.builtin.loop import fit
     from trainer.config import load_config
-    from trainer.loop import fit
 
     faults = [
         None,

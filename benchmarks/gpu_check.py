@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.attention import max_logits  # noqa: E402
-from trainer.callbacks import Callback  # noqa: E402
+from trainer.builtin.loop import build_trainer  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.kernels.attention import flash_attention  # noqa: E402
-from trainer.loop import build_trainer  # noqa: E402
+from trainer.core.callbacks import Callback  # noqa: E402
+from trainer.model.attention import max_logits  # noqa: E402
+from trainer.model.kernels.attention import flash_attention  # noqa: E402
 
 PEAK_BF16 = 989e12
 

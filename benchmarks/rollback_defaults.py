@@ -37,8 +37,8 @@ def _train(args: tuple[str, list[str], str]) -> dict:
 
     import torch
 
+    from trainer.builtin.loop import fit
     from trainer.config import load_config
-    from trainer.loop import fit
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)

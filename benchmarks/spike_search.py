@@ -31,9 +31,9 @@ from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 
 from observatory import metric_names as M  # noqa: E402
 from observatory import store  # noqa: E402
-from observatory.db import resolve_url  # noqa: E402
+from observatory.store.db import resolve_url  # noqa: E402
 from observatory.sweeps import sweep_report  # noqa: E402
-from trainer.sweep import run_sweep  # noqa: E402
+from trainer.builtin.sweep import run_sweep  # noqa: E402
 
 COMMON = [
     "probes.state_interval=1",

@@ -39,11 +39,12 @@ from _common import machine  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from observatory import db, store  # noqa: E402
-from observatory.chunks import decode, reduce_points  # noqa: E402
-from observatory.ingest import Writer  # noqa: E402
-from observatory.records import Record  # noqa: E402
-from observatory.sink import DbSink  # noqa: E402
+from observatory import store
+from observatory.store import db  # noqa: E402
+from observatory.store.chunks import decode, reduce_points  # noqa: E402
+from observatory.store.ingest import Writer  # noqa: E402
+from observatory.store.records import Record  # noqa: E402
+from observatory.store.sink import DbSink  # noqa: E402
 
 NAMES = [f"layer/{layer}/m{j}" for layer in range(48) for j in range(10)]
 NAMES += [f"train/s{j}" for j in range(20)]

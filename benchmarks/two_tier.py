@@ -7,7 +7,7 @@ loss), once isolated (one batch) and once persistent, and for each strategy:
 
   none        detector records only (non-finite updates are always refused by the loop)
   rollback    the rollback tier alone (the first round's behaviour)
-  same_step   the same-step tier alone (trainer/same_step.py), no rollback
+  same_step   the same-step tier alone (trainer/core/same_step.py), no rollback
   both        both tiers (the default)
 
 it trains tiny_cpu with the fault at batch `--at` and reports the same-step refusals, the
@@ -48,8 +48,8 @@ def _train(args: tuple[list[str], str]) -> dict:
 
     import torch
 
+    from trainer.builtin.loop import fit
     from trainer.config import load_config
-    from trainer.loop import fit
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)

@@ -1,11 +1,12 @@
-"""Alembic environment: the URL comes from observatory.db (no alembic.ini, any working dir)."""
+"""Alembic environment: the URL comes from observatory.store.db (no alembic.ini, any working
+directory)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from observatory.db import make_engine, resolve_url
-from observatory.models import Base
+from observatory.store.db import make_engine, resolve_url
+from observatory.store.models import Base
 
 target_metadata = Base.metadata
 

@@ -21,7 +21,7 @@ rest of that file unreadable (reported once). CSV and JSON lines wait for their 
 that is not a row is reported and skipped.
 
 Restart-safe by idempotence: a new `watch` reads every source from the start again; points
-keep their first value (observatory/ingest.py) and events have content-derived uids, so the
+keep their first value (observatory/store/ingest.py) and events have content-derived uids, so the
 store ends with every point and event exactly once, and the detector, which sees the same
 points in the same order, makes the same verdicts.
 """
@@ -45,7 +45,7 @@ import crc32c
 from observatory import metric_names as M
 from observatory.detect import Detector, DetectorConfig
 from observatory.scan import _scalars
-from observatory.sink import BaseSink
+from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
 
 __all__ = ["Follower", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]

@@ -14,8 +14,8 @@ This package is the public surface only; the machinery lives in `trainer/` (the 
 probes, guard and checkpoints) and `observatory/` (detector, policy, store).
 """
 
-from trainer.attention import AttnMax, max_logits
 from trainer.config import WatchSettings
+from trainer.model.attention import AttnMax, max_logits
 from trainer.watch import Watch
 
 __all__ = ["AttnMax", "Watch", "WatchSettings", "max_logits"]

@@ -52,7 +52,7 @@ class Adapter:
     ) -> Watch:
         """The Watch around the framework's objects, their `step()` routed through it. `clip`:
         the framework's norm clipping, which the Watch takes over (after measuring)."""
-        from trainer.loop import new_run_id
+        from trainer.builtin.loop import new_run_id
 
         kwargs = {**extra, **self.watch_kwargs}
         if clip:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer.data import load_corpora
+from trainer.builtin.data import load_corpora
 
 __all__ = ["shift_labels", "text_corpus", "windows"]
 

@@ -39,7 +39,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.attention import RECORD_CHUNK, AttnMax, max_logits
+from trainer.model.attention import RECORD_CHUNK, AttnMax, max_logits
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -76,7 +76,7 @@ def _attention(
     n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
     if _triton_ok(query, key, attention_mask, dropout):
-        from trainer.kernels.attention import flash_attention
+        from trainer.model.kernels.attention import flash_attention
 
         out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
         rec.record(_layer(module), mx)

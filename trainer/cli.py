@@ -49,10 +49,10 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.builtin.loop import fit
+    from trainer.builtin.progress import ProgressBar
     from trainer.config import ConfigError, load_config
-    from trainer.loop import fit
-    from trainer.progress import ProgressBar
-    from trainer.recorder import Recorder
+    from trainer.core.recorder import Recorder
 
     run_dir = args.run_dir
     if args.resume:
@@ -104,7 +104,7 @@ def _split(text: str | None) -> list[str]:
 
 def _db_url(args: argparse.Namespace, run_dir: str) -> str:
     """--db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory."""
-    from observatory.db import url_for_run
+    from observatory.store.db import url_for_run
 
     return url_for_run(run_dir, args.db)
 
@@ -113,13 +113,13 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
     """The store the run writes to (migrated to the newest schema first); --no-db for none."""
     if args.no_db:
         return None
-    from observatory.sink import open_run_sink
+    from observatory.store.sink import open_run_sink
 
     return open_run_sink(run_dir, _db_url(args, run_dir), alert_urls=args.alert_url)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from trainer.sweep import parse_floats, parse_ints, run_sweep
+    from trainer.builtin.sweep import parse_floats, parse_ints, run_sweep
 
     result = run_sweep(
         args.config,
@@ -148,7 +148,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_report(args: argparse.Namespace) -> int:
-    from observatory.store import NotFoundError, session_factory
+    from observatory.store.queries import NotFoundError, session_factory
     from observatory.sweeps import report_markdown, sweep_report
     from trainer.config import ConfigError
 
@@ -210,7 +210,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 def cmd_logbook(args: argparse.Namespace) -> int:
     from observatory.logbook import logbook
-    from observatory.store import session_factory
+    from observatory.store.queries import session_factory
     from trainer.config import ConfigError
 
     with session_factory(args.db or _default_db(args.run))() as session:
@@ -225,7 +225,7 @@ def cmd_logbook(args: argparse.Namespace) -> int:
 def _default_db(run: str) -> str | None:
     """A run directory given as a path with a store beside it: that run's store (the rule a
     run writes by, `url_for_run`); else the usual default."""
-    from observatory.db import url_for_run
+    from observatory.store.db import url_for_run
 
     p = Path(run)
     return url_for_run(p) if (p.parent / "spikewatch.db").is_file() else None
@@ -234,9 +234,9 @@ def _default_db(run: str) -> str | None:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from observatory.alerts import Alerter, urls_from
-    from observatory.db import redact, resolve_url, upgrade
     from observatory.follow import Follower
-    from observatory.sink import DbSink
+    from observatory.store.db import redact, resolve_url, upgrade
+    from observatory.store.sink import DbSink
     from trainer.config import ConfigError
 
     paths = [Path(p) for p in args.paths]
@@ -290,7 +290,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The dashboard, by name through uvicorn: the trainer never imports web/."""
     import uvicorn
 
-    from observatory.db import upgrade
+    from observatory.store.db import upgrade
 
     if args.db:
         os.environ["SPIKEWATCH_DB_URL"] = args.db
@@ -307,7 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from trainer.young_daly import daly, overhead, parse_duration, young
+    from trainer.checkpoints.young_daly import daly, overhead, parse_duration, young
 
     mtbf, cost = parse_duration(args.mtbf), parse_duration(args.save_cost)
     rows = [("Young", young(cost, mtbf)), ("Daly", daly(cost, mtbf))]
@@ -331,7 +331,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args = argparse.Namespace(**{**vars(args), "config": str(CONFIG_DIR / "demo.toml")})
     server = None
     if args.serve and not args.no_db and _is_main_rank():
-        from observatory.db import upgrade
+        from observatory.store.db import upgrade
 
         args.db = _db_url(args, args.run_dir or "runs/_")  # our copy: the caller's stays as given
         upgrade(args.db)
@@ -379,7 +379,7 @@ def _start_dashboard(db: str, host: str, port: int):
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import OperationalError
 
-    from observatory.db import DatabaseURLError, redact, resolve_url, upgrade
+    from observatory.store.db import DatabaseURLError, redact, resolve_url, upgrade
 
     try:
         url = upgrade(args.db)
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_env()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoints.format import CheckpointError
     from trainer.config import ConfigError
 
     try:

@@ -23,7 +23,7 @@ from pydantic import (
 
 from observatory.detect import DetectorConfig
 from observatory.policy import PolicyConfig
-from trainer.same_step import SameStepConfig
+from trainer.core.same_step import SameStepConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -299,7 +299,7 @@ class WatchConfig(_Section):
     )
     same_step: SameStepConfig = Field(
         default_factory=SameStepConfig,
-        description="trainer/same_step.py: refuse an isolated extreme update on its own step.",
+        description="trainer/core/same_step.py: refuse an isolated extreme update on its own step.",
     )
 
 
@@ -326,7 +326,7 @@ class FaultConfig(_Section):
         "nan_loss",
         "flaky_lr_scale",
         "lr_ramp",
-    ] = Field(description="What goes wrong (trainer/faults.py describes each).")
+    ] = Field(description="What goes wrong (trainer/builtin/faults.py describes each).")
     start: int = Field(ge=0, description="First global batch index affected.")
     length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
     factor: float = Field(

@@ -34,30 +34,30 @@ from typing import Any
 import torch
 
 from observatory import metric_names as M
-from observatory.sink import BaseSink, open_run_sink
+from observatory.store.sink import BaseSink, open_run_sink
 from observatory.strict_json import write_json
-from trainer.actions import Action, Continue, Halt, Rollback
-from trainer.attention import AttnMax
-from trainer.callbacks import Callback, EvalState, FitState, StepState
-from trainer.checkpoint import Snapshot
-from trainer.checkpoint import list_checkpoints as ck_list
-from trainer.checkpointer import Checkpointer
+from trainer.builtin.data import DataState
+from trainer.builtin.step import HostTransfer, clip_by_global_norm
+from trainer.checkpoints.disk import Checkpointer
+from trainer.checkpoints.format import Snapshot
+from trainer.checkpoints.format import list_checkpoints as ck_list
+from trainer.checkpoints.staging import Stager, to_host
 from trainer.config import ConfigError, WatchSettings
-from trainer.data import DataState
-from trainer.decide import action_name, deliver_notes, intervention, propose, rescale
-from trainer.guard import SpikeGuard
-from trainer.probes import Probes, describe_model, module_layer_of
-from trainer.recorder import Recorder
-from trainer.same_step import SameStepGate
-from trainer.snapshot import (
+from trainer.core.actions import Action, Continue, Halt, Rollback
+from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from trainer.core.decide import action_name, deliver_notes, intervention, propose, rescale
+from trainer.core.guard import SpikeGuard
+from trainer.core.probes import Probes, describe_model, module_layer_of
+from trainer.core.recorder import Recorder
+from trainer.core.same_step import SameStepGate
+from trainer.core.state import (
     callback_keys,
     join_optimizer,
     rng_states,
     set_rng_states,
     split_optimizer,
 )
-from trainer.staging import Stager, to_host
-from trainer.step import HostTransfer, clip_by_global_norm
+from trainer.model.attention import AttnMax
 
 __all__ = ["Watch"]
 
@@ -99,7 +99,7 @@ class Watch:
         """`settings`: a `WatchSettings` (or its dict) for everything; the keywords override
         it. `resume`: continue from the newest intact checkpoint in `run_dir`. `state`: a
         `state_dict()` saved in a framework's own checkpoint (its resume restores the rest)."""
-        from trainer.loop import new_run_id  # the run id rule of the built-in trainer
+        from trainer.builtin.loop import new_run_id  # the run id rule of the built-in trainer
 
         cfg = WatchSettings.build(
             settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every

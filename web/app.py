@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from observatory.store import NotFoundError, session_factory
+from observatory.store.queries import NotFoundError, session_factory
 from web.routes import compare, control, pages, runs
 from web.schemas import errors
 from web.settings import Settings, get_settings

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from observatory.store import BranchRow, EventRow, Matrix, SeriesData
+from observatory.store.queries import BranchRow, EventRow, Matrix, SeriesData
 from observatory.sweeps import SweepReport
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from observatory.census import Census
-from observatory.store import (
+from observatory.store.queries import (
     BranchRow,
     Bucket,
     CheckpointRow,

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from observatory import db, store
+from observatory import store
 from observatory.alerts import Alerter, alert_body
 from observatory.serving import free_port
-from observatory.sink import open_run_sink
+from observatory.store import db
+from observatory.store.sink import open_run_sink
 
 
 class Receiver:

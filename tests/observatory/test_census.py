@@ -11,7 +11,7 @@ import pytest
 
 from observatory import census, store
 from observatory.census import grad_spike_mask
-from observatory.sink import DbSink
+from observatory.store.sink import DbSink
 from observatory.sweeps import report_for_runs, report_markdown
 
 

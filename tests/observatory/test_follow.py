@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from observatory import db, store
 from observatory import metric_names as M
+from observatory import store
 from observatory.alerts import Alerter
 from observatory.follow import Follower
-from observatory.sink import DbSink
+from observatory.store import db
+from observatory.store.sink import DbSink
 
 from .test_alerts import Receiver
 

@@ -11,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
-from observatory import db
-from observatory.ingest import Writer
-from observatory.models import Base
+from observatory.store import db
+from observatory.store.ingest import Writer
+from observatory.store.models import Base
 from trainer.cli import main
 
 from .helpers import assert_windows_consistent, stored_points

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from observatory import store
-from observatory.sink import DbSink
+from observatory.store.sink import DbSink
 from observatory.sweeps import (
     SweepConflictError,
     get_sweep,

@@ -1,5 +1,5 @@
-"""The packed store (observatory/chunks.py, the writer's window logic): every value exactly once,
-whatever order and batching it arrives in, checked against a plain dict of what was sent."""
+"""The packed store (observatory/store/chunks.py, the writer's window logic): every value exactly
+once, whatever order and batching it arrives in, checked against a plain dict of what was sent."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from observatory import db, store
-from observatory.chunks import WINDOW, decode, encode
-from observatory.ingest import Writer
-from observatory.records import Record
+from observatory import store
+from observatory.store import db
+from observatory.store.chunks import WINDOW, decode, encode
+from observatory.store.ingest import Writer
+from observatory.store.records import Record
 
 from .helpers import assert_windows_consistent, count, stored_points
 

@@ -12,7 +12,7 @@ import torch
 from sqlalchemy.orm import Session
 
 from observatory import store
-from observatory.db import make_engine
+from observatory.store.db import make_engine
 from spikewatch import Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
 

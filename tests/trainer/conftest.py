@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from observatory.sink import NullSink
+from observatory.store.sink import NullSink
 from trainer.config import TrainConfig, load_config
 
 TINY = (

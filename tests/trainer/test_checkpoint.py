@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from trainer import checkpoint as ck
-from trainer.actions import Continue, Rollback
-from trainer.callbacks import Callback, StepState
+from trainer.builtin.loop import build_trainer, fit
+from trainer.checkpoints import format as ck
 from trainer.config import ConfigError
-from trainer.loop import build_trainer, fit
-from trainer.recorder import Recorder
+from trainer.core.actions import Continue, Rollback
+from trainer.core.callbacks import Callback, StepState
+from trainer.core.recorder import Recorder
 
 from .conftest import EventSink, tiny_config
 
@@ -104,7 +104,7 @@ def test_async_save_writes_the_same_checkpoints_as_sync(tmp_path, monkeypatch) -
     it would land in the middle checkpoints."""
     import time
 
-    from trainer import checkpointer
+    from trainer.checkpoints import disk as checkpointer
 
     real = checkpointer.stage_tensors
 
@@ -227,7 +227,7 @@ def test_auto_interval_uses_the_measured_save_cost(tmp_path) -> None:
     cp.save_seconds = 2.0  # Daly(2 s, 0.36 s MTBF) = MTBF, since C >= 2M
     assert cp.interval_for(seconds_per_step=0.01) == 36
     cp.cfg = cp.cfg.model_copy(update={"mtbf_hours": 1.0})
-    from trainer.young_daly import daly
+    from trainer.checkpoints.young_daly import daly
 
     assert cp.interval_for(seconds_per_step=0.5) == round(daly(2.0, 3600.0) / 0.5)
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from trainer.builtin.data import DataState, build_sampler, load_corpora, stage_at, unigram_entropy
 from trainer.config import DataConfig, MixtureStage
-from trainer.data import DataState, build_sampler, load_corpora, stage_at, unigram_entropy
 
 
 def _cfg(**kw) -> DataConfig:

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer import checkpoint as ck
-from trainer.callbacks import Callback, StepState
+from trainer.builtin.loop import build_trainer, fit
+from trainer.checkpoints import format as ck
 from trainer.config import ConfigError
-from trainer.distributed import check_shape, init_world
-from trainer.lifecycle import check_resume
-from trainer.loop import build_trainer, fit
-from trainer.model import build_model
+from trainer.core.callbacks import Callback, StepState
+from trainer.core.lifecycle import check_resume
+from trainer.core.world import check_shape, init_world
+from trainer.model.gpt import build_model
 
 from .conftest import tiny_config
 

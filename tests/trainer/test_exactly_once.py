@@ -19,7 +19,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from observatory import metric_names as M
-from observatory.chunks import decode
+from observatory.store.chunks import decode
 from trainer.config import load_config
 
 REPO = Path(__file__).parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.builtin.loop import fit
 from trainer.config import load_config
-from trainer.loop import fit
 
 GOLDEN = Path(__file__).parents[1] / "assets" / "golden_tiny_cpu.txt"
 STEPS = 50

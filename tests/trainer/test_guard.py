@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from trainer import checkpoint as ck
+from trainer.builtin.loop import build_trainer, fit
+from trainer.checkpoints import format as ck
 from trainer.config import load_config
-from trainer.guard import regime_steps
-from trainer.loop import build_trainer, fit
-from trainer.recorder import Recorder
+from trainer.core.guard import regime_steps
+from trainer.core.recorder import Recorder
 
 from .conftest import EventSink
 
@@ -166,7 +166,7 @@ def test_a_warning_never_cancels_a_rollback(tmp_path) -> None:
 
 
 def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
-    from trainer import checkpoint as ck
+    from trainer.checkpoints import format as ck
 
     cfg = [
         "train.progress=false",
@@ -219,7 +219,7 @@ def test_a_rollback_resets_the_warning_memory() -> None:
     restored branch: there it is a new episode (recorded, and it pins an anchor)."""
     from observatory.detect import Verdict
     from trainer.config import WatchConfig
-    from trainer.guard import SpikeGuard
+    from trainer.core.guard import SpikeGuard
 
     guard = SpikeGuard(WatchConfig(), retained=list)
 
@@ -238,7 +238,7 @@ def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -
     from observatory.detect import Verdict
     from observatory.policy import PolicyConfig
     from trainer.config import WatchConfig
-    from trainer.guard import SpikeGuard
+    from trainer.core.guard import SpikeGuard
 
     watch = WatchConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
     guard = SpikeGuard(watch, retained=lambda: [0, 100, 120, 140])

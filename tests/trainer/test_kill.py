@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ck
-from trainer.loop import build_trainer
+from trainer.builtin.loop import build_trainer
+from trainer.checkpoints import format as ck
 
 from .conftest import tiny_config
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from observatory import metric_names as M
-from trainer.callbacks import Callback, StepState
-from trainer.loop import build_trainer, fit
-from trainer.model import GPT
-from trainer.probes import layer_of
+from trainer.builtin.loop import build_trainer, fit
+from trainer.core.callbacks import Callback, StepState
+from trainer.core.probes import layer_of
+from trainer.model.gpt import GPT
 
 from .conftest import tiny_config
 
@@ -165,7 +165,11 @@ def test_one_host_transfer_per_step(tmp_path, monkeypatch) -> None:
     )
     calls.clear()
     tr.fit()
-    ours = ("trainer/loop.py", "trainer/step.py", "trainer/probes.py")  # step.py: the fetch
+    ours = (
+        "trainer/builtin/loop.py",
+        "trainer/builtin/step.py",
+        "trainer/core/probes.py",
+    )  # step.py: the fetch
     per_step = [c for c in calls if c.endswith(ours) and c.startswith("tolist")]
     # one per step, one end-of-fit flush of the last update statistics, one final evaluation
     assert len(per_step) == steps + 1, calls

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import checkpoint as ck
-from trainer.checkpointer import Checkpointer
+from trainer.builtin.loop import build_trainer
+from trainer.checkpoints import format as ck
+from trainer.checkpoints.disk import Checkpointer
 from trainer.config import load_config
-from trainer.loop import build_trainer
 
 BASE = [  # the rollback tier alone: the kinds of the interventions are the rollback's
     "watch.same_step.enabled=false",

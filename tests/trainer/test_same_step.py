@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.callbacks import Callback, StepState
+from trainer.builtin.loop import build_trainer
 from trainer.config import load_config
-from trainer.loop import build_trainer
-from trainer.recorder import Recorder
-from trainer.same_step import SameStepConfig, SameStepGate
+from trainer.core.callbacks import Callback, StepState
+from trainer.core.recorder import Recorder
+from trainer.core.same_step import SameStepConfig, SameStepGate
 
 from .conftest import EventSink
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from trainer.checkpoints.young_daly import daly, overhead, parse_duration, young
 from trainer.cli import main
-from trainer.young_daly import daly, overhead, parse_duration, young
 
 
 def test_llama3_numbers() -> None:

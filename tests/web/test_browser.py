@@ -49,7 +49,7 @@ def test_zooming_a_line_chart_fetches_its_steps_again(server, browser) -> None:
 
 
 def test_a_new_point_appears_within_two_seconds(server, browser, recorded_db, tmp_path) -> None:
-    from observatory.sink import DbSink
+    from observatory.store.sink import DbSink
 
     page = browser.new_page()
     page.goto(server + "/runs/lr1e-2")

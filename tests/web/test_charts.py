@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
-from observatory.store import BranchRow, Bucket, EventRow, Matrix, SeriesData
+from observatory.store.queries import BranchRow, Bucket, EventRow, Matrix, SeriesData
 from observatory.sweeps import Cell, SweepReport, VariantSummary
 from web import charts
 

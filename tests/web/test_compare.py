@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from observatory import db, store
-from observatory.sink import DbSink
+from observatory import store
+from observatory.store import db
+from observatory.store.sink import DbSink
 from observatory.sweeps import register_sweep
 from web.app import create_app
 from web.settings import Settings

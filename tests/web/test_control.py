@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from observatory import store
-from observatory.store import session_factory
+from observatory.store.queries import session_factory
 from web.app import create_app
 from web.settings import Settings
 
@@ -53,7 +53,7 @@ def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
     import threading
     import time
 
-    from observatory.db import upgrade
+    from observatory.store.db import upgrade
     from trainer.cli import main
 
     db = f"sqlite:///{tmp_path / 'live.db'}"

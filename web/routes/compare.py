@@ -13,10 +13,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
-from observatory import across_runs as across
 from observatory import metric_names as M
 from observatory import store
 from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
+from observatory.store import across_runs as across
 from observatory.sweeps import (
     SweepReport,
     format_rate,

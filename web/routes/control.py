@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from observatory import store
-from observatory.ingest import Writer
-from observatory.records import Record, RecordError, event_record, new_uid
+from observatory.store.ingest import Writer
+from observatory.store.records import Record, RecordError, event_record, new_uid
 from web.deps import SessionDep
 from web.schemas import errors
 
@@ -132,6 +132,6 @@ def _write(request: Request, rec: Record) -> None:
 
 
 def make_writer(url: str | None) -> Writer:
-    from observatory.db import make_engine, resolve_url
+    from observatory.store.db import make_engine, resolve_url
 
     return Writer(make_engine(resolve_url(url), writer=True))

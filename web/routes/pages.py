@@ -14,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
-from observatory.store import LOSS_METRIC
+from observatory.store.queries import LOSS_METRIC
 from web import charts
 from web.deps import SessionDep
 from web.routes.runs import Step

@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from observatory import metric_names as M
 from observatory import store
 from observatory.logbook import logbook
-from observatory.models import EVENT_KINDS
+from observatory.store.models import EVENT_KINDS
 from web.deps import SessionDep
 from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut, many
 
@@ -35,7 +35,8 @@ MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers
 MAX_BRANCH = 32767  # branches as 16-bit ones
 Step = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="First / last step to include.")]
 BranchNumber = Annotated[int | None, Query(ge=0, le=MAX_BRANCH)]
-# A flat metric name as the store holds them (observatory/names.py): no '*', no surrounding space
+# A flat metric name as the store holds them (observatory/store/names.py): no '*', no
+# surrounding space
 METRIC = r"^[^*\s](?:[^*]*[^*\s])?$"
 
 

@@ -1,0 +1,258 @@
+"""When to save, how (sync or one background save in flight), what to keep, and pins.
+
+The loop hands over a `Snapshot` builder; this class decides the timing (`checkpoint.interval`,
+or Young/Daly from the measured save cost with `interval = "auto"`), writes, prunes with the
+exponential retention of `retention.keep`, and never deletes a pinned checkpoint. Pins are kept
+in each checkpoint's meta.json, so they survive a restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoints import format as ck
+from trainer.checkpoints.retention import keep
+from trainer.checkpoints.staging import Live, Stager, stage_tensors
+from trainer.checkpoints.young_daly import daly
+from trainer.config import CheckpointConfig
+
+__all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+AUTO_FIRST_SAVE = 5  # with interval="auto", the first save (at this step) measures the cost
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: Path,
+        cfg: CheckpointConfig,
+        *,
+        before_commit: Callable[[], object] | None = None,
+    ) -> None:
+        """`before_commit`: called (on the thread that writes) right before a checkpoint is
+        published; the run's record makes everything logged so far durable there, so that a
+        resume from this checkpoint, which re-sends only the steps after it, loses nothing."""
+        self.root = root
+        self.cfg = cfg
+        self.before_commit = before_commit
+        self.pins: dict[int, set[str]] = {}
+        self.last_saved: int | None = None
+        self.save_seconds: float | None = None  # what a save costs the loop (stall if async)
+        self.auto_interval: int | None = None
+        self._stager = Stager()
+        self._thread: threading.Thread | None = None
+        self._copied: threading.Event | None = None
+        self._error: BaseException | None = None
+        self._changes: list[tuple[int, str, str]] = []  # (step, path, "ok" | "deleted")
+        self._changes_lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.interval is not None
+
+    def open(self) -> None:
+        """Clean half-written checkpoints of a killed process; load pins from disk."""
+        ck.clean_temporaries(self.root)
+        for step, path in ck.list_checkpoints(self.root).items():
+            try:
+                pins = ck.read_meta(path).get("pins", [])
+            except ck.CheckpointError:
+                continue
+            if pins:
+                self.pins[step] = set(pins)
+
+    # -- timing ---------------------------------------------------------------------------
+    def due(self, step: int, seconds_per_step: float) -> bool:
+        interval = self.cfg.interval
+        if interval is None:
+            return False
+        if interval != "auto":
+            return step % interval == 0
+        if self.save_seconds is None:  # nothing measured yet (a new run, or just resumed)
+            return step - (self.last_saved or 0) >= AUTO_FIRST_SAVE
+        self.auto_interval = self.interval_for(seconds_per_step)
+        return step - (self.last_saved or 0) >= self.auto_interval
+
+    def interval_for(self, seconds_per_step: float) -> int:
+        """Daly's interval in steps for the measured save cost and the configured MTBF."""
+        assert self.save_seconds is not None
+        cost = max(self.save_seconds, 1e-6)
+        seconds = daly(cost, self.cfg.mtbf_hours * 3600)
+        return max(1, round(seconds / max(seconds_per_step, 1e-9)))
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
+        """Save the state of `step`; returns how long this call blocked the loop (seconds).
+
+        Synchronous: written before returning. Asynchronous: the snapshot holds the live
+        tensors; a background thread first copies them into reused host buffers, then writes.
+        The loop only waits (`before_mutation`) if it is about to change the weights or the
+        optimizer state while that copy is still running, so the copy overlaps the next
+        forward and backward, and the write overlaps everything.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        pins = {s: set(p) for s, p in self.pins.items()}
+        if self.cfg.async_save:
+            snap = build(Live())
+            snap.json_files = copy.deepcopy(snap.json_files)  # small, and mutable in the loop
+            snap.meta = copy.deepcopy(snap.meta)
+            self._copied = threading.Event()
+            self._thread = threading.Thread(
+                target=self._stage_and_write, args=(snap, pins), name=f"ckpt-{step}"
+            )
+            self._thread.start()
+        else:
+            self._write(build(None), pins)
+        stall = time.perf_counter() - t0
+        self.save_seconds = stall
+        self.last_saved = step
+        return stall
+
+    def before_mutation(self) -> float:
+        """Block until an async save has copied the tensors; returns the seconds waited."""
+        if self._copied is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        waited = time.perf_counter() - t0
+        if self.save_seconds is not None:
+            self.save_seconds += waited  # what the save cost the loop, for interval="auto"
+        return waited
+
+    def _stage_and_write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        try:
+            snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            if self._copied is not None:
+                self._copied.set()
+        self._write_guarded(snap, pins)
+
+    def _write_guarded(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        try:
+            self._write(snap, pins)
+        except BaseException as e:  # re-raised in the loop's thread by wait()
+            self._error = e
+
+    def _write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+        snap.meta["pins"] = sorted(pins.get(snap.step, ()))
+        if self.before_commit is not None:
+            self.before_commit()
+        path = ck.write_checkpoint(self.root, snap, fsync=self.cfg.fsync)
+        log.debug("saved %s", path)
+        self._changed(snap.step, "ok", path)
+        self._prune(snap.step, pins)
+
+    def _prune(self, now: int, pins: dict[int, set[str]]) -> None:
+        existing = {s: p for s, p in ck.list_checkpoints(self.root).items() if s <= now}
+        kept = keep(existing, now, pins=pins, keep_last=self.cfg.keep_last)
+        for step, path in existing.items():
+            if step not in kept:
+                ck.delete_checkpoint(path)
+                self._changed(step, "deleted", path)
+
+    def _changed(self, step: int, status: str, path: Path) -> None:
+        with self._changes_lock:  # the writer thread of an async save notes them too
+            self._changes.append((step, str(path), status))
+
+    def report(self, callbacks: Iterable[Any]) -> None:
+        """Tell the callbacks (`on_checkpoint_change`) which checkpoints landed or were deleted
+        since the last report; called from the loop's thread."""
+        for step, path, status in self.take_changes():
+            pinned = step in self.pins
+            for cb in callbacks:
+                cb.on_checkpoint_change(step, path, status, pinned)
+
+    def take_changes(self) -> list[tuple[int, str, str]]:
+        """Checkpoints that landed ("ok") or were deleted ("deleted") since the last call, as
+        (step, path, status): the loop tells its callbacks (the run's record) from its thread."""
+        with self._changes_lock:
+            out, self._changes = self._changes, []
+        return out
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._copied = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background checkpoint save failed: {err}") from err
+
+    # -- pins and branches ----------------------------------------------------------------
+    def pin(self, step: int, reason: str) -> None:
+        """Protect the checkpoint of `step` from retention (now, or once it is written)."""
+        self.wait()
+        path = ck.step_dir(self.root, step)
+        exists = (path / ck.META).exists()
+        if not exists and self.last_saved is not None and step <= self.last_saved:
+            raise ck.CheckpointError(f"cannot pin step {step}: no checkpoint of it is kept")
+        self.pins.setdefault(step, set()).add(reason)
+        if exists:
+            ck.write_pins(path, sorted(self.pins[step]))
+
+    def drop_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step`: after a rollback they hold the abandoned branch,
+        and a later resume must never land on them."""
+        self.wait()
+        dropped = []
+        for s, path in ck.list_checkpoints(self.root).items():
+            if s > step:
+                ck.delete_checkpoint(path)
+                self.pins.pop(s, None)
+                dropped.append(s)
+                self._changed(s, "deleted", path)
+        return dropped
+
+    def rollback_point(self, to_step: int) -> tuple[int, Path, list[int]]:
+        """For a rollback: the newest intact checkpoint at or before `to_step`, and the steps
+        of the newer ones (the abandoned branch). Those are deleted (`drop_after`) only once
+        the target has been saved again with the next generation, so that a crash at any
+        moment resumes from the target, with what the rollback decided."""
+        if not self.enabled:
+            raise RuntimeError(f"Rollback(to_step={to_step}) needs checkpoints: set an interval")
+        found = self.latest(at_most=to_step)
+        if found is None:
+            raise ck.CheckpointError(f"no intact checkpoint at or before step {to_step}")
+        step, path = found
+        return step, path, [s for s in ck.list_checkpoints(self.root) if s > step]
+
+    def resume_point(self) -> tuple[int, Path]:
+        """For a resume: the newest intact checkpoint of the newest generation; newer steps
+        failed verification or belong to a branch a rollback abandoned, and are deleted; it
+        counts as the last save."""
+        found = self.latest()
+        if found is None:
+            raise ck.CheckpointError(f"no intact checkpoint under {self.root}")
+        step, path = found
+        self.drop_after(step)
+        self.last_saved = step
+        return step, path
+
+    def retained(self) -> list[int]:
+        """Steps of the checkpoints on disk, once the save in flight (and its pruning) is done."""
+        self.wait()
+        return list(ck.list_checkpoints(self.root))
+
+    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
+        self.wait()
+        return ck.find_intact(self.root, at_most)
+
+    def read(self, path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """What `snapshot.restore` needs from the checkpoint at `path` (verified first)."""
+        return ck.read_checkpoint(path, map_location)

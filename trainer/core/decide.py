@@ -1,0 +1,78 @@
+"""The step's decision, shared by the built-in loop and `Watch`: one rule for every way in.
+
+The callbacks (recorder, spike guard, the user's) each propose an action for the step before
+its update; a non-finite loss or gradient is always refused; the strongest proposal wins
+(`actions.strongest`). A non-Continue outcome becomes an intervention record for the summary
+and the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
+from trainer.core.callbacks import Callback, StepState
+
+__all__ = ["action_name", "deliver_notes", "intervention", "propose", "rescale"]
+
+NONFINITE = "non-finite loss or gradient"
+
+
+def action_name(action: Action) -> str:
+    return {Continue: "continue", SkipUpdate: "skip_update", Rollback: "rollback", Halt: "halt"}[
+        type(action)
+    ]
+
+
+def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, list[str]]:
+    """(the action for the step, pin reasons asked for by the callbacks that continue). A
+    Continue carries the product of every Continue's `lr_scale`."""
+    proposed: list[Action] = []
+    if state.nonfinite:
+        proposed.append(SkipUpdate(reason=NONFINITE))
+    elif state.refused_by:
+        proposed.append(SkipUpdate(reason=state.refused_by))
+    proposed += [cb.pre_update(state) for cb in callbacks]
+    goes_on = [a for a in proposed if isinstance(a, Continue)]
+    pins = [a.pin for a in goes_on if a.pin is not None]
+    action = strongest(proposed)
+    if isinstance(action, Continue):
+        action = Continue(lr_scale=math.prod(a.lr_scale for a in goes_on))
+    return action, pins
+
+
+def deliver_notes(callbacks: Sequence[Callback]) -> None:
+    """Every note the callbacks have, to every callback (the Recorder stores them)."""
+    for source in callbacks:
+        for note in source.take_notes():
+            for cb in callbacks:
+                cb.on_note(note)
+
+
+def rescale(lr_scale: float, action: Action) -> float:
+    """The run's LR scale after `action`: a rollback's cut, or a Continue giving one back
+    (never above 1)."""
+    if isinstance(action, Rollback):
+        return lr_scale * action.lr_scale
+    if isinstance(action, Continue) and action.lr_scale != 1.0:
+        return min(1.0, lr_scale * action.lr_scale)
+    return lr_scale
+
+
+def intervention(action: Action, state: StepState) -> dict[str, Any]:
+    """The loop's record of a non-Continue action (a new dict the loop owns): what the spike
+    guard saw, if it asked, and the step."""
+    assert not isinstance(action, Continue)
+    spike = action.spike if isinstance(action, Rollback | Halt) else None
+    record = spike.record() if spike is not None else {}
+    record.update(
+        step=state.step,
+        batch_index=state.batch_index,
+        kind=action_name(action),
+        reason=action.reason,
+        loss=state.loss,
+        grad_norm=state.grad_norm,
+    )
+    return record

@@ -1,0 +1,265 @@
+"""Every-step, per-layer stability telemetry, computed on device and read in one host transfer.
+
+Layers are the embedding, each block's attention and MLP (their norms' gains included) and the
+output head (with the final norm). Per layer: gradient norm (free: clipping computes the
+per-tensor norms anyway), parameter norm, update norm and update/parameter ratio, and the
+optimizer's state: Adam's first moment norm, mean and max of sqrt(v) and the fraction of v
+below 1e-16 (second moments that lag the first; estimated on a fixed strided sample), or
+Muon's momentum norm. Those state statistics are full passes over parameter-sized memory, so
+they run every `state_interval` probed steps (cheap on a GPU; see benchmarks/probe_overhead.py).
+Per layer and head: the max pre-softmax attention logit (from the attention backend).
+Globally: mean log-partition z and max output logit (from the model), grad norm, clip factor,
+LR, tokens/s (the loop).
+
+Under torchrun (trainer/core/world.py): with DDP every rank holds the full, averaged gradient
+and whole parameters, so every probe is computed as in one process. With FSDP2 each rank holds
+shards: sums over a layer (squared norms, L1 sums, element counts) are summed over the ranks
+before any root or ratio, maxima are maxed, and the grad norms come from the sharded clipping.
+
+The update statistics only exist after the optimizer step, while the step's single host
+transfer must happen before it (the callbacks decide from it whether to apply the update). So
+they ride the *next* step's transfer and reach callbacks through `on_update_metrics` one step
+late, tagged with their own step; the last ones are flushed when the fit ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from observatory import metric_names as M
+from trainer.config import ProbesConfig
+from trainer.core.world import World, local
+
+__all__ = ["Probes", "describe_model", "layer_of", "module_layer_of"]
+
+V_TINY = 1e-16
+
+
+def layer_of(name: str) -> str:
+    """Parameter name -> probe layer: 'embed', '<i>/attn', '<i>/mlp' or 'lm_head'."""
+    if name.startswith("wte."):
+        return "embed"
+    if name.startswith(("lm_head.", "norm_f.")):
+        return "lm_head"
+    _, i, part, *_ = name.split(".")  # blocks.<i>.<attn|mlp|attn_norm|mlp_norm>....
+    return f"{i}/{'attn' if part.startswith('attn') else 'mlp'}"
+
+
+def module_layer_of(name: str) -> str:
+    """Any model's parameter name -> probe layer, in the model's own module names: inside a
+    numbered block the block index and the child module ('model.layers.3.self_attn.q_proj.weight'
+    -> '3/self_attn', so the store sees a layer x step matrix per child), elsewhere the module
+    path ('model.embed_tokens.weight' -> 'model.embed_tokens', 'lm_head.weight' -> 'lm_head')."""
+    parts = name.split(".")[:-1] or ["root"]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return f"{part}/{parts[i + 1] if i + 1 < len(parts) else 'self'}"
+    return ".".join(parts)
+
+
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Class, layers and heads for the dashboard (its layer chooser), from a Hugging Face style
+    config when the model has one."""
+    cfg = getattr(model, "config", None)
+
+    def get(key: str) -> Any:
+        return getattr(cfg, key, None)
+
+    return {
+        "class": type(model).__name__,
+        "n_layer": get("num_hidden_layers") or get("n_layer") or 0,
+        "n_head": get("num_attention_heads") or get("n_head") or 0,
+        "n_kv_head": get("num_key_value_heads"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+class _Groups:
+    """Sums and maxima of per-tensor values by layer, as one small matmul / masked max."""
+
+    def __init__(self, layers: list[str], owner: list[int], device: torch.device) -> None:
+        self.layers = layers
+        onehot = torch.zeros(len(layers), len(owner), device=device)
+        for j, li in enumerate(owner):
+            onehot[li, j] = 1.0
+        self.onehot = onehot  # (L, P)
+        self.present = [li in set(owner) for li in range(len(layers))]  # host-side: no sync
+        self.index = torch.tensor([i for i, k in enumerate(self.present) if k], device=device)
+        self.count: torch.Tensor | None = None  # elements per layer, cached on first use
+        self._sample_count: torch.Tensor | None = None
+
+    def sample_count(self, v: list[torch.Tensor]) -> torch.Tensor:
+        if self._sample_count is None:
+            n = [float(_sample(x).numel()) for x in v]
+            self._sample_count = self.sum(torch.tensor(n, device=v[0].device))
+        return self._sample_count
+
+    def names(self, stat: str) -> list[str]:
+        return [M.layer(la, stat) for la, k in zip(self.layers, self.present, strict=True) if k]
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.onehot @ x  # (L,)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        masked = torch.where(self.onehot > 0, x.unsqueeze(0), torch.full_like(self.onehot, -1.0))
+        return masked.amax(dim=1)  # (L,), values are >= 0
+
+
+TINY_SAMPLE = 4096
+
+
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    """A fixed strided sample of at most ~TINY_SAMPLE entries (a view: no copy)."""
+    flat = x.view(-1)
+    return flat[:: max(1, flat.numel() // TINY_SAMPLE)]
+
+
+def _tiny_count(v: torch.Tensor) -> torch.Tensor:
+    """Entries of v below 1e-16 in the sample: a fraction estimate at O(1) cost per tensor
+    (an exact count is a full pass with a temporary, ~5% of a CPU step on a 25M model)."""
+    return (_sample(v) < V_TINY).sum().float()
+
+
+def _stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(xs)).float() if xs else torch.zeros(0)
+
+
+class Probes:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: ProbesConfig,
+        world: World | None = None,
+        layer_of: Callable[[str], str] = layer_of,
+    ) -> None:
+        self.cfg = cfg
+        self.world = world or World()
+        self.model = model
+        self.optimizer = optimizer
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.layers = list(dict.fromkeys(layer_of(n) for n, _ in named))
+        owner = [self.layers.index(layer_of(n)) for n, _ in named]
+        device = self.params[0].device
+        self.groups = _Groups(self.layers, owner, device)
+        muon = {id(p) for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]}
+        self.is_muon = [id(p) in muon for p in self.params]
+        self.adam_groups = _Groups(
+            self.layers, [o for o, m in zip(owner, self.is_muon, strict=True) if not m], device
+        )
+        self.muon_groups = _Groups(
+            self.layers, [o for o, m in zip(owner, self.is_muon, strict=True) if m], device
+        )
+        self._grad_names = [M.layer(layer, M.STAT_GRAD_NORM) for layer in self.layers]
+        self._prev: list[torch.Tensor] | None = None
+        self.pending: tuple[int, list[str], torch.Tensor] | None = None
+
+    # -- which probes run ------------------------------------------------------------------
+    def active(self, step: int) -> bool:
+        return self.cfg.enabled and step % self.cfg.interval == 0
+
+    def state_active(self, step: int) -> bool:
+        return self.active(step) and step % (self.cfg.interval * self.cfg.state_interval) == 0
+
+    def wants_attn_max(self, step: int) -> bool:
+        return self.active(step) and self.cfg.attn_max
+
+    def wants_logit_stats(self, step: int) -> bool:
+        return self.active(step) and self.cfg.output_logits
+
+    # -- before the transfer ---------------------------------------------------------------
+    def grad_norms(self, per_tensor: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Per-layer grad norms from the (P,) per-tensor norms that clipping computed."""
+        if not self.cfg.grad_norms:
+            return [], per_tensor[:0]
+        return self._grad_names, self.groups.sum(per_tensor.float().square()).sqrt()
+
+    # -- around the update -----------------------------------------------------------------
+    def before_update(self, step: int) -> None:
+        if self.state_active(step) and self.cfg.update_norms:
+            if self._prev is None:
+                self._prev = [torch.empty_like(local(p)) for p in self.params]
+            torch._foreach_copy_(self._prev, [local(p).detach() for p in self.params])
+
+    @torch.no_grad()
+    def after_update(self, step: int, applied: bool) -> None:
+        """Compute the update and optimizer-state statistics of `step`; they wait on device
+        for the next host transfer."""
+        if not (self.state_active(step) and applied):
+            return
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        if self.cfg.update_norms and self._prev is not None:
+            pn = self._norm(self.groups, self._prev)
+            torch._foreach_sub_(self._prev, [local(p).detach() for p in self.params])  # -(update)
+            un = self._norm(self.groups, self._prev)
+            stats = (
+                (M.STAT_PARAM_NORM, pn),
+                (M.STAT_UPDATE_NORM, un),
+                (M.STAT_UPDATE_RATIO, un / pn),
+            )
+            for stat, v in stats:
+                names += [M.layer(layer, stat) for layer in self.layers]
+                parts.append(v)
+        if self.cfg.optimizer_state:
+            n, v = self._optimizer_stats()
+            names += n
+            parts.append(v)
+        if parts:
+            self.pending = (step, names, torch.cat(parts))
+
+    def _norm(self, g: _Groups, xs: list[torch.Tensor]) -> torch.Tensor:
+        """Per-layer L2 norm: squares summed by layer (and over shards), then the root."""
+        return self.world.sum_shards(g.sum(_stack(torch._foreach_norm(xs)).square())).sqrt()
+
+    def _optimizer_stats(self) -> tuple[list[str], torch.Tensor]:
+        state = self.optimizer.state
+        adam = [p for p, m in zip(self.params, self.is_muon, strict=True) if not m]
+        muon = [p for p, m in zip(self.params, self.is_muon, strict=True) if m]
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        if adam and all("exp_avg" in state[p] for p in adam):
+            g, w = self.adam_groups, self.world
+            m = [local(state[p]["exp_avg"]) for p in adam]
+            v = [local(state[p]["exp_avg_sq"]) for p in adam]
+            if g.count is None:
+                n = torch.tensor([float(x.numel()) for x in v], device=v[0].device)
+                g.count = w.sum_shards(g.sum(n))
+            m_norm = self._norm(g, m)
+            sqrt_v = torch._foreach_sqrt(v)
+            mean = w.sum_shards(g.sum(_stack(torch._foreach_norm(sqrt_v, 1)))) / g.count
+            vmax = w.max_shards(g.max(_stack(torch._foreach_max(sqrt_v))))
+            tiny = w.sum_shards(g.sum(_stack([_tiny_count(x) for x in v])))
+            tiny = tiny / w.sum_shards(g.sample_count(v))
+            for stat, val in (
+                (M.STAT_ADAM_M_NORM, m_norm),
+                (M.STAT_ADAM_SQRT_V_MEAN, mean),
+                (M.STAT_ADAM_SQRT_V_MAX, vmax),
+                (M.STAT_ADAM_V_TINY_FRAC, tiny),
+            ):
+                names += g.names(stat)
+                parts.append(val[g.index])
+        if muon and all("momentum_buffer" in state[p] for p in muon):
+            g = self.muon_groups
+            buf = [local(state[p]["momentum_buffer"]) for p in muon]
+            norm = self._norm(g, buf)
+            names += g.names(M.STAT_MUON_MOMENTUM_NORM)
+            parts.append(norm[g.index])
+        return names, (torch.cat(parts) if parts else torch.zeros(0))
+
+    def take_pending(self) -> tuple[int, list[str], torch.Tensor] | None:
+        out, self.pending = self.pending, None
+        return out
+
+    def take_pending_metrics(self) -> tuple[int, dict[str, float]] | None:
+        """The waiting statistics as host values, (step, {name: value}): one sync, for the
+        moments when they cannot ride the next step's transfer (a checkpoint, the end)."""
+        pending = self.take_pending()
+        if pending is None:
+            return None
+        step, names, values = pending
+        return step, dict(zip(names, values.tolist(), strict=True))

@@ -1,0 +1,203 @@
+"""Everything the run does, into the observatory's store, through the sink (never blocking).
+
+Per step: the step's metrics on the live branch; one step late, its update statistics; every
+evaluation; every checkpoint written; every intervention as an event. A rollback starts a new
+branch forked at the restored step, so the abandoned steps stay stored with their branch.
+The spike guard logs its verdicts through the same sink.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from observatory import metric_names as M
+from observatory.control import RequestPoller
+from observatory.store.sink import BaseSink
+from observatory.strict_json import tagged
+from trainer.core.actions import Action, Continue, Halt, Note, Rollback
+from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger(__name__)
+
+PERSIST_TIMEOUT_S = 10.0  # a store slower than this: the rest goes to the spool file
+_EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
+
+
+class Recorder(Callback):
+    priority = 100  # first: record before anything else reacts
+
+    def __init__(
+        self,
+        sink: BaseSink,
+        tags: list[str] | None = None,
+        requests_from: str | None = None,
+        sweep_group: str | None = None,
+    ) -> None:
+        self.sink = sink
+        self.tags = tags or []
+        self.sweep_group = sweep_group
+        self.requests_from = requests_from  # the store URL the dashboard writes requests to
+        self.poller: RequestPoller | None = None
+        self.handled: list[str] = []
+        self.run_id = ""
+        self.branch = 0
+        self.forks: list[dict[str, Any]] = []  # every branch started: number, parent, fork_step
+        self._branch_of: dict[str, int] = {}  # checkpoint path -> the branch that wrote it
+
+    def on_fit_start(self, state: FitState) -> None:
+        self.run_id = state.run_id
+        self.sink.start_run(
+            state.run_id,
+            name=state.config.get("name"),
+            config=state.config,
+            tags=self.tags,
+            run_dir=state.run_dir,
+            sweep_group=self.sweep_group,
+        )
+        # A resumed run's branches are in the store already; the sink is told them again exactly
+        # as they were (a branch record is an upsert: a made-up fork step would overwrite).
+        for fork in self.forks:
+            self.sink.start_branch(state.run_id, **fork)
+        if len(self.forks) < self.branch:  # a checkpoint from before forks were kept
+            self.sink.know_branches(state.run_id, range(1, self.branch + 1))
+        if self.requests_from is not None:
+            self.poller = RequestPoller(self.requests_from, state.run_id)
+            self.poller.seen.update(self.handled)
+            self.poller.start()
+
+    def pre_update(self, state: StepState) -> Action:
+        """A request from the dashboard becomes the step's action (taken without waiting)."""
+        for req in self.poller.take() if self.poller is not None else []:
+            self.handled.append(req["uid"])
+            action = self._answer(req, state)
+            if action is not None:
+                return action
+        return Continue()
+
+    def _answer(self, req: Mapping[str, Any], state: StepState) -> Action | None:
+        what = req.get("action")
+        note = f"request {req['uid']} ({what}) taken at step {state.step}"
+        self.sink.log_event(
+            self.run_id,
+            "note",
+            step=state.step,
+            branch=self.branch,
+            message=note,
+            data={"request_uid": req["uid"], "action": what},
+            source="control",
+        )
+        if what == "stop":
+            return Halt("stop requested from the dashboard")
+        if what == "rollback":
+            to = req.get("to_step")
+            to = state.step - 1 if to is None else min(int(to), state.step - 1)
+            return Rollback(
+                to_step=max(0, to), reason=f"rollback to step {to} requested from the dashboard"
+            )
+        log.warning("ignoring request %s: unknown action %r", req["uid"], what)
+        return None
+
+    def post_step(self, state: StepState) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, state.step, state.metrics)
+        if state.action in _EVENT and state.action != "rollback":
+            self.sink.log_event(
+                self.run_id,
+                _EVENT[state.action],
+                step=state.step,
+                branch=self.branch,
+                message=state.reason,
+            )
+
+    def on_update_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, step, metrics)
+
+    def on_eval(self, state: EvalState) -> None:
+        self.sink.log_metrics(self.run_id, self.branch, state.step, {M.VAL_LOSS: state.val_loss})
+
+    def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
+        old, self.branch = self.branch, self.branch + 1
+        self.sink.log_event(
+            self.run_id,
+            "rollback",
+            step=record.get("step"),
+            branch=old,
+            message=str(record.get("reason", "")),
+            data=tagged(record),
+        )
+        fork = {"branch": self.branch, "parent": old, "fork_step": step}
+        fork["reason"] = str(record.get("reason", ""))
+        self.forks.append(fork)
+        self.sink.start_branch(self.run_id, **fork)
+
+    def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        self.sink.log_event(
+            self.run_id,
+            "note",
+            step=step,
+            branch=self.branch,
+            message=f"resumed at step {step} with changed settings: {shown}",
+            data=tagged({"kind": "config_change", "changes": dict(changes)}),
+            source="trainer",
+        )
+
+    def on_note(self, note: Note) -> None:
+        """A callback's note (the spike guard's verdicts, warnings, outcomes) as an event."""
+        self.sink.log_event(
+            self.run_id,
+            note.kind,
+            step=note.step,
+            branch=self.branch,
+            message=note.message,
+            data=tagged(note.data),
+            source=note.source,
+        )
+
+    def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
+        """Recorded as "writing" until the checkpointer says it landed (`on_checkpoint_change`):
+        an asynchronous save is still in flight here."""
+        self._branch_of[path] = self.branch
+        self.sink.log_checkpoint(
+            self.run_id,
+            step=step,
+            path=path,
+            branch=self.branch,
+            pinned=pinned,
+            checksum_status="writing",
+        )
+
+    def on_checkpoint_change(self, step: int, path: str, status: str, pinned: bool) -> None:
+        branch = self._branch_of.pop(path, self.branch) if status == "deleted" else None
+        self.sink.log_checkpoint(
+            self.run_id,
+            step=step,
+            path=path,
+            branch=self._branch_of.get(path, self.branch) if branch is None else branch,
+            pinned=pinned,
+            checksum_status=status,
+        )
+
+    def persist(self) -> None:
+        """Everything logged so far survives a SIGKILL from here on (in the store or in the
+        spool): called right before a checkpoint is published."""
+        self.sink.persist(timeout=PERSIST_TIMEOUT_S)
+
+    def on_fit_end(self, state: FitState) -> None:
+        if self.poller is not None:
+            self.poller.close()
+        status = {"halted": "halted", "stopped": "stopped"}.get(state.status, "completed")
+        self.sink.set_status(self.run_id, status)
+        if not self.sink.flush(timeout=30):
+            log.warning("the store has not taken every record yet; the rest is spooled")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"branch": self.branch, "handled": self.handled, "forks": self.forks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.branch = int(state["branch"])
+        self.handled = list(state.get("handled", []))
+        self.forks = [dict(f) for f in state.get("forks", [])]
