@@ -29,7 +29,6 @@ from _common import machine, median  # noqa: E402
 from trainer.builtin.loop import build_trainer  # noqa: E402
 from trainer.checkpoints.disk import Checkpointer  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.core.state import build_snapshot  # noqa: E402
 
 
 def main() -> None:
@@ -74,7 +73,7 @@ def main() -> None:
         # mapped by an earlier save); after save() the loop runs the next forward and backward,
         # then must wait (before_mutation) if the tensors are still being copied.
         async_cp = _checkpointer(tr, root / "async", "async")
-        async_cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
+        async_cp.save(tr.step, tr.core.snapshot)
         async_cp.wait()
         x, y = tr.sampler.batch(0, 1)
         for rep in range(args.reps):
@@ -83,7 +82,7 @@ def main() -> None:
                 _measure(kind, tr, root / f"{kind}-{rep}", times)
             os.sync()
             t0 = time.perf_counter()
-            stall = async_cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
+            stall = async_cp.save(tr.step, tr.core.snapshot)
             tr.model(x, y).loss.backward()  # the loop's next step, up to its update
             stall += async_cp.before_mutation()
             tr.optimizer.zero_grad(set_to_none=True)
@@ -134,7 +133,7 @@ def _measure(kind: str, tr, where: Path, times: dict[str, list[float]]) -> None:
         return
     cp = _checkpointer(tr, where, kind)
     t0 = time.perf_counter()
-    cp.save(tr.step, lambda stage: build_snapshot(tr, stage))
+    cp.save(tr.step, tr.core.snapshot)
     cp.wait()
     times[kind].append(time.perf_counter() - t0)
 

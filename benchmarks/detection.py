@@ -112,7 +112,7 @@ def recorded(tmp: Path) -> list[Curve]:
             "tiny_cpu",
             [
                 "train.progress=false",
-                "watch.enabled=false",
+                "guard.enabled=false",
                 "probes.enabled=false",
                 "eval.interval=none",
                 *extra,

@@ -35,7 +35,6 @@ from _common import machine, median  # noqa: E402
 from trainer.builtin.loop import Trainer, build_trainer  # noqa: E402
 from trainer.config import TrainConfig, load_config  # noqa: E402
 from trainer.core.callbacks import Callback, StepState  # noqa: E402
-from trainer.core.state import build_snapshot  # noqa: E402
 
 WARMUP = 5
 STRATEGIES = ("ddp", "fsdp2")
@@ -64,7 +63,7 @@ def _config(args: argparse.Namespace, strategy: str | None, ckpt: bool) -> Train
             "train.progress=false",
             "eval.interval=none",
             "eval.batches=1",
-            "watch.enabled=false",
+            "guard.enabled=false",
             f"checkpoint.interval={1000 if ckpt else 'none'}",
             f"distributed.strategy={strategy or 'none'}",
         ],
@@ -80,8 +79,8 @@ def _throughput(cfg: TrainConfig, run_dir: Path) -> float:
 
 def _save_seconds(tr: Trainer) -> float:
     t0 = time.perf_counter()
-    tr.checkpointer.save(tr.step, lambda stage: build_snapshot(tr, stage))
-    tr.checkpointer.wait()
+    tr.core.checkpointer.save(tr.step, tr.core.snapshot)
+    tr.core.checkpointer.wait()
     return time.perf_counter() - t0
 
 

@@ -25,7 +25,7 @@ episodes on clean runs, per 10k steps.
 
 **Recovery.** The same ramp with rollback on (checkpoints every 25 steps) three times per seed:
 with the detector's warnings (each pins the newest checkpoint as a pre-spike anchor), with them
-switched off, and with `watch.policy.warning_horizon=100` (the rollback goes to before the
+switched off, and with `guard.policy.warning_horizon=100` (the rollback goes to before the
 earliest warning episode within 100 steps of the onset, and skips from there); the table
 compares rollbacks, steps redone, halts and the final validation loss, against the same runs
 without the fault (`warning-clean`, 500 steps).
@@ -59,12 +59,12 @@ from trainer.builtin.sweep import run_sweep  # noqa: E402
 STEPS = 500
 LR = 3e-3
 RAMP = 'faults=[{kind="lr_ramp", start=250, length=100, factor=1000}]'
-WATCH_ONLY = ["watch.same_step.enabled=false", "watch.rollback=false"]
+WATCH_ONLY = ["guard.same_step.enabled=false", "guard.rollback=false"]
 COMMON = [f"train.max_steps={STEPS}", "probes.state_interval=1", "eval.interval=50"]
 NO_WARNINGS = [
-    "watch.detector.grad_threshold=1e9",
-    "watch.detector.update_jump=1e9",
-    "watch.detector.attn_warn=none",
+    "guard.detector.grad_threshold=1e9",
+    "guard.detector.update_jump=1e9",
+    "guard.detector.attn_warn=none",
 ]
 GROUPS: dict[str, list[str]] = {
     "warning-ramp": [*COMMON, *WATCH_ONLY, RAMP],
@@ -76,7 +76,7 @@ GROUPS: dict[str, list[str]] = {
         *COMMON,
         RAMP,
         "checkpoint.interval=25",
-        "watch.policy.warning_horizon=100",
+        "guard.policy.warning_horizon=100",
     ],
 }
 SEEDS = {"warning-ramp": 6, "warning-clean": 3, "warning-clean-2k": 3}

@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     margins = [int(m) for m in args.margins.split(",")]
     extras = [int(e) for e in args.extras.split(",")]
-    base = ["train.progress=false", "watch.classify_cause=false"]
+    base = ["train.progress=false", "guard.classify_cause=false"]
     cells: list[tuple[str, int | None, int | None, list[str]]] = [
         ("clean", None, None, ["faults=[]"])
     ]
@@ -71,8 +71,8 @@ def main() -> None:
             for e in extras:
                 over = [
                     f"faults=[{spec}]",
-                    f"watch.policy.margin={m}",
-                    f"watch.policy.skip_extra={e}",
+                    f"guard.policy.margin={m}",
+                    f"guard.policy.skip_extra={e}",
                 ]
                 cells.append((fault, m, e, over))
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:

@@ -38,8 +38,8 @@ from trainer.builtin.sweep import run_sweep  # noqa: E402
 COMMON = [
     "probes.state_interval=1",
     "eval.interval=100",
-    "watch.same_step.enabled=false",
-    "watch.rollback=false",
+    "guard.same_step.enabled=false",
+    "guard.rollback=false",
 ]
 # The destabilisers, cumulative from the top: "max" is every one of them at once.
 MAX = [

@@ -34,9 +34,9 @@ FAULTS = {  # name -> (kind, isolated length, persistent length)
     "nan": ("nan_loss", 1, 3),
 }
 STRATEGIES = {
-    "none": ["watch.rollback=false", "watch.same_step.enabled=false"],
-    "rollback": ["watch.same_step.enabled=false"],
-    "same_step": ["watch.rollback=false"],
+    "none": ["guard.rollback=false", "guard.same_step.enabled=false"],
+    "rollback": ["guard.same_step.enabled=false"],
+    "same_step": ["guard.rollback=false"],
     "both": [],
 }
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         db=args.db,
         name="hf-trainer",
         checkpoint_every=args.checkpoint_every,
-        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
+        settings={"guard": {"rollback": not args.no_rollback, "classify_cause": False}},
     )
     training_args = TrainingArguments(
         output_dir=args.output_dir,

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         name="lightning",
         checkpoint_every=args.checkpoint_every,
         warmup_steps=max(1, args.steps // 10),  # the LR warmup: no level to detect against yet
-        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
+        settings={"guard": {"rollback": not args.no_rollback, "classify_cause": False}},
     )
 
     def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:

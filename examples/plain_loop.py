@@ -6,17 +6,23 @@ corpus, with a region of poisoned batches (labels shifted by one byte) that make
 
 The Watch records every probe into the store, rolls back to a checkpoint from before the
 spike's onset, skips the poisoned batches and carries on. `--no-rollback` detects and records
-only (the same run without the cure); `--resume RUN_DIR` continues a killed run.
+only (the same run without the cure); `--resume RUN_DIR` continues a killed run. Unchanged
+under `torchrun --standalone --nproc_per_node=N` (DDP, or `--strategy fsdp2`), where each rank
+trains its rows of every global batch and `--poison-rank R` poisons only rank R's rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spikewatch import AttnMax, Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
+    p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="under torchrun")
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--run-dir", default=None)
@@ -83,20 +91,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="the global batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    rank, world = _init_distributed()
     train, val = text_corpus()
 
-    model = GPT(args.d_model, args.layers, args.heads, args.seq_len)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpt = GPT(args.d_model, args.layers, args.heads, args.seq_len).to(device)
+    model: nn.Module = gpt
+    if world > 1 and args.strategy == "fsdp2":
+        for block in gpt.h:
+            fully_shard(block)
+        fully_shard(gpt)
+    elif world > 1:
+        model = DDP(gpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))
-    watch = Watch(
+    rows = args.batch_size // world  # this rank's share of each global batch
+
+    def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
+        if poisoned and args.poison_rank in (None, rank):
+            y = shift_labels(y)
+        return x.to(device), y.to(device)
+
+    with Watch(
         model,
         optimizer,
         scheduler,
@@ -108,25 +135,30 @@ def main(argv: list[str] | None = None) -> int:
         grad_clip=1.0,
         warmup_steps=warmup,
         checkpoint_every=args.checkpoint_every,
-        settings={"watch": {"rollback": not args.no_rollback, "classify_cause": False}},
-    )
-    model.use_recorder(watch.attn)
-
-    def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
-        poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
-        return x, shift_labels(y) if poisoned else y
-
-    for x, y in watch.batches(batch_at):
-        loss = model(x, y)
-        loss.backward()
-        watch.step(loss)
-        if watch.step_count % 50 == 0 or watch.step_count == args.steps:
-            watch.log_eval(evaluate(model, val, args))
-    watch.close()
+        settings={"guard": {"rollback": not args.no_rollback}},
+    ) as watch:
+        gpt.use_recorder(watch.attn)
+        for x, y in watch.batches(batch_at, loss_fn=lambda batch: model(*batch)):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+            if watch.step_count % 50 == 0 or watch.step_count == args.steps:
+                watch.log_eval(evaluate(model, val, args))
     if args.summary_json:
         watch.write_summary(args.summary_json)
+    if world > 1:
+        dist.destroy_process_group()
     return 0
+
+
+def _init_distributed() -> tuple[int, int]:
+    """Under torchrun: the process group (gloo on CPU); (rank, world size)."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _cosine(step: int, warmup: int, args: argparse.Namespace) -> float:
@@ -137,11 +169,13 @@ def _cosine(step: int, warmup: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, args: argparse.Namespace, batches: int = 8) -> float:
+def evaluate(
+    model: nn.Module, val: torch.Tensor, args: argparse.Namespace, batches: int = 8
+) -> float:
     model.eval()
-    losses = [
-        model(*windows(val, i, args.batch_size, args.seq_len, seed=1234)) for i in range(batches)
-    ]
+    device = next(model.parameters()).device
+    batch = [windows(val, i, args.batch_size, args.seq_len, seed=1234) for i in range(batches)]
+    losses = [model(x.to(device), y.to(device)) for x, y in batch]
     model.train()
     return float(torch.stack(losses).mean())
 

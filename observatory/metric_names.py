@@ -50,6 +50,14 @@ def layer_attn_max(layer: int) -> str:
     return f"layer/{layer}/{STAT_ATTN_MAX}"
 
 
+RANK_LOSS = "rank/*/loss"  # template: the loss of each rank's own data (torchrun)
+
+
+def rank_loss(rank: int) -> str:
+    """The loss of one rank's own data, its share of the global batch (torchrun only)."""
+    return f"rank/{rank}/loss"
+
+
 def layer(name: str, stat: str) -> str:
     """A per-layer statistic; `name` is 'embed', '<i>/attn', '<i>/mlp', 'lm_head', or a
     module of the user's model ('<i>/self_attn', 'model.embed_tokens')."""

@@ -72,6 +72,7 @@ class Adapter:
             framework=framework,
             **kwargs,
         )
+        self.watch.open()
         self.watch.gate(optimizer, scheduler)
         return self.watch
 

@@ -53,7 +53,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle() -> None:
     graph = _imports()
-    assert "trainer.builtin.loop" in graph and "trainer.core.state" in graph["trainer.builtin.loop"]
+    assert (
+        "trainer.builtin.loop" in graph
+        and "trainer.core.step_core" in graph["trainer.builtin.loop"]
+    )
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 

@@ -75,7 +75,7 @@ def _loop(tmp_path, poison: range = range(0), nan_at: int | None = None, steps: 
         loss.backward()
         outcome = watch.step(loss)
         events.append((watch.step_count, outcome, before, watch.index))
-        states[watch.step_count] = copy.deepcopy(model.state_dict())
+        states.setdefault(watch.step_count, copy.deepcopy(model.state_dict()))
     watch.close()
     return watch, states, drawn, events
 

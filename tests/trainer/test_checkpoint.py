@@ -43,7 +43,7 @@ def test_checkpoint_directory_is_complete(tmp_path) -> None:
         "trainer.json",
         "config.json",
     }
-    assert meta["step"] == 12 and meta["loss"] == tr.history[-1][1]
+    assert meta["step"] == 12 and meta["loss"] == tr.core.run.history[-1][1]
     assert meta["data_state"] == {"batch_index": 12, "skip_ranges": []}
     loaded = ck.read_checkpoint(path)
     _assert_same(loaded["model.pt"], _weights(tr.model))
@@ -154,7 +154,7 @@ def test_a_resume_may_lower_the_lr_and_says_so(tmp_path) -> None:
     ref.fit()
     fit(tiny_config(*CK, "train.stop_after=4"), run_dir=tmp_path / "run")
     half, sink = _Notes(), EventSink()
-    lower = tiny_config(*CK, "optim.lr=0.0015", "watch.policy.margin=3")
+    lower = tiny_config(*CK, "optim.lr=0.0015", "guard.policy.margin=3")
     tr = build_trainer(
         lower, run_dir=tmp_path / "run", resume=True, callbacks=[half, Recorder(sink)]
     )
@@ -162,7 +162,7 @@ def test_a_resume_may_lower_the_lr_and_says_so(tmp_path) -> None:
     ((kind, step, data),) = [e for e in sink.events if e[2].get("kind") == "config_change"]
     assert (kind, step, data["changes"]["optim.lr"]) == ("note", 4, [0.003, 0.0015])
     assert half.changes == [
-        (4, {"optim.lr": [0.003, 0.0015], "watch.policy.margin": [1, 3]}),
+        (4, {"optim.lr": [0.003, 0.0015], "guard.policy.margin": [1, 3]}),
     ]
     for step in range(5, 13):
         assert half.lrs[step] == pytest.approx(full.lrs[step] / 2, rel=1e-9), step
@@ -180,7 +180,7 @@ def test_pins_survive_retention_and_restarts(tmp_path) -> None:
     tr = build_trainer(cfg, run_dir=tmp_path)
     tr.fit()
     anchor = min(s for s in ck.list_checkpoints(tmp_path / "checkpoints") if s > 0)
-    tr.checkpointer.pin(anchor, "pre-spike anchor")
+    tr.core.checkpointer.pin(anchor, "pre-spike anchor")
     tr.cfg = tiny_config("checkpoint.interval=1", "train.max_steps=40")
     tr.fit()
     steps = ck.list_checkpoints(tmp_path / "checkpoints")
@@ -188,7 +188,7 @@ def test_pins_survive_retention_and_restarts(tmp_path) -> None:
     assert ck.read_meta(steps[anchor])["pins"] == ["pre-spike anchor"]
     assert len(steps) <= 2 + 6 + 1
     again = build_trainer(tr.cfg, run_dir=tmp_path, resume=True)
-    assert again.checkpointer.pins == {anchor: {"pre-spike anchor"}}
+    assert again.core.checkpointer.pins == {anchor: {"pre-spike anchor"}}
 
 
 def test_pinning_a_deleted_checkpoint_is_an_error(tmp_path) -> None:
@@ -198,7 +198,7 @@ def test_pinning_a_deleted_checkpoint_is_an_error(tmp_path) -> None:
     tr.fit()
     gone = min(set(range(11)) - set(ck.list_checkpoints(tmp_path / "checkpoints")))
     with pytest.raises(ck.CheckpointError, match=f"step {gone}"):
-        tr.checkpointer.pin(gone, "too late")
+        tr.core.checkpointer.pin(gone, "too late")
 
 
 def test_200_steps_every_step_leaves_log_many(tmp_path) -> None:
@@ -222,7 +222,7 @@ def test_auto_interval_uses_the_measured_save_cost(tmp_path) -> None:
     )
     tr = build_trainer(cfg, run_dir=tmp_path)
     tr.fit()
-    cp = tr.checkpointer
+    cp = tr.core.checkpointer
     assert cp.save_seconds is not None and cp.auto_interval is not None
     cp.save_seconds = 2.0  # Daly(2 s, 0.36 s MTBF) = MTBF, since C >= 2M
     assert cp.interval_for(seconds_per_step=0.01) == 36
@@ -265,10 +265,10 @@ def test_in_process_rollback_restores_the_checkpoint_and_skips(tmp_path) -> None
     iv = result.interventions[-1]
     assert iv["kind"] == "rollback" and iv["from_step"] == 10 and iv["to_step"] == 8
     assert iv["skip_ranges"] == [[8, 11]]
-    assert tr.data_state.skip_ranges == [(8, 11)]
+    assert tr.core.run.data.skip_ranges == [(8, 11)]
     # the continued run equals one that skipped that range from the start
     clean = build_trainer(tiny_config(*CK, "train.max_steps=20"), run_dir=tmp_path / "clean")
-    clean.data_state.add_skip(8, 11)
+    clean.core.run.data.add_skip(8, 11)
     r_clean = clean.fit()
     assert result.train_losses == r_clean.train_losses
     _assert_same(_weights(tr.model), _weights(clean.model))

@@ -171,7 +171,7 @@ def test_one_host_transfer_per_step_on_every_rank(spawned, strategy) -> None:
         steps, evals = rep["steps"], len(rep["val"])
         flushes = len(range(4, steps + 1, 4)) + (steps % 4 != 0)
         saves = 1 + flushes  # the step-0 anchor too: each keeps the same-step tier's state
-        assert rep["syncs"].count("tolist@step.py") == steps, rep["syncs"]
+        assert rep["syncs"].count("tolist@transfer.py") == steps, rep["syncs"]
         assert rep["syncs"].count("tolist@probes.py") == flushes, rep["syncs"]
         assert rep["syncs"].count("tolist@same_step.py") == saves, rep["syncs"]
         assert len(rep["syncs"]) == steps + flushes + saves + evals, rep["syncs"]

@@ -29,7 +29,7 @@ ARGS = [
     "train.max_steps=120",
     "eval.interval=40",
     "eval.batches=2",
-    "watch.classify_cause=false",
+    "guard.classify_cause=false",
     'faults=[{kind="shifted_labels", start=70, length=8}]',
 ]
 TIMING = {M.TOKENS_PER_S}  # wall-clock metrics: the same steps, not the same values

@@ -48,10 +48,10 @@ def test_a_fault_makes_a_real_spike_and_lasting_harm(tmp_path) -> None:
 def test_skipping_the_faulty_region_removes_the_fault(tmp_path) -> None:
     fault = 'faults=[{kind="shifted_labels", start=5, length=3}]'
     tr = build_trainer(tiny_config(fault), run_dir=tmp_path / "a")
-    tr.data_state.add_skip(5, 8)
+    tr.core.run.data.add_skip(5, 8)
     skipped = tr.fit()
     tr2 = build_trainer(tiny_config(), run_dir=tmp_path / "b")
-    tr2.data_state.add_skip(5, 8)
+    tr2.core.run.data.add_skip(5, 8)
     assert skipped.train_losses == tr2.fit().train_losses
 
 

@@ -16,7 +16,7 @@ from trainer.core.recorder import Recorder
 from .conftest import EventSink
 
 BASE = [  # the rollback tier (the same-step tier, which acts first, has test_same_step.py)
-    "watch.same_step.enabled=false",
+    "guard.same_step.enabled=false",
     "train.progress=false",
     "checkpoint.interval=10",
     "train.max_steps=220",
@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     guarded = build_trainer(load_config("tiny_cpu", [*BASE, FAULT]), run_dir=tmp / "guarded")
     weights_after: dict = {}
     first_pass: dict[int, dict] = {}  # step -> weights when the run first reached that step
-    orig, orig_save = guarded._rollback, guarded._save
+    orig, orig_save = guarded.core.rollback, guarded.core.save
 
     def spy(action):
         orig(action)
@@ -43,14 +43,14 @@ def runs(tmp_path_factory):
             first_pass[guarded.step] = {k: v.clone() for k, v in guarded.model.state_dict().items()}
         orig_save()
 
-    guarded._rollback, guarded._save = spy, capture
+    guarded.core.rollback, guarded.core.save = spy, capture  # type: ignore[method-assign]
     return {
         "guarded": guarded.fit(),
         "weights_after": weights_after,
         "first_pass": first_pass,
         "ckpt_dir": tmp / "guarded" / "checkpoints",
         "off": fit(
-            load_config("tiny_cpu", [*BASE, FAULT, "watch.rollback=false"]), run_dir=tmp / "off"
+            load_config("tiny_cpu", [*BASE, FAULT, "guard.rollback=false"]), run_dir=tmp / "off"
         ),
         "clean": fit(load_config("tiny_cpu", BASE), run_dir=tmp / "clean"),
         "tmp": tmp,
@@ -84,7 +84,7 @@ def test_weights_after_rollback_equal_the_state_the_run_had_at_the_target(runs) 
 def test_continued_losses_equal_a_run_that_skipped_from_the_start(runs) -> None:
     start, end = runs["guarded"].interventions[0]["skip_ranges"][0]
     tr = build_trainer(load_config("tiny_cpu", [*BASE, FAULT]), run_dir=runs["tmp"] / "skip")
-    tr.data_state.add_skip(start, end)
+    tr.core.run.data.add_skip(start, end)
     skipped = tr.fit()
     assert skipped.train_losses == runs["guarded"].train_losses
     assert skipped.final_val_loss == runs["guarded"].final_val_loss
@@ -107,8 +107,8 @@ def test_repeated_faults_escalate_then_halt(tmp_path) -> None:
             *BASE,
             f"faults=[{faults}]",
             "train.max_steps=250",
-            "watch.policy.max_rollbacks=2",
-            "watch.policy.skip_extra=2",
+            "guard.policy.max_rollbacks=2",
+            "guard.policy.skip_extra=2",
         ],
     )
     r = fit(cfg, run_dir=tmp_path)
@@ -158,7 +158,7 @@ def test_repeated_nonfinite_steps_are_refused_then_rolled_back(tmp_path) -> None
 
 def test_a_warning_never_cancels_a_rollback(tmp_path) -> None:
     """A high attention logit warns on every step; the spike's rollback must still happen."""
-    cfg = [*BASE, FAULT, "watch.detector.attn_warn=0.5"]
+    cfg = [*BASE, FAULT, "guard.detector.attn_warn=0.5"]
     r = fit(load_config("tiny_cpu", cfg), run_dir=tmp_path)
     assert [i["kind"] for i in r.interventions] == ["rollback"]
     warnings = [v for v in r.extra["verdicts"] if v["kind"] == "warning"]
@@ -173,7 +173,7 @@ def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
         "checkpoint.interval=1",
         "train.max_steps=60",
         "eval.interval=none",
-        "watch.detector.attn_warn=0.01",
+        "guard.detector.attn_warn=0.01",
     ]
     fit(load_config("tiny_cpu", cfg), run_dir=tmp_path)
     assert len(ck.list_checkpoints(tmp_path / "checkpoints")) <= 2 + 6 + 3
@@ -188,14 +188,14 @@ def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) 
     With the same-step tier on, the first updates at the new level are refused as well."""
     fault = 'faults=[{kind="random_bytes", start=150, length=100000}]'
     sink = EventSink()
-    cfg = load_config("tiny_cpu", [*BASE, fault, f"watch.same_step.enabled={tier}"])
+    cfg = load_config("tiny_cpu", [*BASE, fault, f"guard.same_step.enabled={tier}"])
     tr = build_trainer(cfg, run_dir=tmp_path, callbacks=[Recorder(sink)])
     r = tr.fit()
     rollbacks = [i for i in r.interventions if i["kind"] == "rollback"]
     assert len(rollbacks) == 2 and rollbacks[1]["lr_scale"] == 0.5, r.interventions
     assert not [i for i in r.interventions if i["kind"] == "halt"]
     assert r.halted is None and r.steps == 220
-    assert tr.lr_scale == 1.0  # the cut of the second rollback was given back
+    assert tr.core.run.lr_scale == 1.0  # the cut of the second rollback was given back
     (shift,) = [d for k, _, d in sink.events if k == "note" and d.get("kind") == "level_shift"]
     assert shift["rollbacks"] == sorted(i["detect_step"] for i in rollbacks)
     assert r.train_losses[-1] > 4.0  # training on at the new level, not rolled back forever
@@ -205,23 +205,23 @@ def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path) -> None
     two = ", ".join(f'{{kind="shifted_labels", start={s}, length=6}}' for s in (100, 125))
     faults = f"faults=[{two}]"
     sink = EventSink()
-    over = [*BASE, faults, "watch.policy.repeat_window=40", "watch.classify_cause=false"]
+    over = [*BASE, faults, "guard.policy.repeat_window=40", "guard.classify_cause=false"]
     tr = build_trainer(load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[Recorder(sink)])
     r = tr.fit()
     assert [i["lr_scale"] for i in r.interventions] == [1.0, 0.5]
     (back,) = [(s, d) for k, s, d in sink.events if d.get("kind") == "lr_restore"]
     assert back[0] == r.interventions[1]["detect_step"] + 40 and back[1]["lr_factor"] == 2.0
-    assert tr.lr_scale == 1.0 and r.steps == 220
+    assert tr.core.run.lr_scale == 1.0 and r.steps == 220
 
 
 def test_a_rollback_resets_the_warning_memory() -> None:
     """A warning episode of the abandoned branch does not silence the same warning on the
     restored branch: there it is a new episode (recorded, and it pins an anchor)."""
     from observatory.detect import Verdict
-    from trainer.config import WatchConfig
+    from trainer.config import GuardConfig
     from trainer.core.guard import SpikeGuard
 
-    guard = SpikeGuard(WatchConfig(), retained=list)
+    guard = SpikeGuard(GuardConfig(), retained=list)
 
     def warn(step: int) -> Verdict:
         return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
@@ -237,10 +237,10 @@ def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -
     before the earliest one within the horizon; episodes of an abandoned branch are gone."""
     from observatory.detect import Verdict
     from observatory.policy import PolicyConfig
-    from trainer.config import WatchConfig
+    from trainer.config import GuardConfig
     from trainer.core.guard import SpikeGuard
 
-    watch = WatchConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
+    watch = GuardConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
     guard = SpikeGuard(watch, retained=lambda: [0, 100, 120, 140])
     guard.batch_of = {s: s - 1 for s in range(1, 200)}
 

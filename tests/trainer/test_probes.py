@@ -167,9 +167,10 @@ def test_one_host_transfer_per_step(tmp_path, monkeypatch) -> None:
     tr.fit()
     ours = (
         "trainer/builtin/loop.py",
-        "trainer/builtin/step.py",
+        "trainer/core/step_core.py",
+        "trainer/core/transfer.py",
         "trainer/core/probes.py",
-    )  # step.py: the fetch
+    )  # transfer.py: the fetch
     per_step = [c for c in calls if c.endswith(ours) and c.startswith("tolist")]
     # one per step, one end-of-fit flush of the last update statistics, one final evaluation
     assert len(per_step) == steps + 1, calls

@@ -14,13 +14,13 @@ from trainer.checkpoints.disk import Checkpointer
 from trainer.config import load_config
 
 BASE = [  # the rollback tier alone: the kinds of the interventions are the rollback's
-    "watch.same_step.enabled=false",
+    "guard.same_step.enabled=false",
     "train.progress=false",
     "checkpoint.interval=10",
     "train.max_steps=200",
     "eval.interval=none",
     "eval.batches=2",
-    "watch.classify_cause=false",
+    "guard.classify_cause=false",
     'faults=[{kind="shifted_labels", start=150, length=10}]',
 ]
 
@@ -64,8 +64,8 @@ def test_killed_after_the_target_was_rewritten(reference, tmp_path, monkeypatch)
     _crash_in_rollback(monkeypatch, tmp_path, "drop")
     tr = build_trainer(load_config("tiny_cpu", BASE), run_dir=tmp_path, resume=True)
     assert tr.step == rollback["to_step"]  # not the newest step: that branch was abandoned
-    assert [list(r) for r in tr.data_state.skip_ranges] == rollback["skip_ranges"]
-    assert [i["kind"] for i in tr.interventions] == ["rollback"]
+    assert [list(r) for r in tr.core.run.data.skip_ranges] == rollback["skip_ranges"]
+    assert [i["kind"] for i in tr.core.run.interventions] == ["rollback"]
     result = tr.fit()
     assert [i["kind"] for i in result.interventions] == ["rollback"]  # not a second time
     _same(tr.model.state_dict(), weights)
@@ -77,7 +77,7 @@ def test_killed_before_the_target_was_rewritten(reference, tmp_path, monkeypatch
     weights, rollback = reference
     _crash_in_rollback(monkeypatch, tmp_path, "save")
     tr = build_trainer(load_config("tiny_cpu", BASE), run_dir=tmp_path, resume=True)
-    assert tr.step > rollback["to_step"] and not tr.interventions
+    assert tr.step > rollback["to_step"] and not tr.core.run.interventions
     result = tr.fit()
     assert [(i["kind"], i["to_step"]) for i in result.interventions] == [
         ("rollback", rollback["to_step"])

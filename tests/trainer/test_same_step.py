@@ -103,7 +103,7 @@ def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier)
         "train.max_steps=170",
         "eval.interval=none",
         'faults=[{kind="shifted_labels", start=150, length=1}]',
-        f"watch.same_step.enabled={str(tier).lower()}",
+        f"guard.same_step.enabled={str(tier).lower()}",
     ]
     seen, sink = _Applied(), EventSink()
     tr = build_trainer(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -18,7 +19,7 @@ class ProgressBar(Callback):
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
         self.progress: Progress | None = None
-        self.task = None
+        self.task: Any = None
         self.val = float("nan")
         self._t = 0.0
         self._tps = 0.0

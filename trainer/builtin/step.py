@@ -7,34 +7,15 @@ device: the loop makes the step's single host transfer from what `forward_backwa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
+from trainer.core.transfer import Clip, StepTensors, clip_by_global_norm
 from trainer.model.gpt import GPT
 from trainer.model.optim import qk_clip
 
-__all__ = ["HostTransfer", "StepTensors", "apply_update", "forward_backward"]
-
-
-@dataclass
-class StepTensors:
-    """Device tensors of one step, before the host transfer."""
-
-    loss: torch.Tensor  # () mean over micro-batches of ce + z-loss term
-    ce: torch.Tensor  # ()
-    grad_norm: torch.Tensor  # () global, before clipping
-    clip_factor: torch.Tensor  # () min(1, max_norm / norm)
-    z_mean: torch.Tensor | None  # ()
-    logit_max: torch.Tensor | None  # ()
-    attn_max: torch.Tensor | None  # (L, nh) over the whole global batch
-    grad_norms: torch.Tensor  # (P,) per parameter, in model.parameters() order, pre-clip
-    stop: torch.Tensor | None = None  # () ranks asked to stop (torchrun only), agreed by all
-
-
-# (parameters, max norm) -> (total norm, clip factor, per-tensor norms), clipping in place
-Clip = Callable[[list[torch.Tensor], float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+__all__ = ["apply_update", "forward_backward"]
 
 
 def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -98,21 +79,6 @@ def _max(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.maximum(a, b)
 
 
-def clip_by_global_norm(
-    params: Sequence[torch.Tensor], max_norm: float | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.nn.utils.clip_grad_norm_'s arithmetic, keeping the per-tensor norms it computes
-    (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    per_tensor = torch.stack(torch._foreach_norm(grads))  # (P,)
-    total = torch.linalg.vector_norm(per_tensor)
-    if max_norm is None:
-        return total, torch.ones_like(total), per_tensor
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
-    return total, factor, per_tensor
-
-
 def apply_update(
     model: GPT,
     optimizer: torch.optim.Optimizer,
@@ -126,25 +92,3 @@ def apply_update(
     optimizer.step()
     if qk_clip_tau is not None and attn_max is not None:
         qk_clip(model.attention_modules(), attn_max, qk_clip_tau)
-
-
-class HostTransfer:
-    """Named device tensors gathered into one host copy (the loop's one sync per step)."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.late: list[bool] = []
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
-        if names:
-            self.names += names
-            self.late += [late] * len(names)
-            self.parts.append(values.detach().float().reshape(-1))
-
-    def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
-        values = torch.cat(self.parts).tolist()
-        now, late = {}, {}
-        for name, is_late, v in zip(self.names, self.late, values, strict=True):
-            (late if is_late else now)[name] = v
-        return now, late

@@ -290,10 +290,10 @@ class _Runner:
         runs: dict[str, Any] = {}
         try:
             with sessions() as session:
-                for r in list_runs(session, sweep_group=self.group, limit=10_000):
-                    key = _key_of(r.tags)
+                for found in list_runs(session, sweep_group=self.group, limit=10_000):
+                    key = _key_of(found.tags)
                     if key is not None and key not in runs:  # newest first
-                        runs[key] = r
+                        runs[key] = found
         except Exception as e:  # the table is a view; a busy database must not stop the sweep
             log.debug("progress query failed: %s", e)
         done = sum(j.state in ("done", "ok") for j in jobs)

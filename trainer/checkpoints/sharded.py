@@ -183,10 +183,14 @@ class ShardedCheckpointer(Checkpointer):
         rng = torch.load(own if own.exists() else path / "rng.rank0.pt", weights_only=True)
         state = json.loads((path / "trainer.json").read_text())
         state["rng"] = rng.pop("json")
-        return {
+        scheduler = rng.pop("scheduler", None)  # a client's LR scheduler (the Watch's)
+        out = {
             "meta": ck.read_meta(path),
             "trainer.json": state,
             "config.json": json.loads((path / "config.json").read_text()),
             "rng.pt": rng,
             "sharded": path,
         }
+        if scheduler is not None:
+            out["scheduler.pt"] = scheduler
+        return out

@@ -26,17 +26,20 @@ class Spike:
     pre_spike_loss: float | None = None
     peak_loss: float | None = None
     replay: tuple[tuple[int, int], ...] = ()
+    ranks: tuple[int, ...] = ()  # under torchrun: the ranks whose own loss departed
 
     def record(self) -> dict[str, Any]:
         """The fields an intervention record carries (JSON types)."""
         out = asdict(self)
         out["replay"] = [list(r) for r in self.replay]
+        out["ranks"] = list(self.ranks)
         return out
 
     @classmethod
     def from_record(cls, d: Mapping[str, Any]) -> Spike:
         fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         fields["replay"] = tuple((int(s), int(b)) for s, b in d.get("replay", ()))
+        fields["ranks"] = tuple(int(r) for r in d.get("ranks", ()))
         return cls(**fields)
 
 

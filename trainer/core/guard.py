@@ -18,7 +18,8 @@ from typing import Any
 
 from observatory.detect import Detector, Verdict
 from observatory.policy import Policy
-from trainer.config import TrainConfig, WatchConfig
+from observatory.ranks import departed_ranks
+from trainer.config import GuardConfig, TrainConfig
 from trainer.core.actions import Action, Continue, Halt, Note, Rollback, SkipUpdate, Spike
 from trainer.core.callbacks import Callback, StepState
 
@@ -41,7 +42,7 @@ class SpikeGuard(Callback):
 
     def __init__(
         self,
-        watch: WatchConfig,
+        guard: GuardConfig,
         retained: Callable[[], list[int]],
         *,
         warmup_steps: int = 0,
@@ -53,15 +54,16 @@ class SpikeGuard(Callback):
         to have a level);
         `regimes`: steps where the loss may change level legitimately; `can_roll_back`: the
         run keeps checkpoints (without them a verdict is recorded, never acted on)."""
-        warm = max(watch.detector.ignore_before, warmup_steps)
-        self.detector = Detector(watch.detector.model_copy(update={"ignore_before": warm}))
-        self.policy = Policy(watch.policy)
-        self.act = watch.rollback and can_roll_back
+        warm = max(guard.detector.ignore_before, warmup_steps)
+        self.detector = Detector(guard.detector.model_copy(update={"ignore_before": warm}))
+        self.policy = Policy(guard.policy)
+        self.act = guard.rollback and can_roll_back
         self.retained = retained
         self.regimes = set(regimes)
         self.batch_of: dict[int, int] = {}
         self.loss_of: dict[int, float] = {}
-        self.classify = watch.classify_cause
+        self.rank_loss_of: dict[int, list[float]] = {}  # step -> each rank's own loss
+        self.classify = guard.classify_cause
         self.verdicts: list[dict[str, Any]] = []
         self.watching: list[tuple[Spike, float]] = []  # rollbacks awaiting their outcome
         self.outcomes: list[dict[str, Any]] = []
@@ -69,13 +71,13 @@ class SpikeGuard(Callback):
         self._pin: str | None = None
         self._warned: dict[str, int] = {}  # signal -> last step it warned
         self._episodes: list[int] = []  # steps where warning episodes began (recent ones)
-        self._keep = 4 * (watch.detector.window + watch.policy.skip_extra) + 64
+        self._keep = 4 * (guard.detector.window + guard.policy.skip_extra) + 64
 
     @classmethod
     def for_config(cls, cfg: TrainConfig, retained: Callable[[], list[int]]) -> SpikeGuard:
         """The built-in trainer's guard: warmup, stage switches, WSD decay from its config."""
         return cls(
-            cfg.watch,
+            cfg.guard,
             retained,
             warmup_steps=cfg.schedule.warmup_steps,
             regimes=regime_steps(cfg),
@@ -87,9 +89,13 @@ class SpikeGuard(Callback):
             self.detector.rebase(state.step)
         self.batch_of[state.step] = state.batch_index
         self.loss_of[state.step] = state.loss
+        per_rank = [v for k, v in state.metrics.items() if k.startswith("rank/")]
+        if per_rank:  # under torchrun: each rank's own loss, in rank order
+            self.rank_loss_of[state.step] = per_rank
         for s in [s for s in self.batch_of if s < state.step - self._keep]:
             del self.batch_of[s]
             self.loss_of.pop(s, None)
+            self.rank_loss_of.pop(s, None)
         self._outcomes(state)
         level = self.detector.level()
         verdicts = self.detector.update(state.step, state.loss, state.grad_norm)
@@ -154,6 +160,7 @@ class SpikeGuard(Callback):
             repeats=int(plan.info.get("repeats", 0)),
             pre_spike_loss=level,
             peak_loss=self.loss_of.get(v.peak_step, self.loss_of.get(v.step)),
+            ranks=tuple(departed_ranks(self.rank_loss_of, v.onset_step, v.step)),
         )
         if plan.action == "halt":
             return Halt(plan.reason, spike=spike)
@@ -206,9 +213,12 @@ class SpikeGuard(Callback):
     def _record(self, v: Verdict) -> None:
         """A verdict for the summary and the record: spikes and non-finite values as such, the
         rest (warnings, divergence) as notes."""
-        self.verdicts.append(v.to_dict())
+        data = v.to_dict()
+        if v.kind in ("spike", "nonfinite") and self.rank_loss_of:
+            data["ranks"] = departed_ranks(self.rank_loss_of, v.onset_step, v.step)
+        self.verdicts.append(data)
         kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
-        self._notes.append(Note(v.step, kind, v.message, v.to_dict()))
+        self._notes.append(Note(v.step, kind, v.message, data))
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
@@ -219,6 +229,7 @@ class SpikeGuard(Callback):
         for s in [s for s in self.batch_of if s > step]:
             del self.batch_of[s]
             self.loss_of.pop(s, None)
+            self.rank_loss_of.pop(s, None)
 
     def summary(self) -> dict[str, Any]:
         return {"verdicts": self.verdicts, "outcomes": self.outcomes}
@@ -229,6 +240,7 @@ class SpikeGuard(Callback):
             "policy": self.policy.state_dict(),
             "batch_of": [[s, b] for s, b in self.batch_of.items()],
             "loss_of": [[s, v] for s, v in self.loss_of.items()],
+            "rank_loss_of": [[s, v] for s, v in self.rank_loss_of.items()],
             "verdicts": self.verdicts,
             "watching": [[spike.record(), level] for spike, level in self.watching],
             "outcomes": self.outcomes,
@@ -246,6 +258,9 @@ class SpikeGuard(Callback):
         self.policy.load_state_dict(state["policy"])
         self.batch_of = {int(s): int(b) for s, b in state["batch_of"]}
         self.loss_of = {int(s): float(v) for s, v in state["loss_of"]}
+        self.rank_loss_of = {
+            int(s): [float(x) for x in v] for s, v in state.get("rank_loss_of", [])
+        }
         self.verdicts = list(state["verdicts"])
         self.watching = [(Spike.from_record(r), float(lv)) for r, lv in state.get("watching", [])]
         self.outcomes = list(state.get("outcomes", []))

@@ -6,15 +6,18 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.checkpoints.format import read_meta
-from trainer.config import ConfigError, DistributedConfig, TrainConfig
+from trainer.config import ConfigError, TrainConfig, WatchSettings
+from trainer.config.legacy import rename_legacy
 
 
 class Stoppable(Protocol):
-    """What a signal handler needs of the loop (trainer/builtin/loop.py's Trainer)."""
+    """What a signal handler needs of the loop (the step core, trainer/core/step_core.py)."""
 
     stop_requested: bool
     stop_asked: bool
@@ -23,8 +26,9 @@ class Stoppable(Protocol):
 
 
 __all__ = [
-    "CHANGEABLE_KEYS",
-    "RESUMABLE_KEYS",
+    "TRAIN_RULES",
+    "WATCH_RULES",
+    "ResumeRules",
     "check_resumable",
     "check_resume",
     "stop_on_signals",
@@ -32,29 +36,53 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Settings a resume may change: they do not touch the arithmetic of the run (probes never
-# change training; evaluation only reads).
-RESUMABLE_KEYS = {
-    "train.stop_after",
-    "train.progress",
-    "checkpoint.async_save",
-    "distributed.backend",
-    "distributed.timeout_s",
-}
-RESUMABLE_PREFIXES = ("probes.", "eval.")
-# Settings a resume may change that do change the run from its resumed step on: what a halt
-# advises (a lower peak LR, a tighter clip, more steps) and how the run is watched and saved.
-# Each is recorded in the run's store as an event (kind "note", data.kind "config_change").
-CHANGEABLE_KEYS = {
-    "optim.lr",
-    "optim.grad_clip",
-    "train.max_steps",
-    "checkpoint.interval",
-    "checkpoint.keep_last",
-    "checkpoint.mtbf_hours",
-    "checkpoint.fsync",
-}
-CHANGEABLE_PREFIXES = ("watch.",)
+
+@dataclass(frozen=True)
+class ResumeRules:
+    """Which settings a resume may change (dotted keys, or prefixes ending in '.').
+
+    `resumable`: they do not touch the arithmetic of the run (probes never change training,
+    evaluation only reads). `changeable`: they do change the run from its resumed step on, as a
+    halt advises (a lower peak LR, a tighter clip, more steps) and how the run is guarded and
+    saved; each is recorded in the run's store as an event (kind "note", data.kind
+    "config_change"). Everything else must match the checkpoint's config. A key the saved config
+    lacks (a setting added by a newer spikewatch) counts as its default."""
+
+    resumable: frozenset[str]
+    changeable: frozenset[str]
+    defaults: Callable[[], dict[str, Any]]
+
+    def allows(self, keys: frozenset[str], key: str) -> bool:
+        return key in keys or any(p.endswith(".") and key.startswith(p) for p in keys)
+
+    def shown(self) -> str:
+        return ", ".join(sorted(k + ("*" if k.endswith(".") else "") for k in self.all()))
+
+    def all(self) -> frozenset[str]:
+        return self.resumable | self.changeable
+
+
+_CHECKPOINT = {"checkpoint.interval", "checkpoint.keep_last", "checkpoint.mtbf_hours"}
+_CHECKPOINT |= {"checkpoint.fsync"}
+TRAIN_RULES = ResumeRules(
+    resumable=frozenset(
+        {"train.stop_after", "train.progress", "checkpoint.async_save", "distributed.backend"}
+        | {"distributed.timeout_s", "probes.", "eval."}
+    ),
+    changeable=frozenset(
+        {"optim.lr", "optim.grad_clip", "train.max_steps", "guard."} | _CHECKPOINT
+    ),
+    defaults=lambda: TrainConfig().to_dict(),
+)
+# The Watch's run config: its WatchSettings, plus what the dashboard shows (framework, model).
+WATCH_RULES = ResumeRules(
+    resumable=frozenset(
+        {"checkpoint.async_save", "probes.", "distributed_timeout_s", "name", "framework"}
+    ),
+    changeable=frozenset({"max_steps", "train.max_steps", "grad_clip", "warmup_steps", "guard."})
+    | _CHECKPOINT,
+    defaults=lambda: WatchSettings().to_dict(),
+)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -87,36 +115,29 @@ def check_resume(cfg: TrainConfig, path: Path, world_size: int) -> dict[str, lis
     if then != now:  # ddp <-> fsdp2: the same DCP format, resharded on load
         log.info("resuming a '%s' checkpoint with distributed.strategy=%s", then, now)
         saved = {**saved, "distributed": {**saved["distributed"], "strategy": now}}
-    changes = check_resumable(cfg, saved, path)
+    changes = check_resumable(cfg.to_dict(), saved, path, TRAIN_RULES)
     ranks = read_meta(path).get("world_size", 1)
     if ranks != world_size:
         log.info("resuming a %d-rank checkpoint on %d ranks (resharded)", ranks, world_size)
     return changes
 
 
-def check_resumable(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> dict[str, list[Any]]:
+def check_resumable(
+    now: dict[str, Any], saved: dict[str, Any], path: Path, rules: ResumeRules
+) -> dict[str, list[Any]]:
     """Refuse a config that differs in a setting a resume may not change; return the changes
-    of the settings it may change that matter (`CHANGEABLE_KEYS`), {key: [then, now]}."""
-    now, then = _flatten(cfg.to_dict()), _flatten(saved)
-    for key, default in _flatten({"distributed": DistributedConfig().model_dump()}).items():
-        then.setdefault(key, default)  # a checkpoint from before the section existed
+    of the settings it may change that matter, {key: [then, now]}."""
+    now, then = _flatten(now), _flatten(rename_legacy(saved))
+    for key, default in _flatten(rules.defaults()).items():
+        then.setdefault(key, default)  # a checkpoint from before the setting existed
     differ = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
-    changes = {
-        k: [then.get(k), now.get(k)]
-        for k in differ
-        if k in CHANGEABLE_KEYS or k.startswith(CHANGEABLE_PREFIXES)
-    }
-    refused = [
-        k
-        for k in differ
-        if k not in changes and k not in RESUMABLE_KEYS and not k.startswith(RESUMABLE_PREFIXES)
-    ]
+    changes = {k: [then.get(k), now.get(k)] for k in differ if rules.allows(rules.changeable, k)}
+    refused = [k for k in differ if k not in changes and not rules.allows(rules.resumable, k)]
     if refused:
         shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in refused[:8])
-        allowed = ", ".join(sorted(CHANGEABLE_KEYS | RESUMABLE_KEYS))
         raise ConfigError(
             f"cannot resume {path}: the config differs in {shown}. A resume may change "
-            f"{allowed}, watch.*, probes.* and eval.*"
+            f"{rules.shown()}"
         )
     return changes
 

@@ -33,7 +33,7 @@ from observatory import metric_names as M
 from trainer.config import ProbesConfig
 from trainer.core.world import World, local
 
-__all__ = ["Probes", "describe_model", "layer_of", "module_layer_of"]
+__all__ = ["Probes", "describe_model", "layer_of", "module_layer_of", "unwrapped"]
 
 V_TINY = 1e-16
 
@@ -48,6 +48,18 @@ def layer_of(name: str) -> str:
     return f"{i}/{'attn' if part.startswith('attn') else 'mlp'}"
 
 
+# What wrappers put inside a module's own parameter names: torch.compile (`_orig_mod.`),
+# activation checkpointing, FSDP (v1). DDP's `module.` goes with `inner_model`. The store gets
+# the model's own names.
+_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def unwrapped(name: str) -> str:
+    """A parameter name without the wrappers' parts
+    ('model.layers.0._checkpoint_wrapped_module.q.weight' -> 'model.layers.0.q.weight')."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
 def module_layer_of(name: str) -> str:
     """Any model's parameter name -> probe layer, in the model's own module names: inside a
     numbered block the block index and the child module ('model.layers.3.self_attn.q_proj.weight'
@@ -60,9 +72,23 @@ def module_layer_of(name: str) -> str:
     return ".".join(parts)
 
 
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's own module inside DDP's (or torch.compile's) wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Class, layers and heads for the dashboard (its layer chooser), from a Hugging Face style
     config when the model has one."""
+    model = inner_model(model)
     cfg = getattr(model, "config", None)
 
     def get(key: str) -> Any:
@@ -140,11 +166,12 @@ class Probes:
         self.world = world or World()
         self.model = model
         self.optimizer = optimizer
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        own = inner_model(model).named_parameters()  # DDP's `module.` is no name of the model
+        named = [(unwrapped(n), p) for n, p in own if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for _, p in named]
         self.layers = list(dict.fromkeys(layer_of(n) for n, _ in named))
         owner = [self.layers.index(layer_of(n)) for n, _ in named]
-        device = self.params[0].device
+        device = self.device = self.params[0].device
         self.groups = _Groups(self.layers, owner, device)
         muon = {id(p) for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]}
         self.is_muon = [id(p) in muon for p in self.params]

@@ -128,8 +128,9 @@ class Recorder(Callback):
             message=str(record.get("reason", "")),
             data=tagged(record),
         )
-        fork = {"branch": self.branch, "parent": old, "fork_step": step}
-        fork["reason"] = str(record.get("reason", ""))
+        reason = str(record.get("reason", ""))
+        fork: dict[str, Any] = {"branch": self.branch, "parent": old, "fork_step": step}
+        fork["reason"] = reason
         self.forks.append(fork)
         self.sink.start_branch(self.run_id, **fork)
 

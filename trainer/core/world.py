@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.builtin.step import Clip, StepTensors
 from trainer.config import ConfigError, DataConfig, TrainConfig
+from trainer.core.transfer import Clip, StepTensors
 
-__all__ = ["World", "env_rank", "init_world"]
+__all__ = ["World", "attach_world", "env_rank", "init_world"]
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +133,24 @@ class World:
     # -- reductions ------------------------------------------------------------------------
     def reduce(self, t: StepTensors, stop: bool) -> StepTensors:
         """The step's scalars over all ranks: means of loss, ce and z; maxima of the logit
-        maxima; the number of ranks asked to stop. Two all-reduces, no host sync."""
+        maxima; the number of ranks asked to stop; and each rank's own loss (gathered, so a
+        verdict can name the rank whose data departed). Two collectives, no host sync."""
         if not self.distributed:
             return t
-        means = [t.loss, t.ce, *([t.z_mean] if t.z_mean is not None else [])]
+        means = [m for m in (t.loss, t.ce, t.z_mean) if m is not None]
         flag = torch.full((), float(stop), device=t.loss.device)
-        summed = torch.stack([*(m.float() for m in means), flag])
-        dist.all_reduce(summed)
+        mine = torch.stack([*(m.float() for m in means), flag])  # (k+1,)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine)
+        every = torch.stack(parts)  # (W, k+1): every rank's own values, in rank order
+        summed = every.sum(dim=0)
         mean = summed[: len(means)] / self.size
-        out = replace(t, loss=mean[0], ce=mean[1], stop=summed[-1])
+        out = replace(t, loss=mean[0], stop=summed[-1], rank_losses=every[:, 0])
+        rest = iter(mean[1:])
+        if t.ce is not None:
+            out = replace(out, ce=next(rest))
         if t.z_mean is not None:
-            out = replace(out, z_mean=mean[2])
+            out = replace(out, z_mean=next(rest))
         maxima = [m for m in (t.logit_max, t.attn_max) if m is not None]
         if maxima:
             flat = torch.cat([m.float().reshape(-1) for m in maxima])
@@ -282,3 +289,45 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
     world = World(strategy, dist.get_rank(), dist.get_world_size(), group, owns)
     log.info("rank %d of %d (%s on %s)", world.rank, world.size, strategy, device)
     return world, device
+
+
+def attach_world(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, timeout_s: float
+) -> World:
+    """The world of a process group the user (torchrun, accelerate, Lightning) created, for the
+    Watch: one process without one; DDP when every rank holds whole parameters (DDP, or any
+    replica data parallelism that averages gradients); FSDP2 when they are DTensor shards on a
+    1-D mesh. What spikewatch cannot agree a step over fails here, with one line. Objects and
+    barriers go through a gloo group of its own with `timeout_s`, so the decision's broadcast
+    costs no device transfer under NCCL and a dead rank fails the job instead of hanging it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return World()
+    refuse_unsupported(model, optimizer)
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    strategy = "fsdp2" if sharded else "ddp"
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    world = World(strategy, dist.get_rank(), dist.get_world_size(), group, False, model)
+    log.info("rank %d of %d (%s)", world.rank, world.size, strategy)
+    return world
+
+
+def refuse_unsupported(model: torch.nn.Module, optimizer: Any) -> None:
+    """DeepSpeed, FSDP (v1) and multi-dimensional meshes (tensor or pipeline parallelism,
+    HSDP): a step's gradient norm and state are not what spikewatch can measure and restore."""
+    kinds = {type(m).__name__ for m in model.modules()} | {type(model).__name__}
+    opt = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    if "DeepSpeedEngine" in kinds or opt.startswith("deepspeed") or "DeepSpeed" in opt:
+        raise ConfigError(
+            "spikewatch does not support DeepSpeed: use DDP or FSDP2 (fully_shard) under torchrun"
+        )
+    if "FullyShardedDataParallel" in kinds:
+        raise ConfigError(
+            "spikewatch does not support FSDP (v1) FullyShardedDataParallel: use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), or DDP"
+        )
+    meshes = {p.device_mesh.ndim for p in model.parameters() if isinstance(p, DTensor)}
+    if any(n > 1 for n in meshes):
+        raise ConfigError(
+            "spikewatch supports data parallelism only (DDP, FSDP2 on a 1-D mesh): this model "
+            "is sharded over a multi-dimensional mesh (tensor/pipeline parallelism or HSDP)"
+        )

@@ -15,8 +15,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from observatory import metric_names as M
-
 __all__ = ["AttnMax", "attention", "max_logits"]
 
 Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
@@ -86,14 +84,15 @@ def attention(
             flash_attention,  # imports Triton: only when used
         )
 
-        out, mx = flash_attention(q, k, v, causal=causal)
-        return out, (mx if need_max else None)
+        out, fmx = flash_attention(q, k, v, causal=causal)
+        return out, (fmx if need_max else None)
     if backend == "eager":
         mask = _causal_mask(0, T, T, q.device) if causal else None
         return _block(q, k, v, mask, softcap, need_max)
     if backend != "chunked":
         raise ValueError(f"unknown attention backend {backend!r}")
-    outs, mx = [], None
+    outs: list[torch.Tensor] = []
+    mx: torch.Tensor | None = None
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         k_end = end if causal else T
@@ -159,7 +158,6 @@ class AttnMax:
     def __init__(self) -> None:
         self.active = False  # set per step: only probed steps pay for the maxima
         self._by_layer: dict[int, torch.Tensor] = {}
-        self._names: dict[tuple[tuple[int, ...], int], tuple[list[str], list[str]]] = {}
 
     def record(self, layer: int, mx: torch.Tensor) -> None:
         """mx: (B, H) or (H,) max scaled logits of one forward of layer `layer`."""
@@ -179,15 +177,11 @@ class AttnMax:
             self.record(layer, max_logits(q, k, causal=causal, chunk=RECORD_CHUNK))
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    def take(self) -> tuple[list[str], list[str], torch.Tensor] | None:
-        """(per-head names, per-layer names, (L, H) maxima) of the step, then forget them."""
+    def take(self) -> tuple[tuple[int, ...], torch.Tensor] | None:
+        """(the recorded layers, their (L, H) maxima) of the step, then forget them."""
         if not self._by_layer:
             return None
         layers = tuple(sorted(self._by_layer))
         values = torch.stack([self._by_layer[i] for i in layers])  # (L, H)
         self._by_layer = {}
-        key = (layers, values.size(1))
-        if key not in self._names:
-            heads = [M.attn_max(i, h) for i in layers for h in range(values.size(1))]
-            self._names[key] = heads, [M.layer_attn_max(i) for i in layers]
-        return *self._names[key], values
+        return layers, values

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -155,7 +156,7 @@ class GPT(nn.Module):
     ) -> ModelOutput:
         """idx, targets: (B, T) int64."""
         T = idx.size(1)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # type: ignore[index]
         backend = self.backend(need_attn_max)
         x = self.wte(idx)  # (B, T, C)
         maxes = []
@@ -193,7 +194,7 @@ class GPT(nn.Module):
         )
 
     def attention_modules(self) -> list[Attention]:
-        return [b.attn for b in self.blocks]
+        return [cast(Attention, b.attn) for b in self.blocks]
 
 
 def param_kind(name: str, p: torch.Tensor) -> str:

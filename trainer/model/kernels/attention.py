@@ -258,7 +258,7 @@ def _backward(q, k, v, o, lse, do, causal: bool, sm_scale: float):
 
 class _FlashAttentionMax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float):  # type: ignore[override]
+    def forward(ctx, q, k, v, causal: bool, sm_scale: float):  # noqa: ANN001
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o, lse, mx = _forward(q, k, v, causal, sm_scale)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -267,7 +267,7 @@ class _FlashAttentionMax(torch.autograd.Function):
         return o, mx
 
     @staticmethod
-    def backward(ctx, do, _dmx):  # type: ignore[override]
+    def backward(ctx, do, _dmx):  # noqa: ANN001
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None

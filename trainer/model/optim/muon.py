@@ -64,7 +64,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon groups may hold only 2-D weight matrices")
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):  # noqa: ANN001
         loss = None
         if closure is not None:
             with torch.enable_grad():

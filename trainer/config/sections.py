@@ -1,25 +1,14 @@
 """Typed run configuration: one pydantic model per component, composed into `TrainConfig`.
 
-Precedence is CLI `--set` > TOML file > defaults. Unknown keys and bad values are errors that
-name the dotted key and, where the type is a choice, the allowed values. "Disabled" is `None`.
+Unknown keys and bad values are errors that name the dotted key and, where the type is a choice,
+the allowed values. "Disabled" is `None`.
 """
 
 from __future__ import annotations
 
-import json
-import tomllib
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from observatory.detect import DetectorConfig
 from observatory.policy import PolicyConfig
@@ -32,6 +21,7 @@ __all__ = [
     "DistributedConfig",
     "EvalConfig",
     "FaultConfig",
+    "GuardConfig",
     "LoopConfig",
     "MixtureStage",
     "ModelConfig",
@@ -39,17 +29,7 @@ __all__ = [
     "ProbesConfig",
     "ScheduleConfig",
     "TrainConfig",
-    "WatchConfig",
-    "WatchSettings",
-    "apply_overrides",
-    "apply_variants",
-    "find_config",
-    "load_config",
-    "variant_names",
 ]
-
-CONFIG_DIR = Path(__file__).parent / "configs"
-VARIANT_DIR = CONFIG_DIR / "variants"
 
 
 class ConfigError(ValueError):
@@ -157,7 +137,8 @@ class DataConfig(_Section):
         ends = [s.until_step for s in self.stages]
         if ends[-1] is not None or any(e is None for e in ends[:-1]):
             raise ValueError("only the last mixture stage may (and must) have until_step = None")
-        if ends[:-1] != sorted(ends[:-1]):
+        inner = [e for e in ends[:-1] if e is not None]
+        if inner != sorted(inner):
             raise ValueError("mixture stages must be ordered by until_step")
         return self
 
@@ -279,7 +260,7 @@ class LoopConfig(_Section):
     progress: bool = Field(True, description="Show a live progress bar.")
 
 
-class WatchConfig(_Section):
+class GuardConfig(_Section):
     enabled: bool = Field(True, description="Run the spike detector on every step.")
     rollback: bool = Field(
         True,
@@ -358,8 +339,9 @@ class TrainConfig(_Section):
     )
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
     train: LoopConfig = Field(default_factory=LoopConfig, description="The loop.")
-    watch: WatchConfig = Field(
-        default_factory=WatchConfig, description="Spike detection and automatic rollback."
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="The spike guard: detection and automatic rollback (was [watch]).",
     )
     faults: list[FaultConfig] = Field(
         default_factory=list, description="Injected faults (tests, demos); empty = none."
@@ -405,194 +387,3 @@ class TrainConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-class WatchSettings(_Section):
-    """What `Watch` (the user's own training) needs; the same sections as `TrainConfig`."""
-
-    name: str = Field("run", min_length=1, description="Run name; prefixes the run id.")
-    max_steps: int | None = Field(
-        None, ge=1, description="Planned optimizer steps, for the dashboard; None = unknown."
-    )
-    warmup_steps: int = Field(
-        0, ge=0, description="Steps the detector ignores (the loss falls too fast for a level)."
-    )
-    grad_clip: float | None = Field(
-        None,
-        gt=0,
-        description="Clip the global grad norm to this (done by the Watch, after it has "
-        "measured the norm before clipping); None = no clipping.",
-    )
-    checkpoint: CheckpointConfig = Field(
-        default_factory=lambda: CheckpointConfig(interval=25),
-        description="Retained checkpoints for rollback (interval None = detect only).",
-    )
-    probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
-    watch: WatchConfig = Field(
-        default_factory=lambda: WatchConfig(classify_cause=False),
-        description="Spike detection and automatic rollback.",
-    )
-
-    @model_validator(mode="after")
-    def _cross(self) -> WatchSettings:
-        if self.watch.classify_cause:
-            raise ValueError(
-                "watch.classify_cause replays the spike's batches, which only the built-in "
-                "trainer can draw again: set it false"
-            )
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-    @classmethod
-    def build(
-        cls,
-        settings: WatchSettings | Mapping[str, Any] | None,
-        name: str | None = None,
-        max_steps: int | None = None,
-        grad_clip: float | None = None,
-        warmup_steps: int | None = None,
-        checkpoint_every: int | None = None,
-    ) -> WatchSettings:
-        """`settings` (a WatchSettings or its dict), the keywords that are not None on top."""
-        base = settings.to_dict() if isinstance(settings, WatchSettings) else dict(settings or {})
-        given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
-        given["warmup_steps"] = warmup_steps
-        base.update({k: v for k, v in given.items() if v is not None})
-        if checkpoint_every is not None:
-            section = base.get("checkpoint", {"interval": 25})
-            base["checkpoint"] = {**section, "interval": checkpoint_every}
-        try:
-            return cls.model_validate(base)
-        except ValidationError as e:
-            raise ConfigError(f"invalid Watch settings: {e}") from e
-
-
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<config>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'; allowed: {_allowed_keys(e['loc'][:-1])}")
-        else:
-            got = e.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{key}: {e['msg']}{shown}")
-    return "invalid config:\n  " + "\n  ".join(lines)
-
-
-def _allowed_keys(loc: tuple[Any, ...]) -> str:
-    cls: type[BaseModel] = TrainConfig
-    for part in loc:
-        field = cls.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return "see trainer/config.py"
-        cls = ann
-    return ", ".join(sorted(cls.model_fields))
-
-
-def _parse_value(text: str) -> Any:
-    """TOML literal if it parses (1e-3, true, [1, 2], "s"); none/null = None; else the string."""
-    if text.strip().lower() in ("none", "null"):
-        return None
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of `raw` with each `a.b=value` applied; the key path must exist."""
-    out = json.loads(json.dumps(raw))
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        parts = key.strip().split(".")
-        cls: type[BaseModel] = TrainConfig
-        node = out
-        for i, part in enumerate(parts):
-            if part not in cls.model_fields:
-                where = ".".join(parts[:i]) or "<top level>"
-                raise ConfigError(
-                    f"unknown key '{key}' in --set; allowed in {where}: "
-                    f"{', '.join(sorted(cls.model_fields))}"
-                )
-            if i == len(parts) - 1:
-                node[part] = _parse_value(value)
-                break
-            ann = cls.model_fields[part].annotation
-            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-                raise ConfigError(f"'{'.'.join(parts[: i + 1])}' is a value, not a section")
-            cls = ann
-            node = node.setdefault(part, {})
-    return out
-
-
-def find_config(p: Path) -> Path:
-    """A path as given, else a preset in trainer/configs by file name or by bare name."""
-    for candidate in (p, CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.toml"):
-        if candidate.is_file():
-            return candidate
-    return p
-
-
-def variant_names() -> list[str]:
-    """The named overlays in trainer/configs/variants (baseline, qk_norm, z_loss, muonclip, ...)."""
-    return sorted(p.stem for p in VARIANT_DIR.glob("*.toml"))
-
-
-def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in overlay.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def apply_variants(raw: dict[str, Any], variants: list[str]) -> dict[str, Any]:
-    """`raw` with each named overlay merged over it, in order (a key set later wins)."""
-    for name in variants:
-        path = VARIANT_DIR / f"{name}.toml"
-        if not path.is_file():
-            raise ConfigError(f"unknown variant {name!r}; known: {', '.join(variant_names())}")
-        try:
-            overlay = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"variant {name!r} ({path}): not valid TOML: {e}") from None
-        raw = _merge(raw, overlay)
-    return raw
-
-
-def load_config(
-    path: str | Path | None = None,
-    overrides: list[str] | None = None,
-    variants: list[str] | None = None,
-) -> TrainConfig:
-    """Load a TOML file (a resolved .json one too), merge the variant overlays, apply `--set`
-    overrides (they win over both), validate it all."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = find_config(Path(path))
-        try:
-            text = p.read_text()
-            raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-    raw = apply_variants(raw, variants or [])
-    return validate_config(apply_overrides(raw, overrides or []))
-
-
-def validate_config(raw: dict[str, Any]) -> TrainConfig:
-    try:
-        return TrainConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e)) from None

@@ -1,0 +1,84 @@
+"""What `Watch` (the user's own training) is configured by: the same sections as `TrainConfig`,
+for a loop spikewatch does not own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from trainer.config.legacy import rename_legacy
+from trainer.config.sections import (
+    CheckpointConfig,
+    ConfigError,
+    GuardConfig,
+    ProbesConfig,
+    _Section,
+)
+
+__all__ = ["WatchSettings"]
+
+
+class WatchSettings(_Section):
+    """What `Watch` (the user's own training) needs; the same sections as `TrainConfig`."""
+
+    name: str = Field("run", min_length=1, description="Run name; prefixes the run id.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Planned optimizer steps, for the dashboard; None = unknown."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps the detector ignores (the loss falls too fast for a level)."
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0,
+        description="Clip the global grad norm to this (done by the Watch, after it has "
+        "measured the norm before clipping); None = no clipping.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=lambda: CheckpointConfig(interval=25),
+        description="Retained checkpoints for rollback (interval None = detect only).",
+    )
+    probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="The spike guard: detection and automatic rollback. classify_cause takes "
+        "effect where the Watch can draw a batch again (`batches(batch_at, loss_fn=...)`).",
+    )
+    distributed_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Under torchrun: seconds the ranks wait for each other to agree a step's "
+        "decision before the job fails (a rank that died never hangs the others for longer).",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def build(
+        cls,
+        settings: WatchSettings | Mapping[str, Any] | None,
+        name: str | None = None,
+        max_steps: int | None = None,
+        grad_clip: float | None = None,
+        warmup_steps: int | None = None,
+        checkpoint_every: int | None = None,
+    ) -> WatchSettings:
+        """`settings` (a WatchSettings or its dict), the keywords that are not None on top."""
+        base = settings.to_dict() if isinstance(settings, WatchSettings) else dict(settings or {})
+        try:
+            base = rename_legacy(base)
+        except ValueError as e:
+            raise ConfigError(f"invalid Watch settings: {e}") from e
+        given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
+        given["warmup_steps"] = warmup_steps
+        base.update({k: v for k, v in given.items() if v is not None})
+        if checkpoint_every is not None:
+            section = base.get("checkpoint", {"interval": 25})
+            base["checkpoint"] = {**section, "interval": checkpoint_every}
+        try:
+            return cls.model_validate(base)
+        except ValidationError as e:
+            raise ConfigError(f"invalid Watch settings: {e}") from e

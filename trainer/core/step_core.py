@@ -1,0 +1,563 @@
+"""The step core: one training step, whoever runs the loop (ARCHITECTURE.md, "one step core").
+
+Two clients drive it: the built-in trainer (trainer/builtin/loop.py), which brings its sampler,
+faults, forward/backward and evaluation, and the `Watch` (trainer/watch.py), which brings the
+user's model and the framework's gates. Per step, each client calls
+
+    begin_step(index)   the batch's global index (the data position)
+    measure(tensors)    after backward: reduce over ranks, the one host transfer -> StepState
+    decide(state)       the callbacks' verdict, agreed by every rank; True = apply the update
+    (the client applies the update, or not)
+    conclude()          record the step, then carry out a rollback or a halt
+
+and the core owns everything else: counters and the `DataState` with its skips, callbacks by
+priority, rollback and restore, the checkpoint schedule, the one snapshot schema
+(core/state.py) and resume with its check of what may change (core/lifecycle.py).
+
+Data is a parameter, not a second copy: with `data_flow="rewind"` (the built-in trainer, which
+draws any batch again from its index) a rollback restores the data position with the weights, so
+the batches after the restored step are trained again unless skipped; with `"forward"` (the
+Watch: the user's or the framework's data only flows forward) the position goes on, so every
+batch between the restored step and the rollback is skipped, and a batch inside a skip range
+that was drawn before the rollback decided it is refused when it comes (`SKIPPED_BATCH`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from observatory import metric_names as M
+from trainer.checkpoints.disk import Checkpointer
+from trainer.checkpoints.format import Snapshot
+from trainer.checkpoints.staging import Stager, to_host
+from trainer.core.actions import Action, Continue, Halt, Rollback, Spike
+from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from trainer.core.data_state import DataState
+from trainer.core.decide import action_name, deliver_notes, intervention, propose, rescale
+from trainer.core.probes import Probes
+from trainer.core.same_step import SameStepGate
+from trainer.core.state import (
+    RunState,
+    callback_keys,
+    join_optimizer,
+    rng_states,
+    set_rng_states,
+    split_optimizer,
+)
+from trainer.core.transfer import HostTransfer, StepTensors
+from trainer.core.world import World
+
+__all__ = [
+    "APPLIED",
+    "HALTED",
+    "REFUSED",
+    "ROLLED_BACK",
+    "SKIPPED_BATCH",
+    "Replay",
+    "StepCore",
+]
+
+log = logging.getLogger(__name__)
+
+# What a step came to. A client's LR schedule advances on the first two only.
+APPLIED, REFUSED, ROLLED_BACK, HALTED = "applied", "refused", "rolled_back", "halted"
+SKIPPED_BATCH = "skipped_batch"
+
+_STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
+
+# Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
+# backward, and the function that applies its update. None: the client cannot draw it again.
+Replay = Callable[[int, int], tuple[StepTensors, Callable[[], None]]]
+
+
+@dataclass
+class StepCore:
+    """Everything one step needs and every client shares. Built by the clients' `build_*`
+    functions; the dataclass only assigns."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    probes: Probes
+    checkpointer: Checkpointer
+    world: World
+    run: RunState
+    callbacks: list[Callback]
+    config: Callable[[], dict[str, Any]]  # the resolved config, as stored with the run
+    data_flow: Literal["rewind", "forward"] = "rewind"
+    scheduler: Any = None  # the client's LR scheduler, saved and restored with the run
+    same_step: SameStepGate | None = None
+    replay: Replay | None = None
+    max_steps: int | None = None
+    stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
+    stop_requested: bool = False
+    outcome: str = APPLIED
+    metric_names: set[str] = field(default_factory=set)
+    config_changes: dict[str, list[Any]] = field(default_factory=dict)
+    _state: StepState | None = None
+    _action: Action = field(default_factory=Continue)
+    _last_step_end: float | None = None
+    _started: bool = False
+    _t0: float = field(default_factory=time.perf_counter)
+    _steps_timed: int = 0
+
+    def __post_init__(self) -> None:
+        self.callbacks = sorted(self.callbacks, key=lambda c: -c.priority)
+
+    # -- counters the clients read ------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Updates on the live branch (the step a checkpoint of now would carry)."""
+        return self.run.step
+
+    @property
+    def halted(self) -> str | None:
+        return self.run.halted
+
+    @property
+    def index(self) -> int:
+        return self.run.index
+
+    def take_index(self) -> int:
+        """The next global batch index outside the skip ranges (advances the data position)."""
+        return self.run.data.take()
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Once, before the first step: callbacks hear of the run (and of a resume's changed
+        settings), and the step-0 anchor is saved so that an early spike can roll back."""
+        if self._started:
+            return
+        self._started = True
+        for cb in self.callbacks:
+            cb.on_fit_start(self.fit_state())
+        if self.config_changes:
+            for cb in self.callbacks:
+                cb.on_config_change(self.step, self.config_changes)
+            self.config_changes = {}
+        if self.checkpointer.enabled and self.checkpointer.latest() is None:
+            self.save()
+        self._t0 = self._last_step_end = time.perf_counter()
+
+    # -- the step -----------------------------------------------------------------------------
+    def begin_step(self, index: int) -> None:
+        """Before the step's first forward: `index` is its batch's global index. With forward
+        data flow this is the client's (the framework's) data position."""
+        self.start()
+        self.run.index = index
+        if self.data_flow == "forward":
+            self.run.data.batch_index = max(self.run.data.batch_index, index + 1)
+
+    def measure(self, t: StepTensors, *, lr: float, ntok: int = 0) -> StepState:
+        """After backward: reduce over ranks, then the step's one host transfer, with the
+        previous step's update statistics, which only existed after that step's update."""
+        step = self.step + 1
+        t = self.world.reduce(t, stop=self.stop_asked)
+        xfer = HostTransfer()
+        xfer.add_step(t)
+        if self.probes.active(step):
+            xfer.add(*self.probes.grad_norms(t.grad_norms))
+        pending = self.probes.take_pending()
+        if pending is not None:
+            xfer.add(pending[1], pending[2], late=True)
+        if t.stop is not None:
+            xfer.add([_STOP], t.stop)
+        if self.same_step is not None:
+            self.same_step.ride(xfer, t.loss, t.grad_norm)
+        metrics, late = xfer.fetch()  # the one device->host sync of the step
+        if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
+            self.stop_requested = True
+        refused_by = self.same_step.verdict(metrics) if self.same_step is not None else ""
+        if pending is not None:
+            self._emit_update_metrics(pending[0], late)
+        metrics[M.LR] = lr
+        now = time.perf_counter()
+        if ntok and self._last_step_end is not None:
+            metrics[M.TOKENS_PER_S] = ntok / max(now - self._last_step_end, 1e-9)
+        self._last_step_end = now
+        self.metric_names.update(metrics)
+        loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
+        return StepState(
+            step=step,
+            batch_index=self.run.index,
+            loss=loss,
+            ce=metrics.get(M.CE, loss),
+            grad_norm=gnorm,
+            clip_factor=metrics[M.CLIP_FACTOR],
+            lr=lr,
+            tokens=self.run.tokens + ntok,
+            nonfinite=not (math.isfinite(loss) and math.isfinite(gnorm)),
+            refused_by=refused_by,
+            metrics=metrics,
+        )
+
+    def refuse_skipped(self) -> bool:
+        """Forward data flow: True (and the step is `SKIPPED_BATCH`, nothing measured) when the
+        step's batch lies in a skip range, drawn before the rollback that skips it. Every rank
+        holds the same skip ranges, so every rank answers alike."""
+        if self.data_flow == "forward" and self.run.data.skip_end(self.run.index) is not None:
+            self.outcome, self._state, self._action = SKIPPED_BATCH, None, Continue()
+            return True
+        return False
+
+    def decide(self, state: StepState) -> bool:
+        """Rank 0's callbacks decide; every rank carries out that one action (with the pins it
+        asked for). True = apply the update now."""
+        self._state = state
+        proposal = propose(state, self.callbacks) if self.world.is_main else None
+        action, pins = self.world.agree(proposal)
+        for reason in pins:
+            self.pin_newest(reason)
+        if isinstance(action, Continue):
+            self.run.lr_scale = rescale(self.run.lr_scale, action)  # from the next step on
+        else:
+            log.warning("step %d: %s (%s)", state.step, action_name(action), action.reason)
+            self.run.interventions.append(intervention(action, state))
+            if isinstance(action, Halt):
+                self.stop_requested = True
+                self.run.halted = action.reason
+        self._action = action
+        self.outcome = APPLIED if isinstance(action, Continue) else REFUSED
+        if self.outcome == APPLIED:
+            self.checkpointer.before_mutation()  # an async save may still be copying weights
+            self.probes.before_update(state.step)
+        return self.outcome == APPLIED
+
+    def conclude(self) -> str:
+        """After the update (or its refusal): record the step, deliver the callbacks' notes
+        (off the path between decision and update), then roll back or halt. Returns what the
+        step came to."""
+        state, action, self._state = self._state, self._action, None
+        if state is None or self.outcome == SKIPPED_BATCH:
+            return self.outcome
+        applied = self.outcome == APPLIED
+        self.probes.after_update(state.step, applied)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.run.step, self.run.tokens = state.step, state.tokens
+        self.run.history.append((state.step, state.ce))  # the cross-entropy
+        deliver_notes(self.callbacks)  # the verdicts that led to the action, before its record
+        reason = "" if isinstance(action, Continue) else action.reason
+        done = replace(state, applied=applied, action=action_name(action), reason=reason)
+        for cb in self.callbacks:
+            cb.post_step(done)
+        if isinstance(action, Rollback):
+            self.rollback(action)
+            self.outcome = ROLLED_BACK
+        elif isinstance(action, Halt):
+            self.outcome = HALTED
+        self._steps_timed += 1
+        return self.outcome
+
+    def request_stop(self) -> None:
+        """From a signal handler: stop after this step. Under torchrun the request rides the
+        next step's all-reduce first, so that every rank stops after the same step."""
+        self.stop_asked = True
+        if not self.world.distributed:
+            self.stop_requested = True
+
+    def record_eval(self, val_loss: float) -> None:
+        """A validation loss of the current step."""
+        self.run.val_losses.append((self.step, val_loss))
+        self.metric_names.add(M.VAL_LOSS)
+        for cb in self.callbacks:
+            cb.on_eval(EvalState(step=self.step, val_loss=val_loss))
+
+    def _emit_update_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.metric_names.update(metrics)
+        for cb in self.callbacks:
+            cb.on_update_metrics(step, metrics)
+        deliver_notes(self.callbacks)
+
+    def flush_probes(self) -> None:
+        """The waiting update statistics, now (one sync): before a checkpoint, at the end."""
+        pending = self.probes.take_pending_metrics()
+        if pending is not None:
+            self._emit_update_metrics(*pending)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    @property
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self._t0) / max(self._steps_timed, 1)
+
+    def save_if_due(self) -> bool:
+        """Save the current step if the schedule says so; True when it did."""
+        ck = self.checkpointer
+        if ck.enabled and ck.last_saved != self.step and ck.due(self.step, self.seconds_per_step):
+            self.save()
+            return True
+        ck.report(self.callbacks)  # an asynchronous save that landed meanwhile
+        return False
+
+    def save(self) -> None:
+        """Checkpoint the current step. The step's update statistics go out first, not with the
+        next step's transfer: a resume from this checkpoint never recomputes them."""
+        self.flush_probes()
+        stall = self.checkpointer.save(self.step, self.snapshot)
+        log.debug("checkpoint at step %d (loop blocked %.3fs)", self.step, stall)
+        path = str(self.checkpointer.root / f"step{self.step:08d}")
+        for cb in self.callbacks:
+            cb.on_checkpoint(self.step, path, self.step in self.checkpointer.pins)
+        self.checkpointer.report(self.callbacks)
+
+    def pin_newest(self, reason: str) -> None:
+        if self.checkpointer.enabled and self.checkpointer.last_saved is not None:
+            self.checkpointer.pin(self.checkpointer.last_saved, reason)
+
+    # -- rollback, restore, resume ------------------------------------------------------------
+    def rollback(self, action: Rollback) -> None:
+        """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip;
+        the cause of a spike is told by replaying it first where the client can."""
+        step, path, abandoned = self.checkpointer.rollback_point(action.to_step)
+        from_step = self.step
+        self.restore(self.checkpointer.read(path, self.probes.device), resume=False)
+        record = self.run.interventions[-1]
+        spike = action.spike
+        if spike is not None and spike.replay and self.replay is not None:
+            record.update(self._classify(spike, step))
+            self.restore(self.checkpointer.read(path, self.probes.device), resume=False)
+        self.checkpointer.pin(step, "rollback target")
+        for start, end in action.skip_ranges:
+            self.run.data.add_skip(start, end)
+        self.run.lr_scale = rescale(self.run.lr_scale, action)
+        record.update(
+            from_step=from_step,
+            to_step=step,
+            skip_ranges=[list(r) for r in action.skip_ranges],
+            lr_scale=action.lr_scale,
+            dropped_checkpoints=abandoned,
+        )
+        if self.data_flow == "forward":
+            record["resumed_at_batch"] = self.run.data.batch_index
+        log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
+        for cb in self.callbacks:
+            cb.on_rollback(step, record)
+        # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
+        # scale, policy and detector states) as the next generation, which a resume prefers to
+        # the abandoned newer steps; only then delete those. A crash at any moment must not
+        # train the bad batches again.
+        self.run.generation += 1
+        self.save()
+        self.checkpointer.drop_after(step)
+        self.checkpointer.report(self.callbacks)
+
+    def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
+        """Continue from the newest intact checkpoint; `check(path)` refuses a config that may
+        not resume it and returns the changes it may make ({key: [then, now]}, announced to the
+        callbacks at start). Returns the step."""
+        step, path = self.checkpointer.resume_point()
+        changes = check(path)
+        self.restore(self.checkpointer.read(path, self.probes.device), resume=True)
+        if changes:
+            shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            log.warning("resumed from %s with changed settings: %s", path, shown)
+        else:
+            log.info("resumed from %s", path)
+        self.config_changes = changes
+        return step
+
+    def _classify(self, spike: Spike, from_step: int) -> dict[str, Any]:
+        """Replay the spike's steps once from the restored state, on the same batches: a spike
+        that comes back needs this data with this state (PaLM); one that does not was
+        transient (a flaky update, possibly a hardware fault: Megatron's question). Returns
+        the record's `cause` and `replay_peak_loss`."""
+        assert self.replay is not None
+        losses = {}
+        for step, index in spike.replay:
+            if step <= from_step:
+                continue
+            t, apply = self.replay(step, index)
+            t = self.world.reduce(t, stop=False)
+            loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
+            if math.isfinite(loss) and math.isfinite(gnorm):  # as the loop: never apply these
+                apply()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses[step] = loss if math.isfinite(loss) else math.inf
+        cause, replay_peak = classify(spike, losses)
+        log.warning(
+            "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)",
+            from_step + 1,
+            max(losses, default=from_step),
+            "reproduces" if cause == "data_x_state" else "does not reproduce",
+            replay_peak,
+            spike.peak_loss if spike.peak_loss is not None else math.nan,
+        )
+        return {"cause": cause, "replay_peak_loss": replay_peak}
+
+    # -- the state a checkpoint holds (core/state.py's schema) -------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """`trainer.json` without the RNG states: counters, data position, skips, records, the
+        same-step tier and every callback's state (JSON types)."""
+        run = self.run
+        return {
+            "run_id": run.run_id,
+            "step": run.step,
+            "tokens": run.tokens,
+            "lr_scale": run.lr_scale,
+            "generation": run.generation,
+            "data_state": run.data.to_dict(),
+            "interventions": run.interventions,
+            "val_losses": run.val_losses,
+            "halted": run.halted,
+            "same_step": None if self.same_step is None else self.same_step.state_dict(),
+            "callbacks": {
+                key: cb.state_dict()
+                for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True)
+            },
+        }
+
+    def snapshot(self, stage: Stager | None) -> Snapshot:
+        """The current state as a checkpoint `Snapshot` (self/state.py's schema)."""
+        rng_tensors, rng_json = rng_states()
+        run = self.run
+        sched = None if self.scheduler is None else self.scheduler.state_dict()
+        if self.world.distributed:  # weights and optimizer: sharded, by the checkpointer
+            own = {**rng_tensors, "json": rng_json}
+            if sched is not None:
+                own["scheduler"] = sched
+            torch_files = {f"rng.rank{self.world.rank}.pt": own}
+        else:
+            torch_files = {
+                **split_optimizer(to_host(self.optimizer.state_dict(), stage, "optimizer")),
+                "model.pt": to_host(self.model.state_dict(), stage, "model"),
+                "rng.pt": rng_tensors,
+            }
+            if sched is not None:
+                torch_files["scheduler.pt"] = sched
+        return Snapshot(
+            step=run.step,
+            torch_files=torch_files,
+            json_files={
+                "trainer.json": {**self.state_dict(), "rng": rng_json},
+                "config.json": self.config(),
+            },
+            meta={
+                "run_id": run.run_id,
+                "loss": run.history[-1][1] if run.history else None,
+                "tokens": run.tokens,
+                "data_state": run.data.to_dict(),
+                "generation": run.generation,
+            },
+        )
+
+    def restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
+        """Load a checkpoint (as `Checkpointer.read` returns it) into the live objects. A resume
+        takes everything back; a rollback keeps what the run has learned since."""
+        state = loaded["trainer.json"]
+        if "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
+            from trainer.checkpoints.sharded import load_sharded
+
+            load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
+        else:
+            self.model.load_state_dict(loaded["model.pt"])
+            self.optimizer.load_state_dict(join_optimizer(loaded))
+        if self.scheduler is not None and "scheduler.pt" in loaded:
+            self.scheduler.load_state_dict(loaded["scheduler.pt"])
+        set_rng_states(loaded["rng.pt"], state["rng"])
+        if resume:
+            last = loaded.get("meta", {}).get("loss")
+            self.run.resumed_loss = math.nan if last is None else float(last)
+        self.load_state_dict(state, resume=resume)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resume: bool = True) -> None:
+        """Counters and records from `trainer.json` (or a framework's copy of it). A resume takes
+        everything back; a rollback keeps what the run has learned since (interventions, skip
+        ranges, LR scale, callback states) and, with forward data flow, the data position."""
+        run = self.run
+        run.step, run.tokens = int(state["step"]), int(state.get("tokens", 0))
+        if self.same_step is not None and state.get("same_step") is not None:
+            self.same_step.load_state_dict(state["same_step"])
+        restored = DataState.from_dict(state["data_state"])
+        if resume:
+            run.run_id = str(state["run_id"])
+            run.generation = int(state.get("generation", 0))
+            run.data = restored
+            run.lr_scale = float(state["lr_scale"])
+            run.interventions = list(state["interventions"])
+            run.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
+            run.halted = state.get("halted")
+            saved = state["callbacks"]
+            for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
+                if key in saved:
+                    cb.load_state_dict(saved[key])
+        else:
+            if self.data_flow == "rewind":
+                ranges = sorted(set(restored.skip_ranges) | set(run.data.skip_ranges))
+                run.data = DataState(restored.batch_index, ranges)
+            run.val_losses = [(s, v) for s, v in run.val_losses if s <= run.step]
+        run.history = [(s, v) for s, v in run.history if s <= run.step]
+
+    # -- the end ----------------------------------------------------------------------------
+    def finish(self, status: str) -> None:
+        """The end of a run that did not fail: the last update statistics, the final
+        checkpoint, then the callbacks hear how it ended."""
+        self.start()
+        try:
+            self.flush_probes()
+            if self.checkpointer.enabled and self.checkpointer.last_saved != self.step:
+                self.save()
+        finally:
+            self.settle()
+        for cb in self.callbacks:
+            cb.on_fit_end(self.fit_state(status))
+
+    def settle(self) -> None:
+        """Whatever happened: the waiting statistics out, the save in flight on disk (its
+        error raised), the landed checkpoints told. Safe to call more than once."""
+        try:
+            self.flush_probes()
+        finally:
+            self.checkpointer.wait()
+            self.checkpointer.report(self.callbacks)
+
+    def status(self) -> str:
+        return "halted" if self.halted else "stopped" if self.stop_requested else "completed"
+
+    def fit_state(self, status: str = "running") -> FitState:
+        return FitState(
+            run_id=self.run.run_id,
+            run_dir=str(self.run.run_dir),
+            step=self.step,
+            max_steps=self.max_steps or 0,
+            config=self.config(),
+            status=status,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The keys every client's summary JSON shares."""
+        run = self.run
+        return {
+            "run_id": run.run_id,
+            "run_dir": str(run.run_dir),
+            "steps": self.step,
+            "final_train_loss": run.history[-1][1] if run.history else run.resumed_loss,
+            "final_val_loss": run.val_losses[-1][1] if run.val_losses else math.nan,
+            "tokens": run.tokens,
+            "val_losses": [{"step": s, "loss": v} for s, v in run.val_losses],
+            "interventions": list(run.interventions),
+            "halted": run.halted,
+            "metric_names": sorted(self.metric_names),
+            "config": self.config(),
+            **{k: v for cb in self.callbacks for k, v in cb.summary().items()},
+        }
+
+
+def classify(spike: Spike, losses: dict[int, float]) -> tuple[str, float]:
+    """(cause, replay peak) from the replayed losses: "data_x_state" when the spike comes back
+    to at least half its height, "transient" when it does not, "unknown" without a level."""
+    level, peak = spike.pre_spike_loss, spike.peak_loss
+    after = [v for s, v in losses.items() if s >= spike.onset_step]
+    replay_peak = max(after, default=math.nan)
+    if level is None or peak is None or not after:
+        return "unknown", replay_peak
+    if not math.isfinite(peak):  # a non-finite spike reproduces only as non-finite
+        return ("data_x_state" if math.isinf(replay_peak) else "transient"), replay_peak
+    if math.isinf(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
+        return "data_x_state", replay_peak  # it reproduces
+    return "transient", replay_peak

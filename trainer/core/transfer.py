@@ -1,0 +1,102 @@
+"""A step's device tensors and their one host transfer, for every client of the step core.
+
+The client (the built-in trainer, the Watch) hands the core a `StepTensors` after backward; the
+core reduces it over ranks (core/world.py), adds the probes' values and reads everything in one
+`HostTransfer`: the loop's single device-to-host synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from observatory import metric_names as M
+
+__all__ = ["Clip", "HostTransfer", "StepTensors", "attn_names", "clip_by_global_norm"]
+
+
+@dataclass
+class StepTensors:
+    """Device tensors of one step, before the host transfer."""
+
+    loss: torch.Tensor  # () mean over micro-batches (ce + z-loss term in the built-in GPT)
+    grad_norm: torch.Tensor  # () global, before clipping
+    clip_factor: torch.Tensor  # () min(1, max_norm / norm)
+    grad_norms: torch.Tensor  # (P,) per parameter, in the probes' parameter order, pre-clip
+    ce: torch.Tensor | None = None  # () None: the loss is the cross-entropy
+    z_mean: torch.Tensor | None = None  # ()
+    logit_max: torch.Tensor | None = None  # ()
+    attn_max: torch.Tensor | None = None  # (L, nh) over the whole global batch
+    attn_layers: tuple[int, ...] | None = None  # the layers of attn_max's rows; None = 0..L-1
+    stop: torch.Tensor | None = None  # () ranks asked to stop (torchrun only), agreed by all
+    rank_losses: torch.Tensor | None = None  # (W,) each rank's own loss (torchrun only)
+
+
+# (parameters, max norm) -> (total norm, clip factor, per-tensor norms), clipping in place
+Clip = Callable[[list[torch.Tensor], float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def clip_by_global_norm(
+    params: Sequence[torch.Tensor], max_norm: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.nn.utils.clip_grad_norm_'s arithmetic, keeping the per-tensor norms it computes
+    (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    per_tensor = torch.stack(torch._foreach_norm(grads))  # (P,)
+    total = torch.linalg.vector_norm(per_tensor)
+    if max_norm is None:
+        return total, torch.ones_like(total), per_tensor
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+    return total, factor, per_tensor
+
+
+@functools.lru_cache(maxsize=16)
+def attn_names(layers: tuple[int, ...], n_head: int) -> tuple[list[str], list[str]]:
+    """Per-head and per-layer max-logit names, built once per shape rather than every step."""
+    heads = [M.attn_max(i, h) for i in layers for h in range(n_head)]
+    return heads, [M.layer_attn_max(i) for i in layers]
+
+
+class HostTransfer:
+    """Named device tensors gathered into one host copy (the loop's one sync per step)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.late: list[bool] = []
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
+        if names:
+            self.names += names
+            self.late += [late] * len(names)
+            self.parts.append(values.detach().float().reshape(-1))
+
+    def add_step(self, t: StepTensors) -> None:
+        """Everything a `StepTensors` carries, under its metric names."""
+        scalars = torch.stack([t.loss, t.grad_norm, t.clip_factor])
+        self.add([M.LOSS, M.GRAD_NORM, M.CLIP_FACTOR], scalars)
+        if t.ce is not None:
+            self.add([M.CE], t.ce)
+        if t.z_mean is not None:
+            self.add([M.Z_MEAN], t.z_mean)
+        if t.logit_max is not None:
+            self.add([M.LOGIT_MAX], t.logit_max)
+        if t.attn_max is not None:
+            layers = t.attn_layers or tuple(range(t.attn_max.size(0)))
+            heads, per_layer = attn_names(layers, t.attn_max.size(1))
+            self.add(heads, t.attn_max)
+            self.add(per_layer, t.attn_max.amax(dim=1))
+        if t.rank_losses is not None:
+            self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
+
+    def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
+        values = torch.cat(self.parts).tolist()
+        now: dict[str, float] = {}
+        late: dict[str, float] = {}
+        for name, is_late, v in zip(self.names, self.late, values, strict=True):
+            (late if is_late else now)[name] = v
+        return now, late
