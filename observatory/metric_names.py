@@ -50,6 +50,14 @@ def layer_attn_max(layer: int) -> str:
     return f"layer/{layer}/{STAT_ATTN_MAX}"
 
 
+CKPT_MEMORY_BYTES = "checkpoint/memory_bytes"  # the host-memory tier's snapshots, this rank
+
+
+def checkpoint_stall(tier: str) -> str:
+    """Seconds a save to `tier` ("memory", "disk") blocked the loop."""
+    return f"checkpoint/{tier}_stall_s"
+
+
 RANK_LOSS = "rank/*/loss"  # template: the loss of each rank's own data (torchrun)
 
 

@@ -39,6 +39,7 @@ from observatory.store.sink import BaseSink, DbSink, open_run_sink
 from observatory.strict_json import write_json
 from trainer.checkpoints.disk import Checkpointer
 from trainer.checkpoints.format import list_checkpoints as ck_list
+from trainer.checkpoints.tiers import Tiers, build_tiers
 from trainer.config import ConfigError, WatchSettings
 from trainer.core.callbacks import Callback
 from trainer.core.data_state import DataState
@@ -173,7 +174,7 @@ class Watch:
         return self._c.run.run_dir
 
     @property
-    def checkpointer(self) -> Checkpointer:
+    def checkpointer(self) -> Tiers:
         return self._c.checkpointer
 
     @property
@@ -454,13 +455,14 @@ def build_watch_core(watch: Watch) -> StepCore:
     watch.sink = sink
     world.barrier()
     durable = next((c.persist for c in callbacks if isinstance(c, Recorder)), None)
-    checkpointer = _checkpointer(watch, run_dir, world, durable)
+    disk = _checkpointer(watch, run_dir, world, durable)
+    checkpointer = build_tiers(cfg.checkpoint, disk, model, optimizer, world)
     if world.is_main and cfg.guard.enabled:  # rank 0 decides for all
         guard = SpikeGuard(
             cfg.guard,
             checkpointer.retained,
             warmup_steps=cfg.warmup_steps,
-            can_roll_back=cfg.checkpoint.interval is not None,
+            can_roll_back=cfg.checkpoint.any_tier,
         )
         guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
         callbacks.append(guard)

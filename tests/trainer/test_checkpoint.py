@@ -222,7 +222,7 @@ def test_auto_interval_uses_the_measured_save_cost(tmp_path) -> None:
     )
     tr = build_trainer(cfg, run_dir=tmp_path)
     tr.fit()
-    cp = tr.core.checkpointer
+    cp = tr.core.checkpointer.disk
     assert cp.save_seconds is not None and cp.auto_interval is not None
     cp.save_seconds = 2.0  # Daly(2 s, 0.36 s MTBF) = MTBF, since C >= 2M
     assert cp.interval_for(seconds_per_step=0.01) == 36

@@ -53,7 +53,7 @@ SCENARIOS = {
     "ddp_auto": ("distributed.strategy=ddp", "checkpoint.interval=auto", "eval.interval=none"),
 }
 # an estimate from a strided sample of each rank's shard, and a timing: not comparable
-SAMPLED = ("adam_v_tiny_frac", "tokens_per_s")
+SAMPLED = ("adam_v_tiny_frac", "tokens_per_s", "_stall_s")
 
 
 class _Capture(Callback):

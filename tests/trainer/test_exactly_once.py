@@ -33,6 +33,9 @@ ARGS = [
     'faults=[{kind="shifted_labels", start=70, length=8}]',
 ]
 TIMING = {M.TOKENS_PER_S}  # wall-clock metrics: the same steps, not the same values
+# A save's stall is known only once the save is published, after the record was made durable
+# for it: a SIGKILL right then loses that one value (the checkpoint itself is intact).
+AFTER_COMMIT = {M.checkpoint_stall("disk"), M.checkpoint_stall("memory"), M.CKPT_MEMORY_BYTES}
 
 
 def _train(run_dir: Path, *, resume: bool = False) -> subprocess.Popen:
@@ -74,6 +77,7 @@ def _store(run_dir: Path) -> dict[str, Counter]:
     keyed = Counter(
         (name, b, layer, head, step, None if name in TIMING else value)
         for name, b, layer, head, step, value in points
+        if name not in AFTER_COMMIT
     )
     return {"points": keyed, "events": Counter(events), "branches": Counter(branches)}
 

@@ -30,6 +30,7 @@ from trainer.builtin.schedule import lr_multiplier
 from trainer.builtin.step import apply_update, forward_backward
 from trainer.checkpoints.disk import Checkpointer
 from trainer.checkpoints.format import list_checkpoints as ck_list
+from trainer.checkpoints.tiers import build_tiers
 from trainer.config import ConfigError, TrainConfig
 from trainer.core.callbacks import Callback
 from trainer.core.guard import SpikeGuard
@@ -272,7 +273,8 @@ def build_trainer(
     optimizer = build_optimizer(model, cfg.optim)
     recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
     durable = None if recorder is None else recorder.persist  # the record, before each commit
-    checkpointer = build_checkpointer(cfg, path, world, model, optimizer, durable)
+    disk = build_checkpointer(cfg, path, world, model, optimizer, durable)
+    checkpointer = build_tiers(cfg.checkpoint, disk, model, optimizer, world)
     if cfg.guard.enabled and world.is_main:  # rank 0 decides for all
         callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer.retained)]
     tier = cfg.guard.same_step

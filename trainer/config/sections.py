@@ -197,8 +197,21 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     interval: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         None,
-        description="Save every N steps; 'auto' = Young/Daly from the measured save time and "
-        "mtbf_hours; None = no checkpoints (and no rollback).",
+        description="Save to disk every N steps (for crashes, and rollbacks further back than "
+        "host memory holds); 'auto' = Young/Daly from the measured save time and mtbf_hours; "
+        "None = no disk checkpoints.",
+    )
+    memory_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Snapshot to host memory every N steps (trainer/checkpoints/memory.py): a "
+        "rollback restores from RAM, never waiting on disk; None = off.",
+    )
+    memory_budget_mb: float | None = Field(
+        None,
+        gt=0,
+        description="Host memory the snapshots may take, per rank; None = a quarter of the "
+        "host's available memory, shared by its ranks.",
     )
     keep_last: int = Field(
         2, ge=2, description="Newest checkpoints always kept (the newest may still be writing)."
@@ -210,6 +223,11 @@ class CheckpointConfig(_Section):
         24.0, gt=0, description="Mean time between failures, for interval = 'auto'."
     )
     fsync: bool = Field(True, description="fsync files and directories before the rename.")
+
+    @property
+    def any_tier(self) -> bool:
+        """Some tier keeps rollback targets (without one, spikes are recorded, never acted on)."""
+        return self.interval is not None or self.memory_interval is not None
 
     @field_validator("interval", mode="before")
     @classmethod

@@ -81,7 +81,7 @@ class SpikeGuard(Callback):
             retained,
             warmup_steps=cfg.schedule.warmup_steps,
             regimes=regime_steps(cfg),
-            can_roll_back=cfg.checkpoint.interval is not None,
+            can_roll_back=cfg.checkpoint.any_tier,
         )
 
     def pre_update(self, state: StepState) -> Action:

@@ -63,7 +63,7 @@ class ResumeRules:
 
 
 _CHECKPOINT = {"checkpoint.interval", "checkpoint.keep_last", "checkpoint.mtbf_hours"}
-_CHECKPOINT |= {"checkpoint.fsync"}
+_CHECKPOINT |= {"checkpoint.fsync", "checkpoint.memory_interval", "checkpoint.memory_budget_mb"}
 TRAIN_RULES = ResumeRules(
     resumable=frozenset(
         {"train.stop_after", "train.progress", "checkpoint.async_save", "distributed.backend"}

@@ -35,9 +35,9 @@ from typing import Any, Literal
 import torch
 
 from observatory import metric_names as M
-from trainer.checkpoints.disk import Checkpointer
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
+from trainer.checkpoints.tiers import DISK, Tiers
 from trainer.core.actions import Action, Continue, Halt, Rollback, Spike
 from trainer.core.callbacks import Callback, EvalState, FitState, StepState
 from trainer.core.data_state import DataState
@@ -86,7 +86,7 @@ class StepCore:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     probes: Probes
-    checkpointer: Checkpointer
+    checkpointer: Tiers  # host memory and disk (trainer/checkpoints/tiers.py)
     world: World
     run: RunState
     callbacks: list[Callback]
@@ -289,22 +289,30 @@ class StepCore:
     def save_if_due(self) -> bool:
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
-        if ck.enabled and ck.last_saved != self.step and ck.due(self.step, self.seconds_per_step):
-            self.save()
+        due = ck.due(self.step, self.seconds_per_step) if ck.enabled else []
+        if due:
+            self.save(due)
             return True
         ck.report(self.callbacks)  # an asynchronous save that landed meanwhile
         return False
 
-    def save(self) -> None:
-        """Checkpoint the current step. The step's update statistics go out first, not with the
-        next step's transfer: a resume from this checkpoint never recomputes them."""
+    def save(self, tiers: list[str] | None = None) -> None:
+        """Checkpoint the current step to `tiers` (None: every tier that is on). The step's
+        update statistics go out first, not with the next step's transfer: a resume from this
+        checkpoint never recomputes them. What each tier cost the loop goes to the record."""
         self.flush_probes()
-        stall = self.checkpointer.save(self.step, self.snapshot)
-        log.debug("checkpoint at step %d (loop blocked %.3fs)", self.step, stall)
-        path = str(self.checkpointer.root / f"step{self.step:08d}")
-        for cb in self.callbacks:
-            cb.on_checkpoint(self.step, path, self.step in self.checkpointer.pins)
-        self.checkpointer.report(self.callbacks)
+        ck = self.checkpointer
+        stalls = ck.save(self.step, self.snapshot, tiers)
+        log.debug("checkpoint at step %d (loop blocked %s)", self.step, stalls)
+        if DISK in stalls:
+            path = ck.path_of(self.step, DISK)
+            for cb in self.callbacks:
+                cb.on_checkpoint(self.step, path, self.step in ck.pins)
+        stats = {M.checkpoint_stall(tier): s for tier, s in stalls.items()}
+        if ck.memory is not None:
+            stats[M.CKPT_MEMORY_BYTES] = float(ck.memory.bytes_held)
+        self._emit_update_metrics(self.step, stats)
+        ck.report(self.callbacks)
 
     def pin_newest(self, reason: str) -> None:
         if self.checkpointer.enabled and self.checkpointer.last_saved is not None:
@@ -314,14 +322,16 @@ class StepCore:
     def rollback(self, action: Rollback) -> None:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip;
         the cause of a spike is told by replaying it first where the client can."""
-        step, path, abandoned = self.checkpointer.rollback_point(action.to_step)
-        from_step = self.step
-        self.restore(self.checkpointer.read(path, self.probes.device), resume=False)
+        ck = self.checkpointer
+        step, where, abandoned = ck.rollback_point(action.to_step)
+        from_step, t0 = self.step, time.perf_counter()
+        self.restore(ck.read(where, self.probes.device), resume=False)
         record = self.run.interventions[-1]
+        record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         spike = action.spike
         if spike is not None and spike.replay and self.replay is not None:
             record.update(self._classify(spike, step))
-            self.restore(self.checkpointer.read(path, self.probes.device), resume=False)
+            self.restore(ck.read(where, self.probes.device), resume=False)
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.run.data.add_skip(start, end)
@@ -335,7 +345,13 @@ class StepCore:
         )
         if self.data_flow == "forward":
             record["resumed_at_batch"] = self.run.data.batch_index
-        log.warning("rolled back from step %d to step %d (%s)", from_step, step, path.name)
+        log.warning(
+            "rolled back from step %d to step %d (%s tier, %.3fs)",
+            from_step,
+            step,
+            ck.last_tier,
+            record["restore_s"],
+        )
         for cb in self.callbacks:
             cb.on_rollback(step, record)
         # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
@@ -450,7 +466,10 @@ class StepCore:
         """Load a checkpoint (as `Checkpointer.read` returns it) into the live objects. A resume
         takes everything back; a rollback keeps what the run has learned since."""
         state = loaded["trainer.json"]
-        if "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
+        if "memory" in loaded:  # in place, from this rank's host buffers
+            assert self.checkpointer.memory is not None
+            self.checkpointer.memory.load_tensors(loaded["memory"])
+        elif "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
             from trainer.checkpoints.sharded import load_sharded
 
             load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
@@ -500,8 +519,9 @@ class StepCore:
         self.start()
         try:
             self.flush_probes()
-            if self.checkpointer.enabled and self.checkpointer.last_saved != self.step:
-                self.save()
+            disk = self.checkpointer.disk
+            if disk.enabled and disk.last_saved != self.step:
+                self.save([DISK])
         finally:
             self.settle()
         for cb in self.callbacks:

@@ -202,6 +202,14 @@ class World:
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
+    def min_int(self, x: int) -> int:
+        """The smallest of every rank's `x` (a host number, through the gloo group)."""
+        if not self.distributed:
+            return x
+        t = torch.tensor([x], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

@@ -1,0 +1,348 @@
+"""The host-memory tier: rollback targets in RAM, so that a rollback never waits on disk.
+
+Per rank, each snapshot is a copy of this rank's own tensors (its parameters and buffers, and its
+optimizer state: whole replicas under DDP, its shards under FSDP2) in host buffers, plus the
+small state a checkpoint's JSON and RNG files hold. The copy is asynchronous: on CUDA it is
+queued on a side stream into pinned buffers, on a CPU a background thread makes it; the loop
+only waits (`before_mutation`) if the optimizer is about to change the weights before the copy
+is done, which on any step longer than the copy never happens. A restore copies the buffers
+back into the live tensors, in place; no collective, no planning, no file.
+
+Why not torch.distributed.checkpoint's `get_state_dict(cpu_offload=True)` here: it gathers or
+reshards for another world size, which a tier that lives and dies with this process never
+needs; in-place copies of each rank's own tensors are the cheapest correct copy. Disk
+checkpoints (trainer/checkpoints/disk.py, sharded.py) keep DCP for crashes and resharding.
+
+Retention is the disk tier's exponential rule (retention.py) within a byte budget: the newest
+`keep_last`, then one per power-of-two age bucket, pins first; when the budget holds fewer
+snapshots than that, the oldest unpinned go first, then the oldest pinned (the disk tier may
+still hold them). Buffers of evicted snapshots are reused, so memory is mapped once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.checkpoints.format import CheckpointError, Snapshot
+from trainer.checkpoints.retention import keep
+from trainer.core.world import local
+
+__all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
+
+log = logging.getLogger(__name__)
+
+_HEAVY = {"model.pt", "optimizer.pt", "optimizer.1.pt"}  # copied from the live tensors instead
+
+
+def _live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+    """This rank's own tensors in a fixed order: parameters, buffers, then each parameter's
+    optimizer state tensors (by key). Yields (key, tensor)."""
+    for name, p in model.named_parameters():
+        yield f"p/{name}", local(p).detach()
+    for name, b in model.named_buffers():
+        yield f"b/{name}", local(b).detach()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(v):
+                yield f"o/{i}/{k}", local(v).detach()
+
+
+def snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes one snapshot of this rank's tensors takes (with the optimizer state as it is now;
+    Adam's moments exist after its first step)."""
+    return sum(t.numel() * t.element_size() for _, t in _live_tensors(model, optimizer))
+
+
+@dataclass
+class _Slot:
+    step: int
+    buffers: dict[str, torch.Tensor]
+    small: dict[str, Any]  # json_files, meta, the RNG and scheduler objects
+    opt_other: dict[int, dict[str, Any]]  # non-tensor optimizer state (per parameter index)
+    groups: list[dict[str, Any]]  # the optimizer's hyperparameters (no params)
+    pins: set[str] = field(default_factory=set)
+    ready: threading.Event = field(default_factory=threading.Event)
+    cuda_event: Any = None
+
+
+class MemoryTier:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        interval: int,
+        budget_bytes: int,
+        keep_last: int = 2,
+        agree: Callable[[int], int] = lambda n: n,
+    ) -> None:
+        """`agree`: the smallest of every rank's number (World.min_int), so that every rank
+        keeps the same snapshots whatever its shard's size."""
+        self.model = model
+        self.optimizer = optimizer
+        self.interval = interval
+        self.budget_bytes = budget_bytes
+        self.keep_last = keep_last
+        self.agree = agree
+        self.slots: dict[int, _Slot] = {}
+        self.free: list[dict[str, torch.Tensor]] = []
+        self.last_saved: int | None = None
+        self.last_stall_s = 0.0
+        self.last_restore_s = 0.0
+        self._pending: _Slot | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stream: Any = None
+        self._warned = False
+
+    # -- what the tiers facade asks -------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def steps(self) -> list[int]:
+        return sorted(self.slots)
+
+    def has(self, step: int) -> bool:
+        return step in self.slots
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(_nbytes(s.buffers) for s in self.slots.values())
+
+    def capacity(self, per_snapshot: int) -> int:
+        return self.budget_bytes // max(per_snapshot, 1)
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, snap: Snapshot, pins: set[str]) -> float:
+        """Start copying this rank's tensors for `step`; returns how long the loop blocked."""
+        t0 = time.perf_counter()
+        self.before_mutation()
+        live = dict(_live_tensors(self.model, self.optimizer))
+        need = sum(t.numel() * t.element_size() for t in live.values())
+        if not self._make_room(step, need):
+            return time.perf_counter() - t0
+        buffers = self._buffers(live)
+        slot = _Slot(
+            step=step,
+            buffers=buffers,
+            small=_small(snap),
+            opt_other=_optimizer_other(self.optimizer),
+            groups=[
+                {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                for g in self.optimizer.param_groups
+            ],
+            pins=set(pins),
+        )
+        self.slots[step] = slot
+        self._copy(slot, live)
+        self.last_saved = step
+        self.last_stall_s = time.perf_counter() - t0
+        return self.last_stall_s
+
+    def _make_room(self, step: int, need: int) -> bool:
+        """Evict what retention drops, then (budget) the oldest unpinned and the oldest pinned
+        ones; False when not even one snapshot fits."""
+        self.slots.pop(step, None)  # a step saved again (a rollback target) replaces its copy
+        slots = self.agree(self.capacity(need))
+        if slots < 1:
+            if not self._warned:
+                log.warning(
+                    "host-memory tier: one snapshot needs %.1f MB, the budget is %.1f MB: "
+                    "rollbacks use the disk tier",
+                    need / 2**20,
+                    self.budget_bytes / 2**20,
+                )
+                self._warned = True
+            return False
+        older = [s for s in self.slots if s < step]  # newer ones: an abandoned branch, dropped
+        pins = [s for s in older if self.slots[s].pins]  # by the rollback that abandons it
+        kept = keep([*older, step], step, pins=pins, keep_last=self.keep_last)
+        order = sorted(kept - {step}, key=lambda s: (bool(self.slots[s].pins), s))
+        newer = len(self.slots) - len(older)
+        while order and len(order) + newer + 1 > slots:
+            order.pop(0)
+        for s in [s for s in older if s not in order]:
+            self._evict(s)
+        return True
+
+    def _evict(self, step: int) -> None:
+        slot = self.slots.pop(step)
+        slot.ready.wait()
+        self.free.append(slot.buffers)
+
+    def _buffers(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host buffers shaped like `live`: reused from an evicted snapshot when they match."""
+        for i, bufs in enumerate(self.free):
+            if bufs.keys() == live.keys() and all(
+                bufs[k].shape == t.shape and bufs[k].dtype == t.dtype for k, t in live.items()
+            ):
+                return self.free.pop(i)
+        self.free.clear()  # another shape (the optimizer state appeared): map afresh
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in live.values())
+        return {
+            k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            for k, t in live.items()
+        }
+
+    def _copy(self, slot: _Slot, live: dict[str, torch.Tensor]) -> None:
+        pairs = [(slot.buffers[k], t) for k, t in live.items()]
+        if any(t.is_cuda for _, t in pairs):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())  # the update that made them
+            with torch.cuda.stream(self._stream):
+                for buf, t in pairs:
+                    buf.copy_(t, non_blocking=True)
+                slot.cuda_event = torch.cuda.Event()
+                slot.cuda_event.record(self._stream)
+            self._pending = slot
+            return
+        self._pending = slot
+        self._thread = threading.Thread(
+            target=self._copy_in_thread, args=(slot, pairs), name=f"mem-{slot.step}", daemon=True
+        )
+        self._thread.start()
+
+    def _copy_in_thread(self, slot: _Slot, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            for buf, t in pairs:
+                buf.copy_(t)
+        except BaseException as e:  # raised in the loop's thread by before_mutation
+            self._error = e
+        finally:
+            slot.ready.set()
+
+    def before_mutation(self) -> float:
+        """Block until the copy in flight is done (the weights may change after); returns the
+        seconds waited."""
+        slot = self._pending
+        if slot is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if slot.cuda_event is not None:
+            slot.cuda_event.synchronize()
+            slot.ready.set()
+        else:
+            slot.ready.wait()
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+        self._pending = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            self.slots.pop(slot.step, None)
+            raise RuntimeError(f"host-memory snapshot of step {slot.step} failed: {err}") from err
+        waited = time.perf_counter() - t0
+        self.last_stall_s += waited
+        return waited
+
+    # -- restoring ------------------------------------------------------------------------
+    def read(self, step: int) -> dict[str, Any]:
+        """What the core's restore needs, as a disk checkpoint's read gives it; the tensors
+        are copied back by `load_tensors` (the core calls it through loaded['memory'])."""
+        self.before_mutation()
+        if step not in self.slots:
+            raise CheckpointError(f"no host-memory snapshot of step {step}")
+        out = copy.deepcopy(self.slots[step].small)
+        out["memory"] = step
+        return out
+
+    @torch.no_grad()
+    def load_tensors(self, step: int) -> None:
+        """Copy the snapshot of `step` back into the live model and optimizer, in place."""
+        t0 = time.perf_counter()
+        slot = self.slots[step]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = self.optimizer.state
+        has_state = any(k.startswith("o/") for k in slot.buffers)
+        if not has_state:
+            state.clear()  # the snapshot was taken before the optimizer's first step
+        else:
+            for i, other in slot.opt_other.items():
+                state[params[i]].update(copy.deepcopy(other))
+            for k in slot.buffers:  # state tensors the live optimizer lacks (a fresh optimizer)
+                if k.startswith("o/"):
+                    _, index, name = k.split("/", 2)
+                    p = params[int(index)]
+                    if name not in state[p]:
+                        buf = slot.buffers[k]
+                        state[p][name] = torch.empty_like(buf, device=local(p).device)
+        live = dict(_live_tensors(self.model, self.optimizer))
+        if live.keys() != slot.buffers.keys():
+            raise CheckpointError(f"host-memory snapshot of step {step} does not fit the model")
+        for k, t in live.items():
+            t.copy_(slot.buffers[k], non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for g, saved in zip(self.optimizer.param_groups, slot.groups, strict=True):
+            g.update(copy.deepcopy(saved))
+        self.last_restore_s = time.perf_counter() - t0
+
+    # -- pins and branches ----------------------------------------------------------------
+    def pin(self, step: int, reason: str) -> None:
+        if step in self.slots:
+            self.slots[step].pins.add(reason)
+
+    def drop_after(self, step: int) -> list[int]:
+        self.before_mutation()
+        dropped = [s for s in self.slots if s > step]
+        for s in dropped:
+            self._evict(s)
+        return dropped
+
+
+def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in buffers.values())
+
+
+def _small(snap: Snapshot) -> dict[str, Any]:
+    """The snapshot's JSON files, meta and small torch objects (RNG, scheduler), copied; a
+    rank's `rng.rank<r>.pt` (torchrun) is unpacked as the sharded reader does."""
+    out: dict[str, Any] = {name: copy.deepcopy(obj) for name, obj in snap.json_files.items()}
+    out["meta"] = copy.deepcopy(snap.meta)
+    for name, obj in snap.torch_files.items():
+        if name in _HEAVY:
+            continue
+        obj = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in obj.items()}
+        if name.startswith("rng.rank"):
+            out["trainer.json"]["rng"] = obj.pop("json")
+            if "scheduler" in obj:
+                out["scheduler.pt"] = obj.pop("scheduler")
+            name = "rng.pt"
+        out[name] = obj
+    return out
+
+
+def _optimizer_other(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Non-tensor optimizer state (a step count kept as a number), per parameter index."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out = {}
+    for i, p in enumerate(params):
+        other = {
+            k: copy.deepcopy(v)
+            for k, v in optimizer.state.get(p, {}).items()
+            if not torch.is_tensor(v)
+        }
+        if other:
+            out[i] = other
+    return out
+
+
+def default_budget_bytes() -> int:
+    """A quarter of the host's available memory, shared by the ranks on this host."""
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        pages = 8 * 2**30
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return pages // 4 // max(local_ranks, 1)

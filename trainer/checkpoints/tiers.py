@@ -1,0 +1,221 @@
+"""The rollback targets a run keeps, in two tiers, behind the one interface the core uses.
+
+- **Host memory** (memory.py): fast, bounded by a byte budget, lost with the process. A rollback
+  restores from here when the target is here: no file is read.
+- **Disk** (disk.py, or sharded.py under torchrun): for crashes (a resume reads only disk) and
+  for targets older than memory holds.
+
+Each tier has its own interval. `save` writes the tiers that are due (the core's explicit saves,
+such as the step-0 anchor and a rollback's rewrite of its target, write every tier that is on).
+Retention, pins and abandoned branches apply to both; a rollback goes to the newest retained
+step at or before its target in either tier, memory first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoints import format as ck
+from trainer.checkpoints.disk import Checkpointer
+from trainer.checkpoints.memory import MemoryTier, default_budget_bytes
+from trainer.checkpoints.staging import Live, Stager
+from trainer.config import CheckpointConfig
+from trainer.core.world import World
+
+__all__ = ["DISK", "MEMORY", "Tiers", "build_tiers"]
+
+log = logging.getLogger(__name__)
+
+DISK, MEMORY = "disk", "memory"
+
+
+def memory_path(step: int) -> str:
+    """How a host-memory snapshot is named in the run's record (there is no file)."""
+    return f"memory://step{step:08d}"
+
+
+class Tiers:
+    def __init__(self, disk: Checkpointer, memory: MemoryTier | None = None) -> None:
+        self.disk = disk
+        self.memory = memory
+        self.root = disk.root
+        self.last_tier: str | None = None  # the tier the last rollback restored from
+        self._changes: list[tuple[int, str, str]] = []
+        self._mem_seen: set[int] = set()
+
+    # -- what is on --------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.disk.enabled or self.memory is not None
+
+    @property
+    def last_saved(self) -> int | None:
+        steps = [s for s in (self.disk.last_saved, self._mem_last()) if s is not None]
+        return max(steps) if steps else None
+
+    @last_saved.setter
+    def last_saved(self, step: int | None) -> None:
+        self.disk.last_saved = step
+
+    @property
+    def pins(self) -> dict[int, set[str]]:
+        out = {s: set(p) for s, p in self.disk.pins.items()}
+        for s, slot in self.memory.slots.items() if self.memory else ():
+            out.setdefault(s, set()).update(slot.pins)
+        return {s: p for s, p in out.items() if p}
+
+    def _mem_last(self) -> int | None:
+        return None if self.memory is None else self.memory.last_saved
+
+    def open(self) -> None:
+        self.disk.open()
+
+    # -- timing and saving --------------------------------------------------------------------
+    def due(self, step: int, seconds_per_step: float) -> list[str]:
+        """The tiers whose interval says: save now."""
+        due = []
+        if self.memory is not None and self._mem_last() != step and self.memory.due(step):
+            due.append(MEMORY)
+        if self.disk.enabled and self.disk.last_saved != step:
+            if self.disk.due(step, seconds_per_step):
+                due.append(DISK)
+        return due
+
+    def save(
+        self,
+        step: int,
+        build: Callable[[Stager | None], ck.Snapshot],
+        tiers: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        """Save `step` to `tiers` (None: every tier that is on); returns each tier's stall."""
+        stalls: dict[str, float] = {}
+        if self.memory is not None and (tiers is None or MEMORY in tiers):
+            pins = self.pins.get(step, set())
+            stalls[MEMORY] = self.memory.save(step, build(Live()), pins)
+            if self.memory.has(step):
+                self._changes.append((step, memory_path(step), "ok"))
+        if self.disk.enabled and (tiers is None or DISK in tiers):
+            stalls[DISK] = self.disk.save(step, build)
+        return stalls
+
+    def before_mutation(self) -> float:
+        waited = self.disk.before_mutation()
+        if self.memory is not None:
+            waited += self.memory.before_mutation()
+        return waited
+
+    def wait(self) -> None:
+        self.disk.wait()
+        if self.memory is not None:
+            self.memory.before_mutation()
+
+    def report(self, callbacks: Iterable[Any]) -> None:
+        """Tell the callbacks which snapshots landed or went, in either tier."""
+        mem_gone = self._memory_evictions()
+        changes, self._changes = self._changes + mem_gone, []
+        for step, path, status in [*changes, *self.disk.take_changes()]:
+            pinned = step in self.pins
+            for cb in callbacks:
+                cb.on_checkpoint_change(step, path, status, pinned)
+
+    def _memory_evictions(self) -> list[tuple[int, str, str]]:
+        if self.memory is None:
+            return []
+        held = set(self.memory.slots)
+        seen, self._mem_seen = self._mem_seen, held
+        return [(s, memory_path(s), "deleted") for s in sorted(seen - held)]
+
+    # -- pins and branches ----------------------------------------------------------------
+    def pin(self, step: int, reason: str) -> None:
+        """Protect `step` from retention in every tier that holds it (or, on disk, will)."""
+        placed = False
+        if self.memory is not None and self.memory.has(step):
+            self.memory.pin(step, reason)
+            placed = True
+        disk = self.disk
+        if disk.enabled:
+            held = (ck.step_dir(disk.root, step) / ck.META).exists()
+            if held or disk.last_saved is None or step > disk.last_saved or not placed:
+                disk.pin(step, reason)
+
+    def drop_after(self, step: int) -> list[int]:
+        dropped = set(self.disk.drop_after(step))
+        if self.memory is not None:
+            dropped |= set(self.memory.drop_after(step))
+        return sorted(dropped)
+
+    def retained(self) -> list[int]:
+        """Steps a rollback can go to, in either tier."""
+        steps = set(self.disk.retained()) if self.disk.enabled else set()
+        if self.memory is not None:
+            steps |= set(self.memory.steps())
+        return sorted(steps)
+
+    def rollback_point(self, to_step: int) -> tuple[int, Path | int, list[int]]:
+        """The newest retained step at or before `to_step` (memory first on a tie), where it is
+        (a disk path, or the step itself for host memory), and the abandoned newer steps."""
+        if not self.enabled:
+            raise RuntimeError(f"Rollback(to_step={to_step}) needs checkpoints: set an interval")
+        mem = [s for s in (self.memory.steps() if self.memory else []) if s <= to_step]
+        found = self.disk.latest(at_most=to_step) if self.disk.enabled else None
+        newer = set(self.retained())
+        if mem and (found is None or mem[-1] >= found[0]):
+            self.last_tier = MEMORY
+            return mem[-1], mem[-1], sorted(s for s in newer if s > mem[-1])
+        if found is None:
+            raise ck.CheckpointError(f"no retained checkpoint at or before step {to_step}")
+        self.last_tier = DISK
+        return found[0], found[1], sorted(s for s in newer if s > found[0])
+
+    def resume_point(self) -> tuple[int, Path]:
+        """For a resume after a crash: disk only (host memory died with the process)."""
+        return self.disk.resume_point()
+
+    def latest(self, at_most: int | None = None) -> tuple[int, Path | int] | None:
+        mem = [
+            s
+            for s in (self.memory.steps() if self.memory else [])
+            if at_most is None or s <= at_most
+        ]
+        found = self.disk.latest(at_most) if self.disk.enabled else None
+        if mem and (found is None or mem[-1] >= found[0]):
+            return mem[-1], mem[-1]
+        return found
+
+    def read(self, where: Path | int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        if isinstance(where, int):
+            assert self.memory is not None
+            return self.memory.read(where)
+        return self.disk.read(where, map_location)
+
+    def path_of(self, step: int, tier: str) -> str:
+        return memory_path(step) if tier == MEMORY else str(ck.step_dir(self.root, step))
+
+
+def build_tiers(
+    cfg: CheckpointConfig,
+    disk: Checkpointer,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world: World,
+) -> Tiers:
+    """The disk tier given, and the host-memory tier when `cfg.memory_interval` is set, with a
+    budget every rank agrees on (rank 0's)."""
+    memory = None
+    if cfg.memory_interval is not None:
+        mb = cfg.memory_budget_mb
+        budget = int(mb * 2**20) if mb is not None else default_budget_bytes()
+        memory = MemoryTier(
+            model,
+            optimizer,
+            interval=cfg.memory_interval,
+            budget_bytes=int(world.agree(budget)),
+            keep_last=cfg.keep_last,
+            agree=world.min_int,
+        )
+    return Tiers(disk, memory)
