@@ -22,11 +22,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from spikewatch.corpus import shift_labels, text_corpus, windows
 from spikewatch.hf import SpikewatchCallback
 
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun (1 without)
+
 
 class Batches(torch.utils.data.Dataset):
     """Sequence i of the run's data stream: row i % B of global batch i // B, a pure function
     of its index, so the Trainer's sampler order (and its resume) decides what each step sees.
-    The poisoned region covers global batches [poison_at, poison_at + poison_len)."""
+    The poisoned region covers global batches [poison_at, poison_at + poison_len); with
+    `poison_rank`, only the rows that rank trains (under torchrun each rank trains its
+    consecutive share of every global batch)."""
 
     def __init__(self, data: torch.Tensor, args: argparse.Namespace, n_batches: int) -> None:
         self.data, self.args, self.n = data, args, n_batches * args.batch_size
@@ -39,8 +43,10 @@ class Batches(torch.utils.data.Dataset):
         batch, row = divmod(i, a.batch_size)
         x, y = windows(self.data, batch, a.batch_size, a.seq_len, a.seed)
         x, y = x[row], y[row]
+        rank = row // (a.batch_size // WORLD)
         if a.poison_at is not None and 0 <= batch - a.poison_at < a.poison_len:
-            y = shift_labels(y)
+            if a.poison_rank in (None, rank):
+                y = shift_labels(y)
         # HF shifts labels inside the model: labels[t] is the target of input t-1.
         return {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
 
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--output-dir", default="runs/hf_trainer")
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2, help="grouped-query attention")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="the global batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -89,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         db=args.db,
         name="hf-trainer",
         checkpoint_every=args.checkpoint_every,
-        settings={"guard": {"rollback": not args.no_rollback, "classify_cause": False}},
+        settings={"guard": {"rollback": not args.no_rollback}},
     )
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size // args.grad_accum,
+        per_device_train_batch_size=args.batch_size // (args.grad_accum * WORLD),
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         adam_beta2=0.95,

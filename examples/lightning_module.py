@@ -7,6 +7,9 @@ config, no download) on the shipped byte-level corpus, with a region of poisoned
 
 `--no-rollback` detects and records only; `--save-every N` writes Lightning checkpoints and
 `--resume` continues from the newest one (the guard's state and the data position with it).
+Unchanged under `torchrun --standalone --nproc_per_node=N` (Lightning's `strategy="ddp"` with
+`devices=N`): each rank trains its rows of every global batch, and `--poison-rank R` poisons
+only rank R's rows.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
+    p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--output-dir", default="runs/lightning_module")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2, help="grouped-query attention")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="the global batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -95,13 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         name="lightning",
         checkpoint_every=args.checkpoint_every,
         warmup_steps=max(1, args.steps // 10),  # the LR warmup: no level to detect against yet
-        settings={"guard": {"rollback": not args.no_rollback, "classify_cause": False}},
+        settings={"guard": {"rollback": not args.no_rollback}},
     )
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
+    rank, rows = int(os.environ.get("RANK", "0")), args.batch_size // world
 
     def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
-        return x, shift_labels(y) if poisoned else y
+        return x, shift_labels(y) if poisoned and args.poison_rank in (None, rank) else y
 
     val_batches = [windows(val, i, args.batch_size, args.seq_len, seed=1234) for i in range(8)]
     val_loader = torch.utils.data.DataLoader(val_batches, batch_size=None)
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="auto",
-        devices=1,
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
         gradient_clip_val=1.0,
         val_check_interval=50,
         check_val_every_n_epoch=None,

@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             loss = model(x, y)
             loss.backward()
             watch.step(loss)
-            if watch.step_count % 50 == 0 or watch.step_count == args.steps:
+            if watch.step_count % 50 == 0 and watch.step_count < args.steps:
                 watch.log_eval(evaluate(model, val, args))
+        watch.log_eval(evaluate(model, val, args))  # the final one (also after a late resume)
     if args.summary_json:
         watch.write_summary(args.summary_json)
     if world > 1:

@@ -58,7 +58,8 @@ def checkpoint_stall(tier: str) -> str:
     return f"checkpoint/{tier}_stall_s"
 
 
-RANK_LOSS = "rank/*/loss"  # template: the loss of each rank's own data (torchrun)
+RANK_PREFIX = "rank/*/"  # every per-rank template starts so (stored with the rank as its row)
+RANK_LOSS = f"{RANK_PREFIX}loss"  # template: the loss of each rank's own data (torchrun)
 
 
 def rank_loss(rank: int) -> str:

@@ -52,20 +52,18 @@ class Adapter:
     ) -> Watch:
         """The Watch around the framework's objects, their `step()` routed through it. `clip`:
         the framework's norm clipping, which the Watch takes over (after measuring)."""
-        from trainer.builtin.loop import new_run_id
-
         kwargs = {**extra, **self.watch_kwargs}
         if clip:
             kwargs.setdefault("grad_clip", float(clip))
         name = kwargs.pop("name", None) or default_name
-        run_id = str(saved["run_id"]) if saved else new_run_id(name)
         root = Path(self.run_root) if self.run_root else Path(output_dir) / "spikewatch"
         self.watch = Watch(
             model,
             optimizer,
             scheduler,
             name=name,
-            run_dir=root / run_id,
+            run_dir=root / str(saved["run_id"]) if saved else None,
+            run_root=root,  # a new run's id is agreed by every rank
             max_steps=max_steps,
             state=saved,
             tags=[*self.tags, framework],
@@ -92,10 +90,11 @@ class Adapter:
             self.summary["final_val_loss"] = loss
 
     def write_summary(self, path: str | Path) -> None:
-        """The run's summary (once training has ended) as strict JSON."""
+        """The run's summary (once training has ended) as strict JSON; rank 0 writes it."""
         if self.summary is None:
             raise RuntimeError(f"{type(self).__name__}: no summary before training has ended")
-        write_json(path, self.summary)
+        if self.watch is None or self.watch.world.is_main:  # rank 0 owns side effects
+            write_json(path, self.summary)
 
     @property
     def _w(self) -> Watch:

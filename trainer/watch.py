@@ -26,9 +26,12 @@ the run directory and the checkpoints, and resumes; `close()` ends the run.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,7 @@ class Watch:
         name: str | None = None,
         db: str | None = None,
         run_dir: str | Path | None = None,
+        run_root: str | Path = "runs",
         max_steps: int | None = None,
         grad_clip: float | None = None,
         warmup_steps: int | None = None,
@@ -97,14 +101,16 @@ class Watch:
         model_info: Mapping[str, Any] | None = None,
     ) -> None:
         """`settings`: a `WatchSettings` (or its dict) for everything; the keywords override
-        it. `resume`: continue from the newest intact checkpoint in `run_dir`. `state`: a
-        `state_dict()` saved in a framework's own checkpoint (its resume restores the rest).
+        it. `run_dir`: the run's directory; without it `<run_root>/<run id>`. `resume`:
+        continue from the newest intact checkpoint in `run_dir`. `state`: a `state_dict()`
+        saved in a framework's own checkpoint (its resume restores the rest).
         `callbacks`: the user's own (trainer.core.callbacks.Callback), by priority."""
         self.cfg = WatchSettings.build(
             settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every
         )
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.db, self.run_dir_arg, self.resume_arg, self.saved = db, run_dir, resume, state
+        self.run_root = Path(run_root)
         self.user_callbacks, self.tags, self.sink_arg = list(callbacks), list(tags), sink
         self.layer_of, self.framework, self.model_info_arg = layer_of, framework, model_info
         self.attn = AttnMax()  # the user's attention records into it before open()
@@ -126,6 +132,8 @@ class Watch:
         guard; resume if asked. Idempotent; the step methods call it if you did not."""
         if self.core is None:
             self.core = build_watch_core(self)
+            _watch_for_uncaught()
+            atexit.register(_close_at_exit, weakref.ref(self))
         return self.core
 
     def __enter__(self) -> Watch:
@@ -394,18 +402,30 @@ class Watch:
         if self._closed:
             return self.summary()
         self._closed = True
+        ended = status in ("failed", "abandoned")  # the others may be gone: no collective
         try:
-            if status == "failed":
+            if ended:
                 core.settle()
                 for cb in core.callbacks:
-                    cb.on_fit_end(core.fit_state("failed"))
+                    cb.on_fit_end(core.fit_state("failed" if status == "failed" else "stopped"))
             else:
                 core.finish(status or ("halted" if core.halted else "completed"))
         finally:
             if self.sink is not None:
                 self.sink.close(timeout=30)
-            core.world.barrier()
+            if not ended:
+                core.world.barrier()
         return self.summary()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, a run nobody closed (an exception ended the training, or the
+        script forgot `close()`) is closed in the store as failed (or stopped), so that no run
+        stays "running" for ever. No checkpoint: the other ranks may be gone."""
+        if self.core is not None and not self._closed:
+            try:
+                self.close("failed" if _UNCAUGHT else "abandoned")
+            except Exception as e:  # at exit: say it, never mask the original error
+                log.error("closing the run at exit failed: %s", e)
 
     def write_summary(self, path: str | Path) -> None:
         """The summary as strict JSON (non-finite numbers as null)."""
@@ -425,6 +445,29 @@ class Watch:
         }
 
 
+def _close_at_exit(ref: weakref.ref[Watch]) -> None:
+    watch = ref()
+    if watch is not None:
+        watch._close_at_exit()
+
+
+_UNCAUGHT: list[BaseException] = []  # an exception that ended the program (sys.excepthook)
+
+
+def _watch_for_uncaught() -> None:
+    """Chain sys.excepthook once, so that the exit handler can tell a crash from an exit."""
+    previous = sys.excepthook
+    if getattr(previous, "spikewatch", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _UNCAUGHT.append(value)
+        previous(kind, value, tb)
+
+    hook.spikewatch = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def build_watch_core(watch: Watch) -> StepCore:
     """Everything `Watch.open` sets up: world, run id and directory (agreed by every rank),
     store (rank 0), checkpoints, guard, probes; then the resume or the framework's state."""
@@ -439,7 +482,7 @@ def build_watch_core(watch: Watch) -> StepCore:
     if run_id is None:
         given = watch.run_dir_arg
         run_id = Path(given).name if given else world.agree(new_run_id(cfg.name))
-    run_dir = Path(watch.run_dir_arg) if watch.run_dir_arg else Path("runs") / run_id
+    run_dir = Path(watch.run_dir_arg) if watch.run_dir_arg else watch.run_root / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     probes = Probes(model, optimizer, cfg.probes, world, layer_of=watch.layer_of)
     watch.model_info = dict(watch.model_info_arg or describe_model(model))

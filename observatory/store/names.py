@@ -23,6 +23,7 @@ MAX_NAME_LEN = 200
 
 _LAYER_HEAD = re.compile(r"^layer/(\d+)/head/(\d+)/(.+)$")
 _LAYER = re.compile(r"^layer/(\d+)/(.+)$")
+_RANK = re.compile(r"^rank/(\d+)/(.+)$")  # per rank (torchrun): a rank x step matrix, like layers
 
 
 class MetricKey(NamedTuple):
@@ -43,6 +44,8 @@ def parse_name(name: str) -> MetricKey:
         key = MetricKey(f"{M.HEAD_PREFIX}{m[3]}", int(m[1]), int(m[2]))
     elif m := _LAYER.match(name):
         key = MetricKey(f"{M.LAYER_PREFIX}{m[2]}", int(m[1]), NO_INDEX)
+    elif m := _RANK.match(name):
+        key = MetricKey(f"{M.RANK_PREFIX}{m[2]}", int(m[1]), NO_INDEX)
     else:
         return MetricKey(name, NO_INDEX, NO_INDEX)
     if key.layer > MAX_INDEX or key.head > MAX_INDEX:

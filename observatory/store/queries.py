@@ -411,11 +411,13 @@ def layer_matrix(
     end: int | None = None,
     extremes: Extremes = "both",
 ) -> Matrix:
-    """layer x step for a per-layer metric template such as `layer/*/grad_norm`.
+    """layer x step for a per-layer metric template such as `layer/*/grad_norm` (or rank x step
+    for a per-rank one, `rank/*/loss`).
 
     `extremes="max"` leaves the minima out (None): a heatmap of maxima costs half the reads.
     """
-    key = _template(metric, M.LAYER_PREFIX, per_head=False)
+    prefix = M.RANK_PREFIX if metric.startswith(M.RANK_PREFIX) else M.LAYER_PREFIX
+    key = _template(metric, prefix, per_head=False)
     keep = lambda s: s.layer >= 0 and s.head == NO_INDEX  # noqa: E731
     window = (buckets, start, end, extremes)
     return _matrix(session, run_id, key, branch, window, keep, "layer")

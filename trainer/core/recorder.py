@@ -190,7 +190,9 @@ class Recorder(Callback):
     def on_fit_end(self, state: FitState) -> None:
         if self.poller is not None:
             self.poller.close()
-        status = {"halted": "halted", "stopped": "stopped"}.get(state.status, "completed")
+        status = {"halted": "halted", "stopped": "stopped", "failed": "failed"}.get(
+            state.status, "completed"
+        )
         self.sink.set_status(self.run_id, status)
         if not self.sink.flush(timeout=30):
             log.warning("the store has not taken every record yet; the rest is spooled")

@@ -295,8 +295,33 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
     if dist.get_backend() != "gloo":
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.distributed.timeout_s))
     world = World(strategy, dist.get_rank(), dist.get_world_size(), group, owns)
+    quiet_other_ranks(world.rank)
     log.info("rank %d of %d (%s on %s)", world.rank, world.size, strategy, device)
     return world, device
+
+
+_PACKAGES = ("trainer", "observatory", "spikewatch")
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Rank 0 talks; the others log only errors, each tagged with its rank ('[rank 1] ...'),
+    for spikewatch's own loggers only (the root logger stays the user's)."""
+    if rank == 0:
+        return
+    for name in _PACKAGES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    previous = logging.getLogRecordFactory()
+    if getattr(previous, "spikewatch_rank", None) is not None:
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        if record.name.split(".")[0] in _PACKAGES:
+            record.msg = f"[rank {rank}] {record.msg}"
+        return record
+
+    factory.spikewatch_rank = rank  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
 
 
 def attach_world(
@@ -315,6 +340,7 @@ def attach_world(
     strategy = "fsdp2" if sharded else "ddp"
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     world = World(strategy, dist.get_rank(), dist.get_world_size(), group, False, model)
+    quiet_other_ranks(world.rank)
     log.info("rank %d of %d (%s)", world.rank, world.size, strategy)
     return world
 

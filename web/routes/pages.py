@@ -45,6 +45,7 @@ HEATMAPS = {
     ),
     "heat-adam-v": (M.template(M.STAT_ADAM_SQRT_V_MAX, M.ATTN_PART), "Adam max √v, attention"),
     "heat-heads": (M.HEAD_ATTN_MAX, "max logit, layer {layer} (head × step)"),
+    "heat-ranks": (M.RANK_LOSS, "loss of each rank's own data (rank × step)"),
 }
 LINE_BUCKETS = 2000
 HEAT_BUCKETS = 300
@@ -173,4 +174,6 @@ def figure(
     m = store.layer_matrix(
         session, run_id=run_id, metric=metric, buckets=n, start=start, end=end, extremes="max"
     )
-    return charts.heatmap_figure(m, title=title)
+    return charts.heatmap_figure(
+        m, title=title, row_label="rank" if chart == "heat-ranks" else "layer"
+    )

@@ -1,0 +1,169 @@
+"""The three ways in under `torchrun --nproc_per_node=2` on gloo, with a poisoned region in rank
+1's rows only: every rank rolls back at the same step, the replicas (or shards) agree after the
+rollback and at the end, the store holds exactly one run with the rollback, and the rollback
+names rank 1. Also: a killed 2-rank job resumes bitwise, and a rank that raises ends the job
+instead of hanging it. Every launch has a timeout, so a hang fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from observatory import store
+from observatory.store.db import make_engine
+
+from .conftest import REPO, SMALL
+
+pytestmark = pytest.mark.distributed
+
+POISON = ("--poison-at", "100", "--poison-len", "14", "--poison-rank", "1")
+LAUNCH_TIMEOUT_S = 300
+
+
+def _torchrun(cwd: Path, example: str, *args: str, probe: bool = True) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    script = [str(REPO / "tests" / "spikewatch" / "rank_probe.py"), "probe", example]
+    if not probe:
+        script = [str(REPO / "examples" / f"{example}.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log = open(cwd / "log.txt", "wb")  # noqa: SIM115 - the child writes it until it ends
+    return subprocess.Popen(
+        [*cmd, *script, *SMALL, *args],
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the job's process group: a SIGKILL reaches every rank
+    )
+
+
+def _finish(proc: subprocess.Popen, cwd: Path) -> None:
+    try:
+        rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"hung: {(cwd / 'log.txt').read_text()[-3000:]}") from None
+    assert rc == 0, (cwd / "log.txt").read_text()[-4000:]
+
+
+WAYS = {
+    "plain_ddp": ("plain_loop", ("--run-dir", "run")),
+    "plain_fsdp2": ("plain_loop", ("--run-dir", "run", "--strategy", "fsdp2")),
+    "hf_trainer": ("hf_trainer", ("--output-dir", "out")),
+    "lightning": ("lightning_module", ("--output-dir", "out")),
+}
+
+
+@pytest.fixture(scope="module", params=list(WAYS))
+def job(request, tmp_path_factory) -> dict[str, Any]:
+    example, extra = WAYS[request.param]
+    if example != "plain_loop":
+        pytest.importorskip("transformers", reason="the hf extra is not installed")
+    if example == "lightning_module":
+        pytest.importorskip("lightning", reason="the lightning extra is not installed")
+    cwd = tmp_path_factory.mktemp(request.param)
+    db = f"sqlite:///{cwd / 'x.db'}"  # fresh: rank 0 alone creates and migrates it
+    args = ("--steps", "150", *POISON, "--db", db, "--summary-json", "s.json", *extra)
+    _finish(_torchrun(cwd, example, *args), cwd)
+    ranks = [json.loads((cwd / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {"summary": json.loads((cwd / "s.json").read_text()), "ranks": ranks, "db": db}
+
+
+def test_every_rank_rolls_back_at_the_same_step_to_the_same_weights(job) -> None:
+    rank0, rank1 = job["ranks"]
+    assert rank0["rollbacks"], "no rollback"
+    assert rank0["rollbacks"] == rank1["rollbacks"]  # the same steps, the same weights
+    assert rank0["end"] == rank1["end"]
+
+
+def test_the_rollback_names_rank_1(job) -> None:
+    (rb,) = [i for i in job["summary"]["interventions"] if i["kind"] == "rollback"]
+    assert rb["to_step"] < rb["onset_step"]
+    assert rb["ranks"] == [1]
+    assert job["summary"]["steps"] == 150
+
+
+def test_the_store_holds_one_run_with_the_rollback_and_per_rank_losses(job) -> None:
+    with Session(make_engine(job["db"])) as session:
+        runs = store.list_runs(session)
+        assert [r.run_id for r in runs] == [job["summary"]["run_id"]]
+        assert runs[0].status == "completed"
+        events = store.events(session, run_id=runs[0].run_id)
+        rollbacks = [e for e in events if e.kind == "rollback"]
+        assert len(rollbacks) == 1 and rollbacks[0].data["ranks"] == [1]
+        names = store.metric_names(session, run_id=runs[0].run_id)
+        assert "rank/*/loss" in names
+        assert not [n for n in names if "module." in n or "_orig_mod" in n]
+        m = store.layer_matrix(session, run_id=runs[0].run_id, metric="rank/*/loss")
+        assert m.rows == [0, 1]
+
+
+def test_a_killed_two_rank_job_resumes_bitwise(tmp_path) -> None:
+    args = ("--steps", "60", *POISON[:1], "30", *POISON[2:], "--db", "none")
+    args = (*args, "--checkpoint-every", "5", "--run-dir", "run", "--summary-json", "s.json")
+    whole = tmp_path / "whole"
+    _finish(_torchrun(whole, "plain_loop", *args, probe=False), whole)
+    killed = tmp_path / "killed"
+    proc = _torchrun(killed, "plain_loop", *args, probe=False)
+    mark = killed / "run" / "checkpoints" / "step00000045" / "meta.json"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not mark.exists():
+        assert proc.poll() is None, (killed / "log.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "never reached step 45"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, at once
+    proc.wait()
+    saved = [int(p.name[4:]) for p in (killed / "run" / "checkpoints").glob("step*")]
+    assert 45 <= max(saved) < 60, "the kill came mid-run"
+    _finish(_torchrun(killed, "plain_loop", *args, "--resume", "run", probe=False), killed)
+    a = json.loads((whole / "s.json").read_text())
+    b = json.loads((killed / "s.json").read_text())
+    assert b["interventions"] and [i["to_step"] for i in b["interventions"]] == [
+        i["to_step"] for i in a["interventions"]
+    ]
+    assert b["final_train_loss"] == a["final_train_loss"]
+    assert b["final_val_loss"] == a["final_val_loss"]
+
+
+def test_a_rank_that_raises_ends_the_job(tmp_path) -> None:
+    """Rank 1's data loader fails at batch 40: the job must end with an error, not hang."""
+    script = tmp_path / "failing.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "import spikewatch.corpus as c\n"
+        "orig = c.windows\n"
+        "def windows(data, index, *a, **k):\n"
+        "    if os.environ['RANK'] == '1' and index == 40:\n"
+        "        raise RuntimeError('rank 1 lost its data')\n"
+        "    return orig(data, index, *a, **k)\n"
+        "c.windows = windows\n"
+        "sys.argv = ['plain_loop', *sys.argv[1:]]\n"
+        f"runpy.run_path({str(REPO / 'examples' / 'plain_loop.py')!r}, run_name='__main__')\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [*cmd, str(script), *SMALL, "--steps", "200", "--db", db, "--run-dir", "run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert done.returncode != 0
+    assert "rank 1 lost its data" in done.stdout + done.stderr
+    assert time.monotonic() - t0 < LAUNCH_TIMEOUT_S
+    with Session(make_engine(db)) as session:
+        assert len(store.list_runs(session)) == 1  # one run per job, even one that failed
