@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: install lint
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" -n 2 --dist loadscope
 
 bench: install
 	$(PY) benchmarks/throughput.py
