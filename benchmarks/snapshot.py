@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-import torch  # noqa: E402  (after _common set the thread environment)
 from _common import machine, median  # noqa: E402
 
 from trainer.builtin.loop import build_trainer  # noqa: E402

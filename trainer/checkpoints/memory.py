@@ -25,6 +25,7 @@ import copy
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -280,10 +281,7 @@ class MemoryTier:
         live = dict(_live_tensors(self.model, self.optimizer))
         if live.keys() != slot.buffers.keys():
             raise CheckpointError(f"host-memory snapshot of step {step} does not fit the model")
-        for k, t in live.items():
-            t.copy_(slot.buffers[k], non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _copy_all([(t, slot.buffers[k]) for k, t in live.items()])
         for g, saved in zip(self.optimizer.param_groups, slot.groups, strict=True):
             g.update(copy.deepcopy(saved))
         self.last_restore_s = time.perf_counter() - t0
@@ -299,6 +297,32 @@ class MemoryTier:
         for s in dropped:
             self._evict(s)
         return dropped
+
+
+_COPIERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every pair: on CUDA queued at once (DMA), on a CPU spread over a few
+    threads (a copy releases the GIL; one thread does not reach the memory bandwidth)."""
+    if any(d.is_cuda for d, _ in pairs):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return
+    lanes: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(_COPIERS)]
+    loads = [0] * _COPIERS
+    for dst, src in sorted(pairs, key=lambda p: -p[0].numel()):  # largest first, least loaded
+        i = loads.index(min(loads))
+        lanes[i].append((dst, src))
+        loads[i] += dst.numel()
+
+    def run(lane: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in lane:
+            dst.copy_(src)
+
+    with ThreadPoolExecutor(max_workers=_COPIERS, thread_name_prefix="mem-copy") as pool:
+        list(pool.map(run, lanes))
 
 
 def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
