@@ -15,7 +15,11 @@ from observatory import store
 from observatory.store.db import make_engine
 from spikewatch import Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
+from trainer.config import ConfigError
+from trainer.core.actions import Action, Continue, Rollback
+from trainer.core.callbacks import Callback, StepState
 
+from ..trainer.conftest import EventSink
 from .conftest import (
     POISON,
     STEPS,
@@ -104,3 +108,81 @@ def test_a_nonfinite_update_is_refused_before_the_optimizer_step(tmp_path) -> No
         assert torch.equal(states[40][k], v), k
     assert watch.interventions[0]["reason"] == "non-finite loss or gradient"
     assert not torch.equal(states[41]["lm_head.weight"], states[40]["lm_head.weight"])
+
+
+class _AskRollback(Callback):
+    """A user's own callback: asks for a rollback at one step, and sees every step."""
+
+    priority = 10
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, []
+
+    def pre_update(self, state: StepState) -> Action:
+        if state.step == self.at and not any(a == "rollback" for _, a in self.seen):
+            return Rollback(to_step=self.at - 15, reason="the user's callback asked")
+        return Continue()
+
+    def post_step(self, state: StepState) -> None:
+        self.seen.append((state.step, state.action))
+
+
+def test_a_users_callback_is_heard_and_its_rollback_carried_out(tmp_path) -> None:
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cb = _AskRollback(at=40)
+    train, _ = text_corpus()
+    with Watch(
+        model,
+        opt,
+        run_dir=tmp_path / "run",
+        db="none",
+        max_steps=50,
+        checkpoint_every=10,
+        callbacks=[cb],
+    ) as watch:
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    (rb,) = watch.interventions
+    assert rb["kind"] == "rollback" and rb["reason"] == "the user's callback asked"
+    assert (rb["from_step"], rb["to_step"]) == (40, 20)
+    assert (40, "rollback") in cb.seen and watch.step_count == 50
+
+
+def _plain(tmp_path, *, resume: bool, **kw):
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, kw.pop("layers", 2), 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train, _ = text_corpus()
+    sink = EventSink()
+    with Watch(
+        model, opt, run_dir=tmp_path / "run", sink=sink, checkpoint_every=10, resume=resume, **kw
+    ) as watch:
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    return watch, sink
+
+
+def test_a_resume_may_change_what_a_halt_advises_and_nothing_else(tmp_path) -> None:
+    _plain(tmp_path, resume=False, max_steps=20, grad_clip=1.0)
+    watch, sink = _plain(tmp_path, resume=True, max_steps=30, grad_clip=0.5)
+    assert watch.step_count == 30
+    (change,) = [d for k, _, d in sink.events if k == "note" and d.get("kind") == "config_change"]
+    assert change["changes"]["max_steps"] == [20, 30]
+    assert change["changes"]["grad_clip"] == [1.0, 0.5]
+    with pytest.raises(ConfigError, match="model.n_layer"):
+        _plain(tmp_path, resume=True, max_steps=40, layers=3)
+
+
+def test_the_old_watch_section_is_read_as_guard() -> None:
+    from trainer.config import WatchSettings, load_config
+
+    assert not WatchSettings.build({"watch": {"rollback": False}}).guard.rollback
+    assert not load_config(None, ["watch.rollback=false"]).guard.rollback

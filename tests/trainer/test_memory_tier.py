@@ -1,0 +1,75 @@
+"""The host-memory tier: a rollback from RAM is bitwise the rollback from disk, the copy is
+taken before the next update changes the weights, and the budget bounds the snapshots."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from trainer.builtin.loop import build_trainer, fit
+from trainer.checkpoints.memory import snapshot_bytes
+from trainer.checkpoints.tiers import MEMORY
+
+from .conftest import tiny_config
+
+FAULT = 'faults=[{kind="shifted_labels", start=40, length=6}]'
+BASE = ("train.max_steps=70", "eval.interval=none", FAULT)
+
+
+def test_a_rollback_from_memory_is_bitwise_the_rollback_from_disk(tmp_path) -> None:
+    disk = fit(tiny_config(*BASE, "checkpoint.interval=5"), run_dir=tmp_path / "disk")
+    mem = fit(tiny_config(*BASE, "checkpoint.memory_interval=5"), run_dir=tmp_path / "mem")
+    (a,), (b,) = disk.interventions, mem.interventions
+    assert (a["tier"], b["tier"]) == ("disk", "memory")
+    assert a["to_step"] == b["to_step"] < a["onset_step"]
+    assert mem.train_losses == disk.train_losses
+    assert mem.final_val_loss == disk.final_val_loss
+
+
+def test_a_snapshot_holds_the_weights_of_its_step(tmp_path) -> None:
+    cfg = tiny_config("checkpoint.memory_interval=1000", "train.max_steps=30")
+    tr = build_trainer(cfg, run_dir=tmp_path)
+    core = tr.core
+    core.start()
+    for _ in range(5):
+        tr._train_step()
+    want = copy.deepcopy(tr.model.state_dict())
+    want_m = copy.deepcopy({k: v["exp_avg"] for k, v in tr.optimizer.state_dict()["state"].items()})
+    core.save([MEMORY])  # copied in the background while the next steps train
+    for _ in range(5):
+        tr._train_step()
+    assert not torch.equal(tr.model.state_dict()["lm_head.weight"], want["lm_head.weight"])
+    core.restore(core.checkpointer.read(5), resume=False)
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    for k, v in tr.optimizer.state_dict()["state"].items():
+        assert torch.equal(v["exp_avg"], want_m[k])
+    assert core.step == 5
+
+
+def test_the_budget_bounds_the_snapshots_and_pins_stay_longest(tmp_path) -> None:
+    probe = build_trainer(tiny_config("train.max_steps=3"), run_dir=tmp_path / "probe")
+    probe.fit()
+    per = snapshot_bytes(probe.model, probe.optimizer)
+    budget_mb = 4.5 * per / 2**20  # room for four snapshots
+    cfg = tiny_config(
+        "checkpoint.memory_interval=1",
+        f"checkpoint.memory_budget_mb={budget_mb}",
+        "train.max_steps=40",
+    )
+    tr = build_trainer(cfg, run_dir=tmp_path / "run")
+    memory = tr.core.checkpointer.memory
+    assert memory is not None
+    tr.core.start()
+    held = []
+    for step in range(1, 41):
+        tr._train_step()
+        tr.core.save_if_due()
+        if step == 10:
+            tr.core.checkpointer.pin(10, "pre-spike anchor")
+        held.append(memory.steps())
+    assert max(len(h) for h in held) <= 4
+    assert all(h[-1] == s for s, h in enumerate(held, start=1))  # the newest is always there
+    assert 10 in held[-1]  # the pin outlived its unpinned neighbours
+    assert memory.bytes_held <= budget_mb * 2**20
