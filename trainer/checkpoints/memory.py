@@ -25,9 +25,9 @@ import copy
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
