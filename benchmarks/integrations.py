@@ -2,16 +2,23 @@
 Lightning run and a plain PyTorch loop, each on the same tiny Llama (byte-level, made from a
 config) with the same AdamW, cosine schedule and clipping at 1.0.
 
-"With" is the whole loop: every probe on (per-layer grad norms, per-head attention maxima
-through the registered attention function, update ratios and Adam moments every 10 steps),
-the detector and policy, retained checkpoints every 25 steps and the store (SQLite, through the
-asynchronous sink). Each repetition runs both variants of all three, alternating which goes
-first; per-step times come from inside the loop after a warm-up, and a ratio is the median
-step time without over the median with (throughput with / without; 1.0 = free).
+"With" is the whole loop as a user gets it by default: every probe on (per-layer grad norms,
+per-head attention maxima through the registered attention function, update ratios and Adam
+moments every 10 steps), the detector and policy, the store (SQLite, through the asynchronous
+sink) and rollback checkpoints every 25 steps (the plain loop's `Watch`: on disk, fsynced; the
+HF and Lightning callbacks: in host memory, their default). Each repetition runs both variants
+of all three at every batch size, alternating which goes first. Per step: the median step time
+from inside the loop after a warm-up, without over with (throughput with / without; 1.0 =
+free). Per run: the whole run's wall time, start-up (store, migrations, run creation) and close
+included, without over with. Runs are long enough (default 1,000 steps) for the store's
+windows to fill and checkpoints to rotate as in a real run.
 
-    python benchmarks/integrations.py [--reps 3] [--steps 40] [--d-model 128]
+`--breakdown` also times the plain loop with one part off at a time (per-head maxima, the
+store, checkpoints, every probe), to show where the cost goes.
 
-Last line: {"hf_ratio": r, "lightning_ratio": r, "loop_ratio": r, ...}.
+    python benchmarks/integrations.py [--reps 1] [--steps 1000] [--batch-sizes 8,16] [--breakdown]
+
+Last line: {"loop_ratio_b8": r, "hf_ratio_b8": r, "lightning_ratio_b8": r, ..._b16, ...}.
 """
 
 from __future__ import annotations
@@ -62,11 +69,23 @@ def _cosine(steps: int) -> Callable[[int], float]:
 
 
 def _watch_kwargs(tmp: Path) -> dict:
-    return {"db": f"sqlite:///{tmp / 'bench.db'}", "checkpoint_every": 25}
+    return {"db": f"sqlite:///{tmp / 'bench.db'}"}
+
+
+# the plain loop with one part off (--breakdown): Watch keyword arguments
+PARTS: dict[str, dict] = {
+    "full": {},
+    "no_attn_max": {"settings": {"probes": {"attn_max": False}}},
+    "no_store": {"db": "none"},
+    "no_checkpoints": {"settings": {"checkpoint": {"interval": None}}},
+    "no_probes": {"settings": {"probes": {"enabled": False}}},
+}
 
 
 # -- the plain loop -------------------------------------------------------------------------
-def loop_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
+def loop_times(
+    args: argparse.Namespace, watched: bool, tmp: Path, part: str = "full"
+) -> list[float]:
     from spikewatch import Watch
     from spikewatch.hf import attach_attention
 
@@ -75,10 +94,12 @@ def loop_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(args.steps))
     batches = _batches(args)
     watch = None
+    stamps = [time.perf_counter()]  # the run's start: the Watch's start-up is in the run
     if watched:
-        watch = Watch(model, opt, sched, grad_clip=1.0, run_dir=tmp / "loop", **_watch_kwargs(tmp))
+        kwargs = {**_watch_kwargs(tmp), **PARTS[part]}
+        watch = Watch(model, opt, sched, grad_clip=1.0, run_dir=tmp / f"loop-{part}", **kwargs)
+        watch.open()
         attach_attention(model, watch.attn)
-    stamps = []
     for i in range(args.steps):
         x = batches[i]
         if watch is not None:
@@ -95,7 +116,8 @@ def loop_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float
         stamps.append(time.perf_counter())
     if watch is not None:
         watch.close()
-    return _diffs(stamps)
+    stamps.append(time.perf_counter())
+    return stamps
 
 
 # -- Hugging Face ---------------------------------------------------------------------------
@@ -113,6 +135,7 @@ def hf_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
 
     batches = _batches(args)
     rows = [{"input_ids": r, "labels": r} for b in batches for r in b]
+    start = time.perf_counter()
     clock = Clock()
     callbacks: list = [clock]
     if watched:
@@ -135,7 +158,7 @@ def hf_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
         dataloader_num_workers=0,
     )
     Trainer(model=_model(args), args=targs, train_dataset=rows, callbacks=callbacks).train()
-    return _diffs(clock.t)
+    return [start, *clock.t, time.perf_counter()]
 
 
 # -- Lightning ------------------------------------------------------------------------------
@@ -164,6 +187,7 @@ def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[
         def on_train_batch_end(self, *a) -> None:  # noqa: ANN002
             self.t.append(time.perf_counter())
 
+    start = time.perf_counter()
     clock = Clock()
     callbacks: list = [clock]
     if watched:
@@ -182,42 +206,71 @@ def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[
     )
     loader = torch.utils.data.DataLoader(_batches(args), batch_size=None)
     trainer.fit(Module(), train_dataloaders=loader)
-    return _diffs(clock.t)
+    return [start, *clock.t, time.perf_counter()]
 
 
-def _diffs(stamps: list[float]) -> list[float]:
-    return [b - a for a, b in zip(stamps[WARM:], stamps[WARM + 1 :], strict=False)]
+def _steps(stamps: list[float]) -> list[float]:
+    """Step times after the warm-up, from [run start, step ends..., run end]."""
+    ends = stamps[1:-1]
+    return [b - a for a, b in zip(ends[WARM:], ends[WARM + 1 :], strict=False)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-sizes", default="8,16", help="comma-separated: one shape each")
+    ap.add_argument("--only", default="loop,hf,lightning")
+    ap.add_argument("--breakdown", action="store_true", help="the plain loop, one part off")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     print("machine:", json.dumps(machine()))
-    runners = {"loop": loop_times, "hf": hf_times, "lightning": lightning_times}
-    times = {(k, w): [] for k in runners for w in (False, True)}
+    print(f"shape: d={args.d_model}, {args.layers} layers, T={args.seq_len}, {args.steps} steps")
+    everything = {"loop": loop_times, "hf": hf_times, "lightning": lightning_times}
+    runners = {k: everything[k] for k in args.only.split(",")}
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    runs: dict[tuple, list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.reps):
-            for name, run in runners.items():
-                for watched in (False, True) if r % 2 == 0 else (True, False):
-                    times[name, watched] += run(args, watched, Path(tmp) / f"r{r}")
+            for b in sizes:
+                shaped = argparse.Namespace(**{**vars(args), "batch_size": b})
+                for name, run in runners.items():
+                    for watched in (False, True) if r % 2 == 0 else (True, False):
+                        where = Path(tmp) / f"r{r}-b{b}-{name}-{watched}"
+                        runs.setdefault((name, b, watched), []).append(run(shaped, watched, where))
+                if args.breakdown:
+                    for part in PARTS:
+                        where = Path(tmp) / f"r{r}-b{b}-part-{part}"
+                        key = ("loop", b, part)
+                        runs.setdefault(key, []).append(loop_times(shaped, True, where, part))
     out: dict[str, float] = {}
-    for name in runners:
-        off, on = median(times[name, False]), median(times[name, True])
-        out[f"{name}_ratio"] = round(off / on, 4)
-        out[f"{name}_step_ms_without"] = round(1e3 * off, 2)
-        out[f"{name}_step_ms_with"] = round(1e3 * on, 2)
-        print(
-            f"{name}: {1e3 * off:.1f} ms/step without, {1e3 * on:.1f} ms with, ratio {off / on:.3f}"
-        )
+    for b in sizes:
+        for name in runners:
+            off, on = runs[name, b, False], runs[name, b, True]
+            step_off = median([t for s in off for t in _steps(s)])
+            step_on = median([t for s in on for t in _steps(s)])
+            run_off = median([s[-1] - s[0] for s in off])
+            run_on = median([s[-1] - s[0] for s in on])
+            out[f"{name}_ratio_b{b}"] = round(step_off / step_on, 4)
+            out[f"{name}_run_ratio_b{b}"] = round(run_off / run_on, 4)
+            out[f"{name}_step_ms_without_b{b}"] = round(1e3 * step_off, 2)
+            out[f"{name}_step_ms_with_b{b}"] = round(1e3 * step_on, 2)
+            print(
+                f"B={b} {name}: {1e3 * step_off:.1f} ms/step without, {1e3 * step_on:.1f} with "
+                f"(ratio {step_off / step_on:.3f}); run {run_off:.1f} s vs {run_on:.1f} s "
+                f"(ratio {run_off / run_on:.3f})"
+            )
+        if args.breakdown:
+            base = median([t for s in runs["loop", b, False] for t in _steps(s)])
+            for part in PARTS:
+                step = median([t for s in runs["loop", b, part] for t in _steps(s)])
+                out[f"loop_{part}_ratio_b{b}"] = round(base / step, 4)
+                print(f"B={b} loop, {part}: ratio {base / step:.3f}")
     print(json.dumps(out))
 
 

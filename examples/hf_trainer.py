@@ -55,9 +55,19 @@ def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
 
 
+# The stream is shuffled already, by index: the Trainer reads it in order. transformers < 5
+# has no such argument and shuffles the rows (the run works; a poisoned region scatters).
+SEQUENTIAL = (
+    {"train_sampling_strategy": "sequential"}
+    if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__
+    else {}
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--epochs", type=int, default=0, help="epoch-based: --steps/E batches, E epochs")
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
     p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
@@ -75,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="also keep the Watch's rollback targets on disk every N steps (default: host "
+        "memory only; the framework's own checkpoints carry the Watch's state for a resume)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -95,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     callback = SpikewatchCallback(
         db=args.db,
         name="hf-trainer",
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every or None,
         settings={"guard": {"rollback": not args.no_rollback}},
     )
     training_args = TrainingArguments(
         output_dir=args.output_dir,
-        max_steps=args.steps,
+        max_steps=-1 if args.epochs else args.steps,
+        num_train_epochs=args.epochs or 1,
         per_device_train_batch_size=args.batch_size // (args.grad_accum * WORLD),
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
@@ -119,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         report_to=[],
         seed=args.seed,
         data_seed=args.seed,
-        train_sampling_strategy="sequential",  # the stream is shuffled already, by index
+        **SEQUENTIAL,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=True,
@@ -129,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         model=model,
         args=training_args,
         # Room for the steps a rollback repeats: the Trainer's step is the data position.
-        train_dataset=Batches(train, args, n_batches=2 * args.steps),
+        train_dataset=Batches(
+            train, args, n_batches=args.steps // args.epochs if args.epochs else 2 * args.steps
+        ),
         eval_dataset=Batches(val, eval_args, n_batches=8),
         data_collator=collate,
         callbacks=[callback],

@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default="runs/lightning_module")
     p.add_argument("--no-rollback", action="store_true")
     p.add_argument("--save-every", type=int, default=0, help="Lightning checkpoints; 0 = none")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=0,
+        help="epoch-based, from a plain DataLoader of --steps/E batches (instead of the Watch's "
+        "skip-aware stream): max_epochs=E",
+    )
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -87,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="the global batch")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="also keep the Watch's rollback targets on disk every N steps (default: host "
+        "memory only; the framework's own checkpoints carry the Watch's state for a resume)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -97,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     callback = SpikewatchCallback(
         db=args.db,
         name="lightning",
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every or None,
         warmup_steps=max(1, args.steps // 10),  # the LR warmup: no level to detect against yet
         settings={"guard": {"rollback": not args.no_rollback}},
     )
@@ -123,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         ]
     trainer = pl.Trainer(
-        max_steps=args.steps,
+        max_steps=-1 if args.epochs else args.steps,
+        max_epochs=args.epochs or None,
         accelerator="auto",
         devices=world,
         strategy="ddp" if world > 1 else "auto",
@@ -139,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         default_root_dir=args.output_dir,
         callbacks=[callback, *saving],
     )
-    train_loader = torch.utils.data.DataLoader(callback.dataset(batch_at), batch_size=None)
+    if args.epochs:  # the user's own loader: a list of batches, the same ones each epoch
+        own = [batch_at(i) for i in range(args.steps // args.epochs)]
+        train_loader = torch.utils.data.DataLoader(own, batch_size=None)
+    else:
+        train_loader = torch.utils.data.DataLoader(callback.dataset(batch_at), batch_size=None)
     saved = sorted(
         (Path(args.output_dir) / "checkpoints").glob("step=*.ckpt"),
         key=lambda p: int(p.stem.split("=")[1]),

@@ -6,7 +6,9 @@ corpus, with a region of poisoned batches (labels shifted by one byte) that make
 
 The Watch records every probe into the store, rolls back to a checkpoint from before the
 spike's onset, skips the poisoned batches and carries on. `--no-rollback` detects and records
-only (the same run without the cure); `--resume RUN_DIR` continues a killed run. Unchanged
+only (the same run without the cure). `--run-dir D` starts in D or, when D holds checkpoints
+(a killed or preempted run), resumes it: one command line starts and restarts
+(`Watch(resume="auto")`). Unchanged
 under `torchrun --standalone --nproc_per_node=N` (DDP, or `--strategy fsdp2`), where each rank
 trains its rows of every global batch and `--poison-rank R` poisons only rank R's rows.
 """
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         name="plain-loop",
         db=args.db,
         run_dir=args.resume or args.run_dir,
-        resume=args.resume is not None,
+        resume=True if args.resume else "auto",  # --run-dir D: start there, or resume
         max_steps=args.steps,
         grad_clip=1.0,
         warmup_steps=warmup,

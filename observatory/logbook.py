@@ -30,8 +30,16 @@ def _settings(config: dict[str, Any]) -> str:
         for k in ("qk_norm", "z_loss", "attn_softcap", "final_softcap", "norm_placement")
         if m.get(k) not in (None, False, "pre")
     ]
-    shape = f"{m.get('n_layer')} layers, d={m.get('d_model')}, {m.get('n_head')} heads"
-    opt = f"{o.get('name')} lr={o.get('lr')}"
+    parts = [
+        m.get("model_type") or m.get("class"),
+        m.get("n_layer") and f"{m['n_layer']} layers",
+        m.get("d_model") and f"d={m['d_model']}",
+        m.get("n_head") and f"{m['n_head']} heads",
+        m.get("parameters") and f"{m['parameters'] / 1e6:,.1f}M parameters",
+    ]
+    shape = ", ".join(str(p) for p in parts if p) or "model not described"
+    opt = " ".join(p for p in (o.get("name"), o.get("lr") is not None and f"lr={o['lr']:g}") if p)
+    opt = opt or "optimizer not described"
     if o.get("qk_clip_tau"):
         opt += f", QK-Clip tau={o['qk_clip_tau']}"
     return f"{shape}; {opt}; " + (", ".join(switches) or "no stability switches")

@@ -15,10 +15,17 @@ from trainer.watch import Watch
 __all__ = ["Adapter"]
 
 
+# The framework's own checkpoints carry the Watch's state (its resume resumes the guard), so the
+# Watch's rollback targets need not survive the process: host memory by default, no disk files
+# beside the framework's. `checkpoint_every=N` (or settings' checkpoint.interval) adds disk.
+ADAPTER_CHECKPOINTS = {"interval": None, "memory_interval": 25}
+
+
 class Adapter:
     """Keywords go to `Watch` (db, name, settings, checkpoint_every, warmup_steps, ...);
-    `run_root` holds the Watch's checkpoints (default: `spikewatch/` in the framework's output
-    directory); `attn_max=False` leaves the model's attention alone."""
+    `run_root` holds the Watch's files (default: `spikewatch/` in the framework's output
+    directory); `attn_max=False` leaves the model's attention alone. Rollback targets are
+    kept in host memory (ADAPTER_CHECKPOINTS) unless settings say otherwise."""
 
     def __init__(
         self,
@@ -28,6 +35,16 @@ class Adapter:
         tags: Sequence[str] = (),
         **watch_kwargs: Any,
     ) -> None:
+        if "resume" in watch_kwargs:
+            raise ValueError(
+                "the framework's own resume (resume_from_checkpoint, ckpt_path) resumes "
+                "spikewatch with it: its checkpoints carry the Watch's state"
+            )
+        settings = watch_kwargs.get("settings")
+        if not hasattr(settings, "to_dict"):  # a dict (or None): the adapters' default tiers
+            settings = dict(settings or {})
+            settings.setdefault("checkpoint", dict(ADAPTER_CHECKPOINTS))
+            watch_kwargs["settings"] = settings
         self.run_root = run_root
         self.attn_max = attn_max
         self.tags = tags

@@ -69,28 +69,63 @@ def _attention(
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     rec: AttnMax | None = getattr(module, "_spikewatch_attn", None)
+    n_rep = query.size(1) // key.size(1)
+    softcap = kwargs.get("softcap")
+    causal = attention_mask is None and bool(
+        kwargs.get("is_causal", getattr(module, "is_causal", True))
+    )
     if rec is None or not rec.active or not module.training:
+        if softcap is not None:  # Gemma 2's soft-capped logits: SDPA has no soft-cap
+            k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+            return _eager(module, query, k, v, attention_mask, dropout, scaling, softcap, causal)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
-    if _triton_ok(query, key, attention_mask, dropout):
+    if softcap is None and _triton_ok(query, key, attention_mask, dropout):
         from trainer.model.kernels.attention import flash_attention
 
         out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
         rec.record(_layer(module), mx)
         return out.transpose(1, 2).contiguous(), None
-    causal = attention_mask is None and bool(kwargs.get("is_causal", module.is_causal))
     rec.record(
         _layer(module),
         max_logits(
             query, keys, causal=causal, mask=attention_mask, scale=scaling, chunk=RECORD_CHUNK
         ),
     )
+    if softcap is not None:
+        v = repeat_kv(value, n_rep)
+        return _eager(module, query, keys, v, attention_mask, dropout, scaling, softcap, causal)
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def _eager(
+    module: torch.nn.Module,
+    q: torch.Tensor,  # (B, H, T, D)
+    k: torch.Tensor,  # (B, H, S, D), repeated for grouped-query attention
+    v: torch.Tensor,  # (B, H, S, D)
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager attention of soft-capping models (Gemma 2): tanh soft-cap, mask, softmax."""
+    scale = q.size(-1) ** -0.5 if scaling is None else scaling
+    w = softcap * torch.tanh((q @ k.transpose(-2, -1)) * scale / softcap)  # (B, H, T, S)
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask
+    elif causal:
+        T, S = w.shape[-2:]
+        w = w.masked_fill(
+            torch.ones(T, S, dtype=torch.bool, device=w.device).triu(S - T + 1), float("-inf")
+        )
+    p = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    p = torch.nn.functional.dropout(p, p=dropout, training=module.training)
+    return (p @ v).transpose(1, 2).contiguous(), p
 
 
 def _layer(module: torch.nn.Module) -> int:
@@ -118,21 +153,59 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
     attention modules that will record (0 when the model uses another implementation)."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
+    name = type(model).__name__
     if impl not in (ATTN_IMPLEMENTATION, "sdpa", "eager"):
         log.warning(
-            "attn_implementation=%r: per-head attention maxima need %r (not recorded)",
+            "%s: per-head attention maxima not recorded: it uses attn_implementation=%r, and "
+            "spikewatch records them in its own attention function, which stands in for "
+            "'sdpa' or 'eager' (load the model with one of those)",
+            name,
             impl,
-            ATTN_IMPLEMENTATION,
         )
         return 0
     register_attention()
     if impl != ATTN_IMPLEMENTATION:
-        cast(Any, model).set_attn_implementation(ATTN_IMPLEMENTATION)
-    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-    modules = [m for m in modules if hasattr(m, "num_key_value_groups")]
+        try:
+            cast(Any, model).set_attn_implementation(ATTN_IMPLEMENTATION)
+        except (ValueError, NotImplementedError, AttributeError) as e:
+            log.warning("%s: per-head attention maxima not recorded: %s", name, e)
+            return 0
+    modules = [m for m in model.modules() if _is_self_attention(m)]
     for m in modules:
         m.__dict__["_spikewatch_attn"] = rec  # a plain attribute (nn.Module's setattr agrees)
+    if not modules:
+        log.warning(
+            "%s: per-head attention maxima not recorded: no self-attention module with a "
+            "layer_idx (transformers' attention interface) was found",
+            name,
+        )
     return len(modules)
+
+
+def _is_self_attention(m: torch.nn.Module) -> bool:
+    """A decoder's attention module as transformers writes them (LlamaAttention,
+    GPT2Attention, ...): numbered by `layer_idx`; cross-attention is left out."""
+    return (
+        isinstance(getattr(m, "layer_idx", None), int)
+        and type(m).__name__.endswith("Attention")
+        and not getattr(m, "is_cross_attention", False)
+    )
+
+
+def _spare_updates(args: Any, state: Any, loader: Any) -> int | None:
+    """Updates the Trainer's epochs hold beyond `state.max_steps` (None: no length, so the
+    Trainer loops over an iterable until max_steps). HF fixes the epoch count at start."""
+    try:
+        n = len(loader)
+    except TypeError:
+        return None
+    ga = max(1, args.gradient_accumulation_steps)
+    per_epoch = max(n // ga + int(n % ga > 0), 1)
+    if args.max_steps > 0:
+        epochs = args.max_steps // per_epoch + int(args.max_steps % per_epoch > 0)
+    else:
+        epochs = math.ceil(args.num_train_epochs)
+    return max(0, epochs * per_epoch - state.max_steps)
 
 
 class SpikewatchCallback(Adapter, TrainerCallback):
@@ -140,12 +213,13 @@ class SpikewatchCallback(Adapter, TrainerCallback):
 
     _hook: Any = None
     _clip: float | None = None
+    _spare: int | None = None  # updates the Trainer's data holds beyond max_steps
 
     # -- start and end ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):  # noqa: ANN001
         if self._clip is None:  # the first train() of these args: what the user asked for
             self._clip = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
-        args.max_grad_norm = 0.0  # the Watch clips, after measuring the norm
+        args.max_grad_norm = 0.0  # the Watch clips, after measuring the norm (on_step_begin)
         self._target = state.max_steps
         watch = self._open(
             model,
@@ -163,14 +237,38 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         if self.attn_max and watch.cfg.probes.attn_max:
             attach_attention(model, watch.attn)
         self._extend(state)
+        self._spare = _spare_updates(args, state, kw.get("train_dataloader"))
+        if self._spare == 0 and watch.cfg.guard.rollback and watch.cfg.checkpoint.any_tier:
+            log.warning(
+                "the Trainer's data holds exactly its %d planned updates (%s): updates a "
+                "rollback discards cannot be made up, so such a run ends short of its plan. "
+                "To keep them, give it data to spare: max_steps with a longer dataset, or an "
+                "IterableDataset",
+                state.max_steps,
+                "num_train_epochs, no max_steps" if args.max_steps <= 0 else "max_steps",
+            )
 
     def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
         if self._hook is not None:
             self._hook.remove()
+        args.max_grad_norm = self._clip  # the user's arguments are theirs again
+        watch = self._w
+        if watch.step_count < self._target and watch.halted is None and not watch.should_stop:
+            log.warning(
+                "made %d of %d planned updates: rollbacks discarded %d and the Trainer's data "
+                "ran out (it fixes its epochs when training starts), so the LR schedule did "
+                "not finish; give it data to spare (see the warning at start)",
+                watch.step_count,
+                self._target,
+                state.global_step - watch.step_count,
+            )
         self._close()
+        if self.summary is not None:
+            self.summary["planned_steps"] = self._target
 
     # -- the step ---------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        args.max_grad_norm = 0.0  # back after the step: saved training_args keep the user's
         self._w.begin_step(state.global_step)
 
     def _loss_hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -189,6 +287,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         self._extend(state, upcoming=1)
 
     def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        args.max_grad_norm = self._clip  # checkpoints, logs and evals see the user's value
         if self._w.halted is not None:
             control.should_training_stop = True
         return control

@@ -15,7 +15,10 @@ The callback only translates Lightning hooks into the `Watch` (trainer/watch.py)
   i from the data position on, skipping the skip ranges without computing them, and resuming
   where the run stopped (Lightning restores the callback's state from its checkpoint).
 - After a rollback the Watch's steps are behind the trainer's; `max_steps` is raised by that
-  lag so the run still makes `max_steps` updates.
+  lag so the run still makes `max_steps` updates. An epoch-based run (`max_epochs`, no
+  `max_steps`) makes the updates its epochs planned: it gets the epochs the lag needs.
+- With your own DataLoader (not `dataset()`) a resume is not bit-exact: said at start.
+- `val_metric` (default "val_loss") names the logged validation loss.
 - The Watch's state is the callback's `state_dict`, so Lightning checkpoints carry it.
 Per-head attention maxima: a Hugging Face model inside the module gets the recording attention
 of `spikewatch.hf` when transformers is installed; otherwise call `watch.attn.record(...)` or
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -64,10 +68,14 @@ class _Stream(torch.utils.data.IterableDataset):
 class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
     """spikewatch for a Lightning run; options as `Adapter`'s."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, val_metric: str = "val_loss", **options: Any) -> None:
+        """`val_metric`: the logged metric (`self.log(name, ...)` in validation_step) that
+        is the run's validation loss on the dashboard and in the summary."""
         super().__init__(**options)
+        self.val_metric = val_metric
         self.drawn: collections.deque[int] = collections.deque()  # indices the stream gave
         self._saved: dict[str, Any] | None = None
+        self._epochs: tuple[int, float] | None = None  # max_epochs asked, updates per epoch
 
     def dataset(self, batch_at: Callable[[int], Any]) -> torch.utils.data.IterableDataset:
         """The skip-aware, resumable data stream: use it as the train dataloader's dataset
@@ -81,7 +89,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             raise ValueError("spikewatch clips by norm: use gradient_clip_algorithm='norm'")
         trainer.gradient_clip_val = None  # the Watch clips, after measuring the norm
         configs = trainer.lr_scheduler_configs
-        self._target = trainer.max_steps
+        self._target = self._planned(trainer)
         watch = self._open(
             pl_module,
             trainer.optimizers[0],
@@ -89,13 +97,39 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             framework="lightning",
             output_dir=trainer.default_root_dir,
             default_name=type(pl_module).__name__,
-            max_steps=trainer.max_steps if trainer.max_steps > 0 else None,
+            max_steps=self._target if self._target > 0 else None,
             saved=self._saved,
             clip=clip,
         )
         if self.attn_max and watch.cfg.probes.attn_max:
             self._attach_attention(pl_module)
         self._extend(trainer)
+        self._check_loader(trainer)
+
+    def _planned(self, trainer: Any) -> int:
+        """The updates the run is to make: max_steps, or for an epoch-based run the updates of
+        its max_epochs (Lightning's estimate), which a rollback's lag then adds epochs for."""
+        if trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        planned = trainer.estimated_stepping_batches
+        if not math.isfinite(planned) or not trainer.max_epochs or trainer.max_epochs < 0:
+            return -1  # neither max_steps nor max_epochs: nothing to keep
+        self._epochs = (int(trainer.max_epochs), planned / trainer.max_epochs)
+        return int(planned)
+
+    def _check_loader(self, trainer: Any) -> None:
+        """The user's own DataLoader: Lightning resumes it at the start of its epoch (a
+        sampler's and workers' positions are not saved), so a resume is not bit-exact."""
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        if loader is not None and not isinstance(dataset, _Stream):
+            log.warning(
+                "your own train DataLoader: a resume from a Lightning checkpoint continues, "
+                "but not bit-exactly (Lightning restarts the loader's epoch, its sampler's "
+                "and workers' positions are not saved). For an exact resume, and skips that "
+                "cost no compute, serve batches by index: DataLoader(callback.dataset("
+                "batch_at), batch_size=None)"
+            )
 
     def _attach_attention(self, pl_module: Any) -> None:
         try:
@@ -127,7 +161,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             trainer.should_stop = True
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        val = trainer.callback_metrics.get("val_loss")
+        val = trainer.callback_metrics.get(self.val_metric)
         if val is not None and not trainer.sanity_checking:
             self._eval(float(val))
 
@@ -143,7 +177,11 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         self._saved = dict(state_dict) or None
 
     def _extend(self, trainer: Any) -> None:
-        """Raise `max_steps` by the steps a rollback set the run back (never lower it)."""
+        """Raise `max_steps` by the steps a rollback set the run back (never lower it); an
+        epoch-based run also gets the epochs those steps need (Lightning reads both live)."""
         if self._target > 0:
-            lag = trainer.global_step - self._w.step_count
-            trainer.fit_loop.epoch_loop.max_steps = self._target + max(0, lag)
+            lag = max(0, trainer.global_step - self._w.step_count)
+            trainer.fit_loop.epoch_loop.max_steps = self._target + lag
+            if self._epochs is not None:
+                epochs, per_epoch = self._epochs
+                trainer.fit_loop.max_epochs = epochs + math.ceil(lag / max(per_epoch, 1.0))

@@ -26,3 +26,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def regen_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--regen-golden"))
+
+
+@pytest.fixture(autouse=True)
+def _in_a_directory_of_its_own(tmp_path_factory, monkeypatch) -> None:
+    """Each test runs in a fresh directory: a run recorded by the default rule (runs/spikewatch.db
+    where it starts) lands there, never in the checkout, and never in another test's store."""
+    monkeypatch.delenv("SPIKEWATCH_DB_URL", raising=False)
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

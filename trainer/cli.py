@@ -102,11 +102,11 @@ def _split(text: str | None) -> list[str]:
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
-def _db_url(args: argparse.Namespace, run_dir: str) -> str:
-    """--db, else $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory."""
-    from observatory.store.db import url_for_run
+def _db_url(args: argparse.Namespace) -> str:
+    """--db, else $SPIKEWATCH_DB_URL, else runs/spikewatch.db here (the one rule, `store_url`)."""
+    from observatory.store.db import store_url
 
-    return url_for_run(run_dir, args.db)
+    return store_url(args.db)
 
 
 def _open_sink(args: argparse.Namespace, run_dir: str):
@@ -115,7 +115,7 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
         return None
     from observatory.store.sink import open_run_sink
 
-    return open_run_sink(run_dir, _db_url(args, run_dir), alert_urls=args.alert_url)
+    return open_run_sink(run_dir, _db_url(args), alert_urls=args.alert_url)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -223,12 +223,10 @@ def cmd_logbook(args: argparse.Namespace) -> int:
 
 
 def _default_db(run: str) -> str | None:
-    """A run directory given as a path with a store beside it: that run's store (the rule a
-    run writes by, `url_for_run`); else the usual default."""
-    from observatory.store.db import url_for_run
-
-    p = Path(run)
-    return url_for_run(p) if (p.parent / "spikewatch.db").is_file() else None
+    """A run directory given as a path with a store beside it (a sweep's root, or a store
+    written before the one rule): that store; else the usual default."""
+    beside = Path(run).resolve().parent / "spikewatch.db"
+    return f"sqlite:///{beside}" if beside.is_file() else None
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -290,12 +288,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The dashboard, by name through uvicorn: the trainer never imports web/."""
     import uvicorn
 
-    from observatory.store.db import upgrade
+    from observatory.store.db import redact, store_url, upgrade
 
     if args.db:
         os.environ["SPIKEWATCH_DB_URL"] = args.db
-    upgrade(args.db)  # a new or older database gets the newest schema first
-    log.info("dashboard at http://%s:%d/ (API under /api, docs at /docs)", args.host, args.port)
+    url = store_url(args.db)  # the rule every run records by
+    upgrade(url)  # a new or older database gets the newest schema first
+    log.info(
+        "dashboard at http://%s:%d/ for the runs in %s (API under /api, docs at /docs)",
+        args.host,
+        args.port,
+        redact(url),
+    )
     uvicorn.run(
         "web.app:create_default_app",
         factory=True,
@@ -333,7 +337,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.serve and not args.no_db and _is_main_rank():
         from observatory.store.db import upgrade
 
-        args.db = _db_url(args, args.run_dir or "runs/_")  # our copy: the caller's stays as given
+        args.db = _db_url(args)  # our copy: the caller's stays as given
         upgrade(args.db)
         server = _start_dashboard(args.db, args.host, args.port)
     try:
@@ -437,8 +441,7 @@ def _add_training(sub: Any) -> None:
         p.add_argument(
             "--db",
             default=None,
-            help="store URL (default: $SPIKEWATCH_DB_URL, "
-            "else sqlite:///<run dir's parent>/spikewatch.db)",
+            help="store URL (default: $SPIKEWATCH_DB_URL, else runs/spikewatch.db here)",
         )
         p.add_argument("--no-db", action="store_true", help="record nothing in a database")
         p.add_argument("--tag", action="append", default=[], help="a tag for the run (repeatable)")

@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,7 +42,7 @@ from observatory.store.sink import BaseSink, DbSink, open_run_sink
 from observatory.strict_json import write_json
 from trainer.checkpoints.disk import Checkpointer
 from trainer.checkpoints.format import list_checkpoints as ck_list
-from trainer.checkpoints.tiers import Tiers, build_tiers
+from trainer.checkpoints.tiers import Tiers, build_tiers, describe, estimated_snapshot_bytes
 from trainer.config import ConfigError, WatchSettings
 from trainer.core.callbacks import Callback
 from trainer.core.data_state import DataState
@@ -61,7 +61,7 @@ from trainer.core.step_core import (
     StepCore,
 )
 from trainer.core.transfer import StepTensors, clip_by_global_norm
-from trainer.core.world import World, attach_world
+from trainer.core.world import World, attach_world, say
 from trainer.model.attention import AttnMax
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
@@ -91,7 +91,7 @@ class Watch:
         warmup_steps: int | None = None,
         checkpoint_every: int | None = None,
         settings: WatchSettings | Mapping[str, Any] | None = None,
-        resume: bool = False,
+        resume: bool | Literal["auto"] = False,
         state: Mapping[str, Any] | None = None,
         callbacks: Sequence[Callback] = (),
         tags: Sequence[str] = (),
@@ -102,8 +102,11 @@ class Watch:
     ) -> None:
         """`settings`: a `WatchSettings` (or its dict) for everything; the keywords override
         it. `run_dir`: the run's directory; without it `<run_root>/<run id>`. `resume`:
-        continue from the newest intact checkpoint in `run_dir`. `state`: a `state_dict()`
-        saved in a framework's own checkpoint (its resume restores the rest).
+        continue from the newest intact checkpoint in `run_dir`; "auto": do so if it holds
+        one, else start there (one command line starts and restarts a preemptible job);
+        without `run_dir` a new run starts.
+        `state`: a `state_dict()` saved in a framework's own checkpoint (its resume restores
+        the rest).
         `callbacks`: the user's own (trainer.core.callbacks.Callback), by priority."""
         self.cfg = WatchSettings.build(
             settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every
@@ -441,8 +444,18 @@ class Watch:
             **self.cfg.to_dict(),
             "framework": self.framework,
             "model": self.model_info,
+            "optim": _describe_optimizer(self.optimizer),
             "train": {"max_steps": self.cfg.max_steps},
         }
+
+
+def _describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's class and peak LR, for the logbook (a scheduler may have moved `lr`)."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    lr = group.get("initial_lr", group.get("lr"))
+    inner = getattr(optimizer, "optimizer", None)  # accelerate's / Lightning's wrapper
+    name = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
+    return {"name": name, "lr": float(lr) if isinstance(lr, (int, float)) else None}
 
 
 def _close_at_exit(ref: weakref.ref[Watch]) -> None:
@@ -475,8 +488,10 @@ def build_watch_core(watch: Watch) -> StepCore:
 
     cfg, model, optimizer = watch.cfg, watch.model, watch.optimizer
     world = attach_world(model, optimizer, cfg.distributed_timeout_s)
-    if watch.resume_arg and watch.run_dir_arg is None:
-        raise ValueError("resume needs the run directory")
+    if watch.resume_arg not in (True, False, "auto"):
+        raise ValueError(f"resume must be True, False or 'auto', not {watch.resume_arg!r}")
+    if watch.resume_arg is True and watch.run_dir_arg is None:
+        raise ValueError("resume needs the run directory (run_dir=...)")
     saved = watch.saved
     run_id = str(saved["run_id"]) if saved is not None else None
     if run_id is None:
@@ -500,6 +515,9 @@ def build_watch_core(watch: Watch) -> StepCore:
     durable = next((c.persist for c in callbacks if isinstance(c, Recorder)), None)
     disk = _checkpointer(watch, run_dir, world, durable)
     checkpointer = build_tiers(cfg.checkpoint, disk, model, optimizer, world)
+    if world.is_main:
+        size = estimated_snapshot_bytes(model, optimizer)
+        say(log, describe(checkpointer, size, cfg.max_steps))
     if world.is_main and cfg.guard.enabled:  # rank 0 decides for all
         guard = SpikeGuard(
             cfg.guard,
@@ -550,7 +568,10 @@ def _checkpointer(
 def _resume(watch: Watch, core: StepCore, run_dir: Path) -> None:
     """From the Watch's own checkpoint (`resume=True`), from a framework's copy of the state
     (`state=`), or a fresh start, which refuses a directory that holds another run."""
-    if watch.resume_arg:
+    resume = watch.resume_arg
+    if resume == "auto":
+        resume = bool(ck_list(core.checkpointer.root))
+    if resume:
         config = watch.run_config()
         core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
     elif watch.saved is not None:
@@ -558,8 +579,8 @@ def _resume(watch: Watch, core: StepCore, run_dir: Path) -> None:
         core.checkpointer.drop_after(core.step)  # the future of an abandoned timeline
     elif ck_list(core.checkpointer.root):
         raise ConfigError(
-            f"{run_dir} already holds checkpoints of a run: resume it (resume=True) or choose "
-            "another run directory"
+            f"{run_dir} already holds checkpoints of a run: resume it (resume=True, or "
+            "resume='auto') or choose another run directory"
         )
 
 

@@ -8,10 +8,18 @@ on the busy timeout instead of deadlocking on a read-to-write lock upgrade.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -19,7 +27,7 @@ from sqlalchemy.engine import make_url
 __all__ = [
     "DEFAULT_URL",
     "ENV_VAR",
-    "url_for_run",
+    "store_url",
     "MIGRATIONS_DIR",
     "DatabaseURLError",
     "make_engine",
@@ -32,8 +40,20 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "SPIKEWATCH_DB_URL"
 DEFAULT_URL = "sqlite:///runs/spikewatch.db"
+
+
 # migrations/ sits next to the package in the source tree; resolved from here, not from the CWD
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+def _migrations_dir() -> Path:
+    """The Alembic environment: inside the installed package (observatory/migrations, a wheel's
+    copy of the checkout's migrations/), else the checkout's migrations/ (the source tree)."""
+    spec = importlib.util.find_spec("observatory.migrations")
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(where) / "env.py").is_file():
+            return Path(where)
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+MIGRATIONS_DIR = _migrations_dir()
 SQLITE_BUSY_MS = 30_000
 
 
@@ -41,15 +61,26 @@ class DatabaseURLError(ValueError):
     """A database URL that spikewatch cannot use (says which and why)."""
 
 
-def url_for_run(run_dir: str | os.PathLike[str], url: str | None = None) -> str:
-    """Explicit URL > $SPIKEWATCH_DB_URL > spikewatch.db beside the run directory (so every run
-    under runs/ lands in runs/spikewatch.db, the file `spikewatch serve` opens by default)."""
+def store_url(url: str | None = None) -> str:
+    """The one rule every entry point records by and `spikewatch serve` reads by: an explicit
+    URL, else $SPIKEWATCH_DB_URL, else `runs/spikewatch.db` in the current directory (made
+    absolute, and its folder created, so the line a run prints names the file itself)."""
     url = url or os.environ.get(ENV_VAR)
     if url is None:
-        parent = Path(run_dir).resolve().parent
-        parent.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{parent / 'spikewatch.db'}"
+        path = Path.cwd() / make_url(DEFAULT_URL).database  # type: ignore[operator]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{path}"
     return url
+
+
+def serve_hint(url: str) -> str:
+    """The command that shows a store's runs, for the line each run prints at start."""
+    if os.environ.get(ENV_VAR) == url:
+        return "spikewatch serve"
+    default = Path.cwd() / str(make_url(DEFAULT_URL).database)
+    if url == f"sqlite:///{default}":
+        return "spikewatch serve  (from this directory)"
+    return f"spikewatch serve --db '{redact(url)}'"
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -132,8 +163,29 @@ def upgrade(url: str | None = None, *, revision: str = "head") -> str:
     from alembic import command
 
     url = resolve_url(url)
-    command.upgrade(alembic_config(url), revision)
+    with _migration_lock(url):
+        command.upgrade(alembic_config(url), revision)
     return url
+
+
+@contextlib.contextmanager
+def _migration_lock(url: str) -> Iterator[None]:
+    """Two processes started at once on a new SQLite file (two scripts in one directory) would
+    both create the tables, and one fail with 'database is locked': they take turns on a lock
+    file beside it. PostgreSQL's migrations run in one transaction each and need none."""
+    parsed = make_url(url)
+    path = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    if not path or path == ":memory:" or fcntl is None:
+        yield
+        return
+    lock = Path(path).with_name(Path(path).name + ".migrate-lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def downgrade(url: str | None = None, *, revision: str = "base") -> str:
@@ -151,8 +203,8 @@ def alembic_config(url: str) -> Any:
 
     if not (MIGRATIONS_DIR / "env.py").is_file():
         raise FileNotFoundError(
-            f"Alembic environment not found at {MIGRATIONS_DIR}; spikewatch must be installed from "
-            "a source checkout (pip install -e .) so migrations/ sits next to observatory/"
+            f"Alembic environment not found at {MIGRATIONS_DIR}: this spikewatch installation "
+            "lacks its migrations (reinstall it: pip install spikewatch-*.whl, or pip install -e .)"
         )
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))

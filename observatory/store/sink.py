@@ -456,15 +456,16 @@ def open_run_sink(
     run_dir: str | os.PathLike[str], url: str | None = None, alert_urls: Iterable[str] = ()
 ) -> BaseSink:
     """The store a run writes to, migrated to the newest schema first: `url`, else
-    $SPIKEWATCH_DB_URL, else spikewatch.db beside the run directory; url='none' for no store.
+    $SPIKEWATCH_DB_URL, else runs/spikewatch.db in the current directory (`store_url`, the
+    file `spikewatch serve` opens from there); url='none' for no store.
     Alerts go to `alert_urls`, else $SPIKEWATCH_ALERT_URLS (observatory/alerts.py)."""
     sink: BaseSink
     if url == "none":
         sink = NullSink()
     else:
-        from observatory.store.db import upgrade, url_for_run
+        from observatory.store.db import store_url, upgrade
 
-        resolved = url_for_run(run_dir, url)
+        resolved = store_url(url)
         upgrade(resolved)
         sink = DbSink(resolved, spool_dir=Path(run_dir) / "spool")
     urls = urls_from(alert_urls)

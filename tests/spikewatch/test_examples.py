@@ -42,7 +42,8 @@ class Way:
 
 
 WAYS = [
-    Way("plain_loop", "attn", "wte", ("--run-dir", "run"), ("--resume", "run")),
+    # resume="auto": the plain loop's restart is its first command line again
+    Way("plain_loop", "attn", "wte", ("--run-dir", "run"), ()),
     Way("hf_trainer", "self_attn", "model.embed_tokens", ("--output-dir", "out"), ("--resume",)),
     Way(
         "lightning_module",

@@ -72,3 +72,68 @@ def test_attention_maxima_equal_the_models_own_q_and_k() -> None:
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
         want = s.masked_fill(future, float("-inf")).amax(dim=(0, 2, 3))  # (H,)
         torch.testing.assert_close(got[i], want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_epoch_based_run_says_it_cannot_make_up_a_rollback(tmp_path, caplog) -> None:
+    """HF fixes its epochs when training starts: an epoch-based run that rolls back ends short
+    of its plan, and says so at start and at the end; the user's max_grad_norm is theirs again
+    after training, and the logbook's model line comes from the model's config."""
+    poison = ("--poison-at", "40", "--poison-len", "14")  # in each epoch of 75 batches
+    args = ("--steps", "150", "--epochs", "2", *poison, "--db", f"sqlite:///{tmp_path / 'sw.db'}")
+    with caplog.at_level("WARNING", logger="spikewatch"):
+        s = run_example("hf_trainer", tmp_path, *args)
+    assert s["interventions"], "the poisoned region is rolled back"
+    assert s["planned_steps"] == 150 and s["steps"] < 150
+    said = caplog.text
+    assert "holds exactly its 150 planned updates" in said
+    assert f"made {s['steps']} of 150 planned updates" in said
+    from sqlalchemy.orm import Session
+
+    from observatory.logbook import logbook
+    from observatory.store.db import make_engine
+
+    with Session(make_engine(f"sqlite:///{tmp_path / 'sw.db'}")) as session:
+        text = logbook(session, run_id=s["run_id"])
+    assert "llama, 2 layers, d=64, 4 heads" in text and "AdamW lr=0.003" in text
+
+
+def test_the_users_max_grad_norm_is_theirs_outside_the_step(tmp_path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from spikewatch.hf import SpikewatchCallback
+
+    seen: list[float] = []
+
+    class Spy(SpikewatchCallback):
+        def on_save(self, args, state, control, **kw):  # noqa: ANN001
+            seen.append(args.max_grad_norm)
+            return super().on_save(args, state, control, **kw)
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        attn_implementation="sdpa",
+    )
+    x = torch.randint(0, 256, (32, 16))
+    rows = [{"input_ids": r, "labels": r} for r in x]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=8,
+        max_grad_norm=0.7,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=LlamaForCausalLM(cfg), args=args, train_dataset=rows, callbacks=[Spy(db="none")]
+    )
+    trainer.train()
+    assert trainer.args.max_grad_norm == 0.7 and seen == [0.7, 0.7]
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert saved.max_grad_norm == 0.7

@@ -153,17 +153,17 @@ def test_a_users_callback_is_heard_and_its_rollback_carried_out(tmp_path) -> Non
     assert (40, "rollback") in cb.seen and watch.step_count == 50
 
 
-def _plain(tmp_path, *, resume: bool, **kw):
+def _plain(tmp_path, *, resume: bool | str, drawn: list[int] | None = None, **kw):
     ex = example("plain_loop")
     torch.manual_seed(0)
     model = ex.GPT(32, kw.pop("layers", 2), 4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train, _ = text_corpus()
-    sink = EventSink()
+    sink, drawn = EventSink(), drawn if drawn is not None else []
     with Watch(
         model, opt, run_dir=tmp_path / "run", sink=sink, checkpoint_every=10, resume=resume, **kw
     ) as watch:
-        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+        for x, y in watch.batches(lambda i: drawn.append(i) or windows(train, i, 8, 32)):
             loss = model(x, y)
             loss.backward()
             watch.step(loss)
@@ -179,6 +179,17 @@ def test_a_resume_may_change_what_a_halt_advises_and_nothing_else(tmp_path) -> N
     assert change["changes"]["grad_clip"] == [1.0, 0.5]
     with pytest.raises(ConfigError, match="model.n_layer"):
         _plain(tmp_path, resume=True, max_steps=40, layers=3)
+
+
+def test_resume_auto_starts_in_an_empty_directory_and_resumes_a_full_one(tmp_path) -> None:
+    first, _ = _plain(tmp_path, resume="auto", max_steps=20)
+    assert first.step_count == 20 and first.run_dir == tmp_path / "run"
+    drawn: list[int] = []
+    again, _ = _plain(tmp_path, resume="auto", max_steps=30, drawn=drawn)
+    assert again.step_count == 30 and again.run_id == first.run_id
+    assert drawn == list(range(20, 30))  # it went on from step 20: no step was trained twice
+    with pytest.raises(ValueError, match="'auto'"):
+        _plain(tmp_path, resume="yes", max_steps=30)
 
 
 def test_the_old_watch_section_is_read_as_guard() -> None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from trainer.cli import main
 
@@ -84,7 +85,7 @@ def test_cli_resume_errors(tmp_path, capsys) -> None:
     assert "CONFIG is required" in capsys.readouterr().err
 
 
-def test_demo_trains_with_the_dashboard_up(tmp_path) -> None:
+def test_demo_trains_with_the_dashboard_up(tmp_path, monkeypatch) -> None:
     import socket
     import threading
     import urllib.request
@@ -107,6 +108,8 @@ def test_demo_trains_with_the_dashboard_up(tmp_path) -> None:
                 pass
             threading.Event().wait(0.1)
 
+    monkeypatch.delenv("SPIKEWATCH_DB_URL", raising=False)
+    monkeypatch.chdir(tmp_path)  # the default store: runs/spikewatch.db where it is started
     t = threading.Thread(target=poll)
     t.start()
     args = [
@@ -141,8 +144,9 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
     cmd += ["--set", "train.max_steps=40", "--set", "train.progress=false"]
     cmd += ["--run-dir", str(tmp_path / "runs" / "d")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    env.pop("SPIKEWATCH_DB_URL", None)  # the store beside the run directory
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    env.pop("SPIKEWATCH_DB_URL", None)  # the default store: runs/spikewatch.db in its cwd
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.monotonic() + 120
     while not any("Ctrl-C" in ln for ln in lines):

@@ -44,9 +44,9 @@ def _train(run_dir: Path, *, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("SPIKEWATCH_DB_URL", None)  # each run's store is spikewatch.db beside it
+    env.pop("SPIKEWATCH_DB_URL", None)  # the default store: runs/spikewatch.db where it runs
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        cmd, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
 
 
@@ -57,7 +57,7 @@ def _finish(proc: subprocess.Popen) -> None:
 
 def _store(run_dir: Path) -> dict[str, Counter]:
     """Every point (with its value unless it measures time), branch and event of the store."""
-    engine = create_engine(f"sqlite:///{run_dir.parent / 'spikewatch.db'}")
+    engine = create_engine(f"sqlite:///{run_dir.parent / 'runs' / 'spikewatch.db'}")
     with engine.connect() as conn:
         windows = conn.execute(
             text(

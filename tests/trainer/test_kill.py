@@ -31,7 +31,7 @@ def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file), "--run-dir", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        cmd, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
 
 

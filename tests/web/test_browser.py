@@ -94,3 +94,24 @@ def test_run_page_options_log_scale_ema_and_head_layer(server, browser) -> None:
         "document.getElementById('heat-heads').layout.title.text.includes('layer 1')"
     )
     page.close()
+
+
+def test_runs_page_at_a_glance_and_compare_the_chosen(server, browser) -> None:
+    page = browser.new_page()
+    page.goto(server + "/")
+    row = page.locator('tr[data-run="spiky"]')
+    assert row.locator(".framework").inner_text() == "built-in"
+    assert row.locator(".size").inner_text() == "2 × d64"  # tiny_cpu: 2 layers, d=64
+    assert row.locator(".state").inner_text() == "completed"
+    assert row.locator(".duration").inner_text().endswith("s")
+    page.wait_for_selector('tr[data-run="spiky"] svg.spark polyline')
+    assert row.locator("circle.spike-marker").count() >= 1  # the spike, on its sparkline
+    assert page.locator('tr[data-run="lr1e-3"] circle.spike-marker').count() == 0
+    assert page.locator("#compare").is_disabled()
+    page.check('input.pick[value="spiky"]')
+    page.check('input.pick[value="lr1e-3"]')
+    page.click("#compare")
+    page.wait_for_url("**/compare?run=*")
+    assert sorted(page.url.split("?")[1].split("&")) == ["run=lr1e-3", "run=spiky"]
+    page.wait_for_selector("#chart-loss .main-svg, .chart .main-svg")
+    page.close()

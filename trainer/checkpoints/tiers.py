@@ -14,6 +14,7 @@ step at or before its target in either tier, memory first.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,12 @@ import torch
 
 from trainer.checkpoints import format as ck
 from trainer.checkpoints.disk import Checkpointer
-from trainer.checkpoints.memory import MemoryTier, default_budget_bytes
+from trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
 from trainer.checkpoints.staging import Live, Stager
 from trainer.config import CheckpointConfig
-from trainer.core.world import World
+from trainer.core.world import World, local
 
-__all__ = ["DISK", "MEMORY", "Tiers", "build_tiers"]
+__all__ = ["DISK", "MEMORY", "Tiers", "build_tiers", "describe", "estimated_snapshot_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,61 @@ class Tiers:
 
     def path_of(self, step: int, tier: str) -> str:
         return memory_path(step) if tier == MEMORY else str(ck.step_dir(self.root, step))
+
+
+def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
+    """One line for the user at start: where rollback targets go, how often, how many and how
+    big they get (exponential retention keeps about keep_last + log2(steps / interval) + 1
+    of a tier's saves, plus the pinned pre-spike anchors)."""
+    size = human_bytes(per_snapshot)
+    parts = []
+
+    def count(interval: int, keep_last: int) -> str:
+        if max_steps is None:
+            return "a few (exponential retention)"
+        saves = max(1, max_steps // interval)
+        return f"at most {min(saves, keep_last + int(math.log2(saves)) + 1)}"
+
+    mem = tiers.memory
+    if mem is not None:
+        held = min(mem.capacity(per_snapshot), 10**6)
+        parts.append(
+            f"host memory every {mem.interval} steps ({count(mem.interval, mem.keep_last)} "
+            f"snapshots of ~{size}, within a budget of {human_bytes(mem.budget_bytes)}"
+            f" = {held} snapshots)"
+        )
+    cfg = tiers.disk.cfg
+    if tiers.disk.enabled:
+        every = "at Young/Daly's interval" if cfg.interval == "auto" else f"every {cfg.interval}"
+        n = count(cfg.interval, cfg.keep_last) if isinstance(cfg.interval, int) else "a few"
+        parts.append(f"disk {every} steps in {tiers.root} ({n} of ~{size})")
+    if not parts:
+        return "no rollback checkpoints: spikes are recorded, never rolled back"
+    return "rollback checkpoints: " + "; ".join(parts)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def estimated_snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """One snapshot's bytes on this rank, before the optimizer has made its state: Adam-like
+    optimizers (betas) keep two tensors per parameter, momentum ones one."""
+    now = snapshot_bytes(model, optimizer)
+    if any(optimizer.state.values()):
+        return now
+    defaults = optimizer.defaults
+    moments = 2 if "betas" in defaults else 1 if defaults.get("momentum") else 0
+    params = sum(
+        local(p).numel() * local(p).element_size()
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+    return now + moments * params
 
 
 def build_tiers(

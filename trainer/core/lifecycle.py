@@ -78,6 +78,8 @@ TRAIN_RULES = ResumeRules(
 WATCH_RULES = ResumeRules(
     resumable=frozenset(
         {"checkpoint.async_save", "probes.", "distributed_timeout_s", "name", "framework"}
+        # descriptions for the logbook, read off the objects (n_layer and the rest still count)
+        | {"model.d_model", "model.model_type", "optim."}
     ),
     changeable=frozenset({"max_steps", "train.max_steps", "grad_clip", "warmup_steps", "guard."})
     | _CHECKPOINT,

@@ -96,7 +96,9 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
 
     return {
         "class": type(model).__name__,
+        "model_type": get("model_type"),
         "n_layer": get("num_hidden_layers") or get("n_layer") or 0,
+        "d_model": get("hidden_size") or get("n_embd") or get("d_model"),
         "n_head": get("num_attention_heads") or get("n_head") or 0,
         "n_kv_head": get("num_key_value_heads"),
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -14,10 +14,12 @@ from typing import Any
 
 from observatory import metric_names as M
 from observatory.control import RequestPoller
+from observatory.store.db import redact, serve_hint
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
 from trainer.core.actions import Action, Continue, Halt, Note, Rollback
 from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from trainer.core.world import say
 
 __all__ = ["Recorder"]
 
@@ -64,6 +66,9 @@ class Recorder(Callback):
             self.sink.start_branch(state.run_id, **fork)
         if len(self.forks) < self.branch:  # a checkpoint from before forks were kept
             self.sink.know_branches(state.run_id, range(1, self.branch + 1))
+        url = getattr(self.sink, "url", None)
+        if url is not None:
+            say(log, f"run {state.run_id} is recorded in {redact(url)}; see it: {serve_hint(url)}")
         if self.requests_from is not None:
             self.poller = RequestPoller(self.requests_from, state.run_id)
             self.poller.seen.update(self.handled)

