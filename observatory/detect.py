@@ -114,6 +114,7 @@ class Detector:
         self.excursion: list[tuple[int, float]] = []
         self.run = 0  # consecutive excursion steps now
         self.calm = 0
+        self.reported = False  # the excursion now under way has had its verdict
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
         self.ema_min = math.inf
@@ -149,7 +150,8 @@ class Detector:
             self.excursion.append((step, score))
             self.run += 1
             self.calm = 0
-            if self.run == cfg.persistence:
+            if self.run >= cfg.persistence and not self.reported:
+                self.reported = True  # one verdict per excursion, however it wavers
                 return self._spike(step)
             if len(self.excursion) >= cfg.window:  # not a spike but a new level: accept it
                 self.rebase(step)
@@ -159,7 +161,7 @@ class Detector:
             self.calm += 1
             if self.calm < cfg.persistence:
                 return None
-            self.excursion, self.calm = [], 0
+            self.excursion, self.calm, self.reported = [], 0, False
         self.loss.add(z)
         self.recent.append((step, score))
         return self._trend(step, z)
@@ -264,13 +266,13 @@ class Detector:
         """A known regime change at `step` (mixture stage, WSD decay): restart the baseline."""
         self.loss.values.clear()
         self.recent.clear()
-        self.excursion, self.run, self.calm = [], 0, 0
+        self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
         self.ema, self.ema_min, self.trend_n = None, math.inf, 0
         self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: the spike's points are gone; forget the excursion."""
-        self.excursion, self.run, self.calm = [], 0, 0
+        self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
         self.recent = deque(((s, z) for s, z in self.recent if s <= step), maxlen=32)
         self.last_step = step
 
@@ -283,6 +285,7 @@ class Detector:
             "excursion": [list(e) for e in self.excursion],
             "calm": self.calm,
             "run": self.run,
+            "reported": self.reported,
             "updates": {k: list(v) for k, v in self.updates.items()},
             "ema": self.ema,
             "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
@@ -299,6 +302,8 @@ class Detector:
         self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
         self.calm = d["calm"]
         self.run = int(d.get("run", len(self.excursion) if not self.calm else 0))
+        # a state from before the flag: an excursion at persistence had its verdict
+        self.reported = bool(d.get("reported", len(self.excursion) >= self.cfg.persistence))
         self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
         self.ema = d["ema"]
         self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf

@@ -33,6 +33,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -43,19 +44,19 @@ from typing import Any
 import crc32c
 
 from observatory import metric_names as M
-from observatory.detect import Detector, DetectorConfig
-from observatory.scan import _scalars
+from observatory.detect import Detector, DetectorConfig, Verdict
+from observatory.scan import _scalars, flat_numbers
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
 
-__all__ = ["Follower", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
+__all__ = ["FollowError", "Follower", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 
 log = logging.getLogger(__name__)
 
 TB_GLOB = "events.out.tfevents.*"
 LOSS_TAGS = M.FOREIGN_LOSS_TAGS
 GRAD_TAGS = M.FOREIGN_GRAD_NORM_TAGS
-STEP_KEYS = ("step", "global_step", "iteration")
+STEP_KEYS = M.FOREIGN_STEP_KEYS
 MAX_RUN_KEY = 64
 
 
@@ -133,11 +134,55 @@ class _Run:
 
     key: str
     detector: Detector
+    name: str = ""
+    steps: int = 0  # loss points fed to the detector
+    spikes: int = 0
+    first_onset: int | None = None
+    last_step: int | None = None
     loss_tag: str | None = None
     last_fed: int = -1  # the detector takes increasing steps only
     grad_at: dict[int, float] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
     reported: set[tuple[str, int]] = field(default_factory=set)
+
+
+def _run_state(r: _Run) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "detector": r.detector.state_dict(),
+        "loss_tag": r.loss_tag,
+        "last_fed": r.last_fed,
+        "grad_at": [[s, v] for s, v in r.grad_at.items()],
+        "names": r.names,
+        "reported": [list(x) for x in r.reported],
+        "steps": r.steps,
+        "spikes": r.spikes,
+        "first_onset": r.first_onset,
+        "last_step": r.last_step,
+    }
+
+
+def _restore_run(key: str, d: dict[str, Any], cfg: DetectorConfig) -> _Run:
+    detector = Detector(cfg)
+    detector.load_state_dict(d["detector"])
+    return _Run(
+        key,
+        detector,
+        loss_tag=d["loss_tag"],
+        last_fed=d["last_fed"],
+        grad_at={int(s): float(v) for s, v in d["grad_at"]},
+        names=dict(d["names"]),
+        reported={(str(p), int(at)) for p, at in d["reported"]},
+        name=d["name"],
+        steps=d["steps"],
+        spikes=d["spikes"],
+        first_onset=d["first_onset"],
+        last_step=d["last_step"],
+    )
+
+
+class FollowError(ValueError):
+    """Sources that cannot be followed as given (says which and what to do)."""
 
 
 def run_key(name: str) -> str:
@@ -161,7 +206,10 @@ class Follower:
         metric: str | None = None,
         run_name: str | None = None,
         detector: DetectorConfig | None = None,
+        state_path: Path | None = None,
     ) -> None:
+        """`state_path`: where to keep what has been read (each source's byte offset, each
+        run's detector), so that a restarted watch goes on from there instead of the start."""
         self.paths = [Path(p) for p in paths]
         self.sink = sink
         self.metric = metric
@@ -171,31 +219,55 @@ class Follower:
         self._tb: dict[Path, _Records] = {}
         self._lines: dict[Path, _Tail] = {}
         self._header: dict[Path, list[str]] = {}
+        self._owner: dict[str, Path] = {}  # run id -> the one source it follows
+        self.state_path = Path(state_path) if state_path is not None else None
+        self._started: set[str] = set()  # runs told to the store in this process
+        if self.state_path is not None and self.state_path.is_file():
+            self._load_state(json.loads(self.state_path.read_text()))
         self.values = 0  # stored so far
 
     # -- discovery ------------------------------------------------------------------------
     def _sources(self) -> Iterator[tuple[str, str, Path]]:
-        """(kind, run name, path) of every source now present."""
+        """(kind, run name, path) of every source now present. A run is named by its path
+        relative to the common root of the paths given (`watch a/tb b/tb`: runs a/tb and b/tb;
+        `watch lightning_logs`: lightning_logs/version_0, ...), a file without its suffix."""
+        base = Path(os.path.commonpath([p.resolve().parent for p in self.paths]))
+
+        def named(where: Path) -> str:
+            return self.run_name or where.resolve().relative_to(base).as_posix()
+
         for root in self.paths:
             if root.is_dir():
                 for f in sorted(root.rglob(TB_GLOB)):
-                    rel = f.parent.relative_to(root)
-                    parts = [root.resolve().name, *rel.parts]
-                    yield "tb", self.run_name or "-".join(parts), f
+                    yield "tb", named(f.parent), f
             elif root.name.startswith("events.out.tfevents."):
-                yield "tb", self.run_name or root.parent.resolve().name, root
+                yield "tb", named(root.parent), root
             elif root.suffix == ".csv":
-                yield "csv", self.run_name or root.stem, root
+                yield "csv", named(root.with_suffix("")), root
             elif root.suffix in (".jsonl", ".ndjson", ".json"):
-                yield "jsonl", self.run_name or root.stem, root
+                yield "jsonl", named(root.with_suffix("")), root
 
-    def _run(self, name: str) -> _Run:
+    def _run(self, name: str, path: Path) -> _Run:
+        """The run of a source (a TensorBoard directory or a file); two sources are never
+        merged into one run: a second source whose name makes the same run id is refused."""
+        source = path.parent.resolve() if path.name.startswith("events.out.tfevents.") else path
         key = run_key(name)
+        owner = self._owner.setdefault(key, source.resolve())
+        if owner != source.resolve():
+            raise FollowError(
+                f"{owner} and {source} would both be run {key!r}: "
+                + (
+                    "--run-name names one run; give one path"
+                    if self.run_name
+                    else "rename one, or watch them in two commands with --run-name"
+                )
+            )
         run = self.runs.get(key)
         if run is None:
-            run = _Run(key, Detector(self.detector_cfg))
+            run = self.runs[key] = _Run(key, Detector(self.detector_cfg), name=name)
+        if key not in self._started:  # new, or restored from the saved state: running again
             self.sink.start_run(key, name=name, config={"source": "watch"}, tags=["watch"])
-            self.runs[key] = run
+            self._started.add(key)
         return run
 
     # -- one poll -------------------------------------------------------------------------
@@ -203,12 +275,55 @@ class Follower:
         """Read, store and detect what is new in every source; returns the values stored."""
         before = self.values
         for kind, name, path in list(self._sources()):
-            run = self._run(name)
+            run = self._run(name, path)
             if kind == "tb":
                 self._read_tb(run, path)
             else:
                 self._read_lines(run, kind, path)
+        if self.state_path is not None and self.values > before:
+            self.save_state()
         return self.values - before
+
+    # -- saved offsets ----------------------------------------------------------------------
+    def save_state(self) -> None:
+        """Once what was read is durable (in the store, or in the sink's spool file that a
+        restart replays), write where each source was read to and each run's detector."""
+        if self.state_path is None:
+            return
+        self.sink.persist()
+        sources: dict[str, dict[str, Any]] = {
+            str(p): {"offset": r.offset, "dead": r.dead} for p, r in self._tb.items()
+        }
+        for p, t in self._lines.items():
+            sources[str(p)] = {"offset": t.offset, "header": self._header.get(p)}
+        runs = {key: _run_state(r) for key, r in self.runs.items()}
+        owners = {k: str(v) for k, v in self._owner.items()}
+        state = {"version": 1, "sources": sources, "runs": runs, "owners": owners}
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(state))  # Python reads its own NaN back
+        tmp.replace(self.state_path)
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        for where, src in state.get("sources", {}).items():
+            path = Path(where)
+            size = path.stat().st_size if path.is_file() else -1
+            if size < src["offset"]:  # replaced or truncated since: read it again, whole
+                log.warning(
+                    "watch: %s is shorter than where it was read to; reading it again", path
+                )
+                continue
+            if "header" in src:
+                self._lines[path] = _Tail(path)
+                self._lines[path].offset = src["offset"]
+                if src["header"] is not None:
+                    self._header[path] = list(src["header"])
+            else:
+                self._tb[path] = _Records(path)
+                self._tb[path].offset, self._tb[path].dead = src["offset"], src["dead"]
+        for key, r in state.get("runs", {}).items():
+            self.runs[key] = _restore_run(key, r, self.detector_cfg)
+        self._owner.update({k: Path(v) for k, v in state.get("owners", {}).items()})
 
     def _read_tb(self, run: _Run, path: Path) -> None:
         rec = self._tb.setdefault(path, _Records(path))
@@ -241,19 +356,21 @@ class Follower:
             cells = next(csv.reader(io.StringIO(line)))
             header = self._header.get(path)
             if header is None:
-                if "step" not in cells:
-                    raise ValueError("the first row must be a header with a 'step' column")
-                self._header[path] = [c.strip() for c in cells]
+                names = [c.strip() for c in cells]
+                if not any(k in names for k in STEP_KEYS):
+                    keys = ", ".join(STEP_KEYS)
+                    raise ValueError(f"the first row must be a header with a step column ({keys})")
+                self._header[path] = names
                 return None, {}
             row = dict(zip(header, cells, strict=False))
-            step = int(float(row.pop("step")))
+            step = int(float(row.pop(next(k for k in STEP_KEYS if k in row))))
             return step, {k: float(v) if v.strip() else math.nan for k, v in row.items()}
         obj = json.loads(line)
         if not isinstance(obj, dict):
             raise TypeError("a JSON line must be an object")
         key = next(k for k in STEP_KEYS if k in obj)
         step = int(obj.pop(key))
-        return step, {k: float(v) for k, v in _flat(obj).items()}
+        return step, {k: float(v) for k, v in flat_numbers(obj).items()}
 
     # -- into the store -------------------------------------------------------------------
     def _store(self, run: _Run, by_step: dict[int, dict[str, float]]) -> None:
@@ -261,6 +378,10 @@ class Follower:
             if step < 0:
                 continue
             tags = by_step[step]
+            if run.loss_tag is None:  # the table's priority, as `scan` picks it
+                run.loss_tag = self.metric if self.metric in tags else None
+                if not self.metric:
+                    run.loss_tag = M.foreign_loss_tag(tags)
             metrics = {self._name(run, tag): v for tag, v in tags.items()}
             self.sink.log_metrics(run.key, 0, step, metrics)
             self.values += len(metrics)
@@ -268,11 +389,7 @@ class Follower:
 
     def _name(self, run: _Run, tag: str) -> str:
         name = run.names.get(tag)
-        if name is None:
-            if run.loss_tag is None and (
-                tag == self.metric or (not self.metric and tag in LOSS_TAGS)
-            ):
-                run.loss_tag = tag
+        if name is None or (tag == run.loss_tag and name != M.LOSS):
             if tag == run.loss_tag:
                 name = M.LOSS
             elif tag in GRAD_TAGS:
@@ -288,15 +405,49 @@ class Follower:
         if M.LOSS not in metrics or step <= run.last_fed:
             return  # a re-logged step (a restarted run): its first value stands
         run.last_fed = step
+        run.steps, run.last_step = run.steps + 1, step
         grad = run.grad_at.pop(step, None)
         for s in [s for s in run.grad_at if s < step]:
             del run.grad_at[s]
         for v in run.detector.update(step, metrics[M.LOSS], grad):
             kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
+            if v.kind in ("spike", "nonfinite", "divergence"):
+                self._say(run, v)
             data = tagged(v.to_dict())
             self.sink.log_event(
                 run.key, kind, step=v.step, message=v.message, data=data, source="detector"
             )
+
+    def _say(self, run: _Run, v: Verdict) -> None:
+        """A spike, non-finite step or divergence, on the console as it is found."""
+        if v.kind == "spike":
+            run.spikes += 1
+            run.first_onset = v.onset_step if run.first_onset is None else run.first_onset
+            what = f"loss spike at step {v.step} (onset {v.onset_step}): {v.message}"
+        elif v.kind == "nonfinite":
+            what = f"non-finite loss or grad norm at step {v.step}"
+        else:
+            what = f"slow divergence at step {v.step}: {v.message}"
+        log.warning("watch: %s: %s", run.name or run.key, what)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per run: its id, name, loss steps read, spikes and the first spike's onset."""
+        return [
+            {
+                "run_id": r.key,
+                "name": r.name,
+                "steps": r.steps,
+                "last_step": r.last_step,
+                "spikes": r.spikes,
+                "first_onset": r.first_onset,
+            }
+            for r in self.runs.values()
+        ]
+
+    def finish(self, status: str) -> None:
+        """Mark every followed run (`completed` after --once, `stopped` when the watch ends)."""
+        for key in self.runs:
+            self.sink.set_status(key, status)
 
     def _report(self, run: _Run, path: Path, at: int, what: str) -> None:
         if (str(path), at) in run.reported:
@@ -307,13 +458,3 @@ class Follower:
         self.sink.log_event(
             run.key, "note", message=message, data={"kind": "corrupt_record"}, source="watch"
         )
-
-
-def _flat(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in obj.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}/"))
-        elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[f"{prefix}{k}"] = v
-    return out

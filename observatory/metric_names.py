@@ -10,6 +10,8 @@ per-head values under *templates* with `*` for the indices (`layer/*/attn/grad_n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 LOSS = "train/loss"  # what backward saw: ce + z-loss term
 CE = "train/ce"
 Z_MEAN = "train/z_mean"  # mean log-sum-exp of the output logits
@@ -19,7 +21,6 @@ CLIP_FACTOR = "optim/clip_factor"  # 1.0 = not clipped
 LR = "optim/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
 VAL_LOSS = "val/loss"
-LOSS_FALLBACK = "loss"  # what other trainers' logs call it (spikewatch scan)
 
 # Per-layer statistics (the <stat> of `layer/<layer>/<stat>`)
 STAT_GRAD_NORM = "grad_norm"
@@ -83,13 +84,32 @@ def is_per_layer(name: str, stat: str) -> bool:
     return name.endswith(f"/{stat}") and "/head/" not in name
 
 
-# Tags other trainers write for the loss and the gradient norm (HF Trainer, Lightning, Megatron,
-# torchtitan, hand-written loops), which `spikewatch watch` stores under LOSS and GRAD_NORM.
-FOREIGN_LOSS_TAGS = (LOSS, "loss", "train_loss", "Loss/train", "train/loss_step", "lm loss")
+# The one tag table of `spikewatch scan`, `spikewatch watch` and docs/watch.md: what other
+# trainers' logs call the training loss and the gradient norm, by priority (the first one a log
+# has is its loss), stored under LOSS and GRAD_NORM. tests/observatory/test_tag_table.py writes
+# a log with each and reads it through both commands.
+FOREIGN_LOSS_TAGS = (
+    LOSS,  # spikewatch; HF Trainer's TensorBoard log ("train/" + its "loss")
+    "loss",  # HF Trainer's JSON / CSV logs, nanoGPT-style loops
+    "train_loss",  # Lightning, self.log("train_loss", ...)
+    "train_loss_step",  # Lightning with on_step=True, on_epoch=True
+    "loss_metrics/global_avg_loss",  # torchtitan
+    "lm loss",  # Megatron-LM
+    "Loss/train",  # PyTorch's TensorBoard tutorial
+    "train/loss_step",
+)
 FOREIGN_GRAD_NORM_TAGS = (
     GRAD_NORM,
-    "train/grad_norm",
-    "grad_norm",
-    "grad-norm",
+    "train/grad_norm",  # HF Trainer
+    "grad_norm",  # torchtitan, Lightning users
+    "grad-norm",  # Megatron-LM
     "gradient_norm",
 )
+# The step column of CSV and JSON-lines logs
+FOREIGN_STEP_KEYS = ("step", "global_step", "iteration", "iter", "_step")
+
+
+def foreign_loss_tag(tags: Iterable[str]) -> str | None:
+    """The loss among a log's tags: the first of FOREIGN_LOSS_TAGS it has."""
+    present = set(tags)
+    return next((t for t in FOREIGN_LOSS_TAGS if t in present), None)

@@ -9,6 +9,7 @@ tag). TensorBoard files are read with a small TFRecord + protobuf reader of our 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import struct
 from collections.abc import Iterator
@@ -29,13 +30,17 @@ def read_csv(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader, [])]
-        if "step" not in header or len(header) < 2:
-            raise ScanError(f"{path}: the first row must be a header 'step,<metric>[,...]'")
-        columns = [h for h in header if h != "step"]
-        name = metric or ("loss" if "loss" in columns else columns[0])
+        step_key = next((k for k in M.FOREIGN_STEP_KEYS if k in header), None)
+        if step_key is None or len(header) < 2:
+            raise ScanError(
+                f"{path}: the first row must be a header with a step column "
+                f"({', '.join(M.FOREIGN_STEP_KEYS)}) and a metric"
+            )
+        columns = [h for h in header if h != step_key]
+        name = metric or M.foreign_loss_tag(columns) or columns[0]
         if name not in header:
             raise ScanError(f"{path}: no column {name!r}; columns: {', '.join(columns)}")
-        si, vi = header.index("step"), header.index(name)
+        si, vi = header.index(step_key), header.index(name)
         out = []
         for line, row in enumerate(reader, start=2):
             if not row or all(not c.strip() for c in row):
@@ -47,6 +52,39 @@ def read_csv(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int
                 raise ScanError(f"{path}:{line}: not a number in {row!r}") from None
             out.append((step, value))
     return name, out
+
+
+def read_jsonl(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int, float]]]:
+    """A JSON-lines log (one object per line, a step key and numbers; nested objects flatten
+    to `a/b`), as `spikewatch watch` reads it."""
+    series: dict[str, dict[int, float]] = {}
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                key = next(k for k in M.FOREIGN_STEP_KEYS if k in obj)
+                step = int(obj.pop(key))
+            except (ValueError, StopIteration, TypeError, AttributeError):
+                raise ScanError(f"{path}:{line_no}: not an object with a step") from None
+            for tag, value in flat_numbers(obj).items():
+                series.setdefault(tag, {})[step] = float(value)
+    name = metric or M.foreign_loss_tag(series)
+    if name is None or name not in series:
+        raise ScanError(f"{path}: no {metric or 'loss'!r}; keys: {', '.join(sorted(series))}")
+    return name, sorted(series[name].items())
+
+
+def flat_numbers(obj: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of a JSON object, nested keys joined by '/'."""
+    out: dict[str, float] = {}
+    for k, v in obj.items():
+        if isinstance(v, dict):
+            out.update(flat_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -141,10 +179,12 @@ def read_tensorboard(path: Path, metric: str | None = None) -> tuple[str, list[t
         for record in _records(f):
             for step, tag, value in _scalars(record):
                 series.setdefault(tag, {})[step] = value  # a restart's re-logged step wins
-    name = metric or next((t for t in (M.LOSS, M.LOSS_FALLBACK) if t in series), None)
+    name = metric or M.foreign_loss_tag(series)
     if name is None or name not in series:
+        wanted = repr(metric) if metric else "loss (" + ", ".join(M.FOREIGN_LOSS_TAGS) + ")"
         raise ScanError(
-            f"{path}: no scalar {metric or M.LOSS!r}; tags: {', '.join(sorted(series)) or 'none'}"
+            f"{path}: no scalar {wanted}; tags: {', '.join(sorted(series)) or 'none'} "
+            "(--metric TAG picks one)"
         )
     return name, sorted(series[name].items())
 
@@ -173,7 +213,10 @@ def scan(points: list[tuple[int, float]], cfg: DetectorConfig | None = None) -> 
                 spikes.append(open_spike)
             elif v.kind == "divergence":
                 trends.append({"step": v.step, "kind": v.kind, "score": v.score})
-        if open_spike is not None and open_spike["kind"] == "spike" and not det.excursion:
+        if open_spike is not None and open_spike["kind"] == "spike" and det.excursion:
+            peak_step, peak = max(det.excursion, key=lambda e: e[1])  # the peak so far
+            open_spike["peak_step"], open_spike["score"] = peak_step, peak
+        elif open_spike is not None and open_spike["kind"] == "spike":
             open_spike["end_step"] = step
             open_spike = None
         elif open_spike is not None and open_spike["kind"] == "nonfinite":
@@ -193,6 +236,8 @@ def scan_path(
     p = Path(path)
     if p.is_dir():
         name, points = read_tensorboard(p, metric)
+    elif p.is_file() and p.suffix in (".jsonl", ".ndjson", ".json"):
+        name, points = read_jsonl(p, metric)
     elif p.is_file():
         name, points = read_csv(p, metric)
     else:

@@ -232,7 +232,7 @@ def _default_db(run: str) -> str | None:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from observatory.alerts import Alerter, urls_from
-    from observatory.follow import Follower
+    from observatory.follow import Follower, FollowError
     from observatory.store.db import redact, resolve_url, upgrade
     from observatory.store.sink import DbSink
     from trainer.config import ConfigError
@@ -247,7 +247,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     urls = urls_from(args.alert_url)
     if urls:
         sink.alerts = Alerter(urls)
-    follower = Follower(paths, sink, metric=args.metric, run_name=args.run)
+    state = Path(args.state) if args.state else spool / f"watch-{_watch_id(url, paths)}.json"
+    follower = Follower(paths, sink, metric=args.metric, run_name=args.run, state_path=state)
     log.info("watching %s into %s", ", ".join(map(str, paths)), redact(url))
     try:
         while True:
@@ -257,10 +258,27 @@ def cmd_watch(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         pass
+    except FollowError as e:
+        raise ConfigError(str(e)) from None
     finally:
+        follower.finish("completed" if args.once else "stopped")
         sink.close(timeout=30)
+    for r in follower.summary():
+        onset = f", first onset at step {r['first_onset']}" if r["first_onset"] is not None else ""
+        log.info(
+            "run %s (%s): %d steps to step %s, %d spike(s)%s",
+            r["run_id"], r["name"], r["steps"], r["last_step"], r["spikes"], onset,
+        )  # fmt: skip
     log.info("%d runs, %d values stored", len(follower.runs), follower.values)
     return 0
+
+
+def _watch_id(url: str, paths: list[Path]) -> str:
+    """The saved offsets of one watch: the same store and the same paths."""
+    import hashlib
+
+    key = "\n".join([url, *sorted(str(p.resolve()) for p in paths)])
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def cmd_alert_test(args: argparse.Namespace) -> int:
@@ -516,6 +534,12 @@ def _add_tools(sub: Any) -> None:
     watch.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
     watch.add_argument("--once", action="store_true", help="import what is there, then stop")
     watch.add_argument("--spool", default=None, help="spool directory (default ~/.cache/...)")
+    watch.add_argument(
+        "--state",
+        default=None,
+        help="where the offsets read so far are kept, so that a restart goes on from there "
+        "(default: in the spool directory, one file per store and set of paths)",
+    )
     watch.add_argument(
         "--alert-url", action="append", default=[], metavar="URL", help="webhook (repeatable)"
     )

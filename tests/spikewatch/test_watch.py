@@ -197,3 +197,21 @@ def test_the_old_watch_section_is_read_as_guard() -> None:
 
     assert not WatchSettings.build({"watch": {"rollback": False}}).guard.rollback
     assert not load_config(None, ["watch.rollback=false"]).guard.rollback
+
+
+def test_the_watch_says_where_its_checkpoints_go_how_many_and_how_big(tmp_path, caplog) -> None:
+    ex = example("plain_loop")
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    params = sum(p.numel() * 4 for p in model.parameters())  # fp32
+    budget_mb = 2.5 * 3 * params / 2**20  # room for two snapshots of weights + Adam's m and v
+    settings = {"checkpoint": {"memory_interval": 5, "memory_budget_mb": budget_mb}}
+    with caplog.at_level("INFO", logger="trainer"):
+        watch = Watch(
+            model, opt, max_steps=100, settings=settings, sink=EventSink(), run_dir=tmp_path
+        )
+        watch.open()
+    (line,) = [m for m in caplog.messages if m.startswith("rollback checkpoints:")]
+    size = f"~{3 * params / 2**10:,.1f} KB each"  # Adam's moments counted before they exist
+    assert f"host memory every 5 steps, {size}, at most 2 kept" in line
+    assert f"disk every 25 steps in {tmp_path / 'checkpoints'}, {size}, at most 4 kept" in line

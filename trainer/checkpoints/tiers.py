@@ -205,25 +205,28 @@ def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
     size = human_bytes(per_snapshot)
     parts = []
 
-    def count(interval: int, keep_last: int) -> str:
-        if max_steps is None:
-            return "a few (exponential retention)"
+    def count(interval: int | str | None, keep_last: int, room: int | None = None) -> str:
+        """How many of a tier's saves retention keeps at the end of the run."""
+        if max_steps is None or not isinstance(interval, int):
+            kept = "about 2 + log2(steps / interval)"
+            return kept if room is None else f"{kept}, at most {room}"
         saves = max(1, max_steps // interval)
-        return f"at most {min(saves, keep_last + int(math.log2(saves)) + 1)}"
+        n = min(saves, keep_last + int(math.log2(saves)) + 1)
+        return f"at most {n if room is None else min(n, room)}"
 
     mem = tiers.memory
     if mem is not None:
-        held = min(mem.capacity(per_snapshot), 10**6)
+        room = min(mem.capacity(per_snapshot), 10**6)
         parts.append(
-            f"host memory every {mem.interval} steps ({count(mem.interval, mem.keep_last)} "
-            f"snapshots of ~{size}, within a budget of {human_bytes(mem.budget_bytes)}"
-            f" = {held} snapshots)"
+            f"host memory every {mem.interval} steps, ~{size} each, "
+            f"{count(mem.interval, mem.keep_last, room)} kept "
+            f"(a budget of {human_bytes(mem.budget_bytes)})"
         )
     cfg = tiers.disk.cfg
     if tiers.disk.enabled:
         every = "at Young/Daly's interval" if cfg.interval == "auto" else f"every {cfg.interval}"
-        n = count(cfg.interval, cfg.keep_last) if isinstance(cfg.interval, int) else "a few"
-        parts.append(f"disk {every} steps in {tiers.root} ({n} of ~{size})")
+        n = count(cfg.interval, cfg.keep_last)
+        parts.append(f"disk {every} steps in {tiers.root}, ~{size} each, {n} kept")
     if not parts:
         return "no rollback checkpoints: spikes are recorded, never rolled back"
     return "rollback checkpoints: " + "; ".join(parts)

@@ -19,6 +19,8 @@ from trainer.config.sections import (
 
 __all__ = ["WatchSettings"]
 
+DISK_INTERVAL = 25  # the Watch's default: a checkpoint on disk every 25 steps
+
 
 class WatchSettings(_Section):
     """What `Watch` (the user's own training) needs; the same sections as `TrainConfig`."""
@@ -37,7 +39,7 @@ class WatchSettings(_Section):
         "measured the norm before clipping); None = no clipping.",
     )
     checkpoint: CheckpointConfig = Field(
-        default_factory=lambda: CheckpointConfig(interval=25),
+        default_factory=lambda: CheckpointConfig(interval=DISK_INTERVAL),
         description="Retained checkpoints for rollback (interval None = detect only).",
     )
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
@@ -75,9 +77,11 @@ class WatchSettings(_Section):
         given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
         given["warmup_steps"] = warmup_steps
         base.update({k: v for k, v in given.items() if v is not None})
+        # a checkpoint section without `interval` keeps the default disk interval
+        section = {"interval": DISK_INTERVAL, **base.get("checkpoint", {})}
         if checkpoint_every is not None:
-            section = base.get("checkpoint", {"interval": 25})
-            base["checkpoint"] = {**section, "interval": checkpoint_every}
+            section["interval"] = checkpoint_every
+        base["checkpoint"] = section
         try:
             return cls.model_validate(base)
         except ValidationError as e:

@@ -1,0 +1,179 @@
+"""Runs we do not control, as `spikewatch watch` and `scan` see them: one tag table for both
+(a log written with each tag by torch's own SummaryWriter, and as CSV and JSON lines), a run per
+followed directory named by its path (two `tb` directories are two runs, never merged; a
+collision is refused), the console line of a spike, and `--once` ending with a summary and
+finished runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from observatory import metric_names as M
+from observatory import store
+from observatory.follow import Follower, FollowError
+from observatory.scan import scan_path
+from observatory.store import db
+from observatory.store.sink import DbSink
+
+pytest.importorskip("tensorboard", reason="torch's SummaryWriter needs the tensorboard package")
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+SPIKE = 150
+
+
+def _loss(step: int) -> float:
+    rng = random.Random(step)
+    base = 2.0 + 3.0 * math.exp(-step / 60) + 0.02 * rng.gauss(0, 1)
+    return base * (2.5 if SPIKE <= step < SPIKE + 6 else 1.0)
+
+
+def _tb(logs: Path, tag: str, steps: int = 240, extra: str | None = "lr") -> None:
+    writer = SummaryWriter(str(logs))
+    for step in range(steps):
+        writer.add_scalar(tag, _loss(step), step)
+        if extra:
+            writer.add_scalar(extra, 1e-3, step)
+    writer.close()
+
+
+def _follow(tmp: Path, *paths: Path, **kw) -> tuple[Follower, str]:
+    url = f"sqlite:///{tmp / 'sw.db'}"
+    db.upgrade(url)
+    sink = DbSink(url, spool_dir=tmp / "spool", linger_s=0.01)
+    follower = Follower(list(paths), sink, **kw)
+    try:
+        follower.poll()
+        follower.finish("completed")
+    finally:
+        sink.close(timeout=30)
+    return follower, url
+
+
+def _loss_steps(url: str, run: str) -> int:
+    with store.session_factory(url)() as s:
+        (loss,) = store.series(s, run_id=run, metric=M.LOSS, buckets=10_000)
+    return sum(b.n for b in loss.buckets)
+
+
+@pytest.mark.parametrize("tag", M.FOREIGN_LOSS_TAGS)
+def test_every_loss_tag_of_the_table_is_the_loss_for_scan_and_watch(tag, tmp_path) -> None:
+    logs = tmp_path / "logs" / "version_0"
+    _tb(logs, tag)
+    scanned = scan_path(tmp_path / "logs")
+    assert scanned["metric"] == tag
+    assert [s["onset_step"] for s in scanned["spikes"]] == [SPIKE]
+    follower, url = _follow(tmp_path, tmp_path / "logs")
+    (run,) = follower.runs
+    assert _loss_steps(url, run) == 240  # stored under spikewatch's loss name
+    rows = "".join(json.dumps({"step": s, tag: _loss(s)}) + "\n" for s in range(240))
+    (tmp_path / "log.jsonl").write_text(rows)
+    assert scan_path(tmp_path / "log.jsonl")["metric"] == tag
+
+
+def test_the_table_is_the_one_in_the_docs() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "watch.md").read_text()
+    for tag in (*M.FOREIGN_LOSS_TAGS, *M.FOREIGN_GRAD_NORM_TAGS, *M.FOREIGN_STEP_KEYS):
+        assert f"`{tag}`" in doc, tag
+
+
+def test_a_lightning_log_scans(tmp_path) -> None:
+    """Lightning's TensorBoardLogger layout and tags: lightning_logs/version_0, `train_loss`
+    beside `epoch` and `hp_metric` (and `train_loss_step` with on_epoch=True)."""
+    logs = tmp_path / "lightning_logs" / "version_0"
+    writer = SummaryWriter(str(logs))
+    for step in range(240):
+        writer.add_scalar("train_loss", _loss(step), step)
+        writer.add_scalar("epoch", step // 100, step)
+    writer.add_scalar("hp_metric", -1, 0)
+    writer.close()
+    result = scan_path(logs)
+    assert result["metric"] == "train_loss"
+    assert [s["onset_step"] for s in result["spikes"]] == [SPIKE]
+
+
+def test_two_directories_of_the_same_name_are_two_runs(tmp_path) -> None:
+    _tb(tmp_path / "a" / "tb", "train/loss")
+    _tb(tmp_path / "b" / "tb", "train/loss", steps=200)
+    follower, url = _follow(tmp_path, tmp_path / "a" / "tb", tmp_path / "b" / "tb")
+    assert sorted(follower.runs) == ["a-tb", "b-tb"]
+    assert (_loss_steps(url, "a-tb"), _loss_steps(url, "b-tb")) == (240, 200)
+    with store.session_factory(url)() as s:
+        runs = {r.run_id: (r.name, r.status) for r in store.list_runs(s)}
+    assert runs == {"a-tb": ("a/tb", "completed"), "b-tb": ("b/tb", "completed")}
+
+
+def test_lightning_versions_are_runs_of_their_own(tmp_path) -> None:
+    for v in range(2):
+        _tb(tmp_path / "lightning_logs" / f"version_{v}", "train_loss")
+    follower, _ = _follow(tmp_path, tmp_path / "lightning_logs")
+    names = sorted(r.name for r in follower.runs.values())
+    assert names == ["lightning_logs/version_0", "lightning_logs/version_1"]
+
+
+def test_a_run_id_that_two_sources_would_share_is_refused(tmp_path) -> None:
+    _tb(tmp_path / "x" / "a-tb", "train/loss", steps=30)  # x/a-tb and x/a/tb: both "x-a-tb"
+    _tb(tmp_path / "x" / "a" / "tb", "train/loss", steps=30)
+    with pytest.raises(FollowError, match="would both be run 'x-a-tb'"):
+        _follow(tmp_path, tmp_path / "x")
+    with pytest.raises(FollowError, match="--run-name names one run"):
+        _follow(tmp_path, tmp_path / "x" / "a", tmp_path / "x" / "a-tb", run_name="mine")
+
+
+def test_a_spike_is_said_on_the_console_and_summed_up(tmp_path, caplog) -> None:
+    _tb(tmp_path / "tb", "train/loss")
+    with caplog.at_level(logging.WARNING, logger="observatory"):
+        follower, _ = _follow(tmp_path, tmp_path / "tb")
+    (line,) = [m for m in caplog.messages if "spike" in m]
+    assert line.startswith("watch: tb: loss spike at step") and f"(onset {SPIKE})" in line
+    (summary,) = follower.summary()
+    assert summary == {
+        "run_id": "tb",
+        "name": "tb",
+        "steps": 240,
+        "last_step": 239,
+        "spikes": 1,
+        "first_onset": SPIKE,
+    }
+
+
+def test_a_restart_goes_on_from_the_saved_offsets(tmp_path) -> None:
+    """The second watch reads only what the first had not (its poll stores only the new
+    points), continues the detector mid-spike without a second verdict, and the store ends
+    with every point and the spike once."""
+    url, state = f"sqlite:///{tmp_path / 'sw.db'}", tmp_path / "state.json"
+    db.upgrade(url)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+
+    def write(steps: range) -> None:
+        for step in steps:
+            writer.add_scalar("train/loss", _loss(step), step)
+            writer.add_scalar("lr", 1e-3, step)
+        writer.flush()
+
+    def watch() -> tuple[Follower, int]:
+        sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+        follower = Follower([tmp_path / "tb"], sink, state_path=state)
+        try:
+            return follower, follower.poll()
+        finally:
+            sink.close(timeout=30)
+
+    write(range(0, 152))  # into the spike (150..155), before its verdict
+    first, n1 = watch()
+    assert n1 == 2 * 152 and state.is_file()
+    write(range(152, 240))
+    second, n2 = watch()
+    assert n2 == 2 * 88  # only the new points were read
+    writer.close()
+    assert _loss_steps(url, "tb") == 240
+    with store.session_factory(url)() as s:
+        spikes = [e for e in store.events(s, run_id="tb") if e.kind == "spike"]
+    assert len(spikes) == 1 and spikes[0].data["onset_step"] == SPIKE
+    (summary,) = second.summary()
+    assert summary["steps"] == 240 and summary["spikes"] == 1  # counts carried over
