@@ -96,11 +96,26 @@ class _Robust:
 
     def score(self, v: float, floor: float) -> float:
         vals = list(self.values)
-        level = statistics.median(vals[-self.level_window :])
+        level = _median(vals[-self.level_window :])
         diffs = [b - a for a, b in zip(vals, vals[1:], strict=False)]
-        mad = statistics.median(abs(d - statistics.median(diffs)) for d in diffs) if diffs else 0
+        if diffs:
+            mid = _median(diffs)
+            mad = _median([abs(d - mid) for d in diffs])
+        else:
+            mad = 0
         scale = max(1.4826 * mad / math.sqrt(2), floor)
         return (v - level) / scale
+
+
+def _median(xs: list[float]) -> float:
+    """statistics.median, to the bit, without its generality (it runs every step of every
+    followed log: an import of 100k steps calls it 300k times)."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise statistics.StatisticsError("no median for empty data")
+    i = n // 2
+    return s[i] if n % 2 else (s[i - 1] + s[i]) / 2
 
 
 class Detector:

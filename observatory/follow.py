@@ -28,6 +28,7 @@ points in the same order, makes the same verdicts.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -146,6 +147,20 @@ class _Run:
     reported: set[tuple[str, int]] = field(default_factory=set)
 
 
+def _mlflow_runs(root: Path) -> list[Path]:
+    """The runs of an MLflow file store (`mlruns/`), an experiment in it, or one run: the
+    directories with a `metrics/` folder and a `meta.yaml`."""
+    for pattern in ("", "*", "*/*"):
+        found = [
+            d.parent
+            for d in sorted(root.glob(f"{pattern}/metrics" if pattern else "metrics"))
+            if d.is_dir() and (d.parent / "meta.yaml").is_file()
+        ]
+        if found:
+            return found
+    return []
+
+
 def _run_state(r: _Run) -> dict[str, Any]:
     return {
         "name": r.name,
@@ -227,30 +242,37 @@ class Follower:
         self.values = 0  # stored so far
 
     # -- discovery ------------------------------------------------------------------------
-    def _sources(self) -> Iterator[tuple[str, str, Path]]:
-        """(kind, run name, path) of every source now present. A run is named by its path
-        relative to the common root of the paths given (`watch a/tb b/tb`: runs a/tb and b/tb;
-        `watch lightning_logs`: lightning_logs/version_0, ...), a file without its suffix."""
+    def _sources(self) -> Iterator[tuple[str, str, Path, Path]]:
+        """(kind, run name, path, the run's own directory or file) of every source now present.
+        A run is named by its path relative to the common root of the paths given (`watch
+        a/tb b/tb`: runs a/tb and b/tb; `watch lightning_logs`: lightning_logs/version_0, ...),
+        a file without its suffix."""
         base = Path(os.path.commonpath([p.resolve().parent for p in self.paths]))
 
         def named(where: Path) -> str:
             return self.run_name or where.resolve().relative_to(base).as_posix()
 
         for root in self.paths:
-            if root.is_dir():
+            if root.is_dir() and (runs := _mlflow_runs(root)):
+                for run_dir in runs:
+                    for f in sorted(p for p in (run_dir / "metrics").rglob("*") if p.is_file()):
+                        yield "mlflow", named(run_dir), f, run_dir
+            elif root.is_dir():
                 for f in sorted(root.rglob(TB_GLOB)):
-                    yield "tb", named(f.parent), f
+                    yield "tb", named(f.parent), f, f.parent
             elif root.name.startswith("events.out.tfevents."):
-                yield "tb", named(root.parent), root
+                yield "tb", named(root.parent), root, root.parent
             elif root.suffix == ".csv":
-                yield "csv", named(root.with_suffix("")), root
+                yield "csv", named(root.with_suffix("")), root, root
             elif root.suffix in (".jsonl", ".ndjson", ".json"):
-                yield "jsonl", named(root.with_suffix("")), root
+                yield "jsonl", named(root.with_suffix("")), root, root
+            elif root.suffix == ".db":  # MLflow's default store: sqlite:///mlflow.db
+                yield "mlflow-db", named(root.with_suffix("")), root, root
 
-    def _run(self, name: str, path: Path) -> _Run:
-        """The run of a source (a TensorBoard directory or a file); two sources are never
-        merged into one run: a second source whose name makes the same run id is refused."""
-        source = path.parent.resolve() if path.name.startswith("events.out.tfevents.") else path
+    def _run(self, name: str, source: Path) -> _Run:
+        """The run of a source (a TensorBoard or MLflow run directory, or a file); two sources
+        are never merged into one run: a second source whose name makes the same run id is
+        refused."""
         key = run_key(name)
         owner = self._owner.setdefault(key, source.resolve())
         if owner != source.resolve():
@@ -274,10 +296,15 @@ class Follower:
     def poll(self) -> int:
         """Read, store and detect what is new in every source; returns the values stored."""
         before = self.values
-        for kind, name, path in list(self._sources()):
-            run = self._run(name, path)
+        for kind, name, path, source in list(self._sources()):
+            if kind == "mlflow-db":  # a database of many runs, each its own
+                self._read_mlflow_db(name, path)
+                continue
+            run = self._run(name, source)
             if kind == "tb":
                 self._read_tb(run, path)
+            elif kind == "mlflow":
+                self._read_mlflow(run, path, source)
             else:
                 self._read_lines(run, kind, path)
         if self.state_path is not None and self.values > before:
@@ -350,6 +377,49 @@ class Follower:
             if step is not None:
                 by_step.setdefault(step, {}).update(values)
         self._store(run, by_step)
+
+    def _read_mlflow(self, run: _Run, path: Path, run_dir: Path) -> None:
+        """One metric of an MLflow file-store run: lines `timestamp value step` (older
+        MLflow: `timestamp value`, the step then 0), the metric named by its path."""
+        tag = path.relative_to(run_dir / "metrics").as_posix()
+        tail = self._lines.setdefault(path, _Tail(path))
+        by_step: dict[int, dict[str, float]] = {}
+        for at, raw in tail.lines():
+            cells = raw.decode("utf-8", "replace").split()
+            try:
+                value, step = float(cells[1]), int(cells[2]) if len(cells) > 2 else 0
+            except (ValueError, IndexError):
+                self._report(run, path, at, f"not an MLflow metric line: {raw[:80]!r}")
+                continue
+            by_step.setdefault(step, {})[tag] = value
+        self._store(run, by_step)
+
+    def _read_mlflow_db(self, name: str, path: Path) -> None:
+        """MLflow's SQLite store (its default since 3.0): the metric rows added since the last
+        poll (by rowid), each MLflow run a run of ours named `<file>/<MLflow run name>`."""
+        import sqlite3
+
+        tail = self._lines.setdefault(path, _Tail(path))  # its offset: the last rowid read
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as con:
+                names = dict(con.execute("SELECT run_uuid, name FROM runs").fetchall())
+                rows = con.execute(
+                    "SELECT rowid, run_uuid, key, value, step, is_nan FROM metrics "
+                    "WHERE rowid > ? ORDER BY rowid",
+                    (tail.offset,),
+                ).fetchall()
+        except sqlite3.Error as e:
+            raise FollowError(f"{path}: not an MLflow database ({e})") from None
+        per_run: dict[str, dict[int, dict[str, float]]] = {}
+        for rowid, uuid, key, value, step, is_nan in rows:
+            per_run.setdefault(uuid, {}).setdefault(int(step), {})[key] = (
+                math.nan if is_nan else float(value)
+            )
+            tail.offset = rowid
+        for uuid, by_step in per_run.items():
+            label = f"{name}/{names.get(uuid) or uuid}"
+            run = self._run(label, path / uuid)  # one MLflow run: the file and its run id
+            self._store(run, by_step)
 
     def _row(self, kind: str, path: Path, line: str) -> tuple[int | None, dict[str, float]]:
         if kind == "csv":

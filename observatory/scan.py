@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,7 +136,32 @@ def _tensor_scalar(buf: bytes) -> float | None:
     return None
 
 
+# One scalar per event, as SummaryWriters write them: Event{wall_time, step, summary{value{tag,
+# simple_value}}}, every length one byte. Matched whole in C; anything else takes the walk.
+_ONE_SCALAR = re.compile(rb"\x09.{8}\x10([\x80-\xff]{0,9}[\x00-\x7f])\x2a(.)\x0a(.)\x0a(.)", re.S)
+
+
 def _scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
+    m = _ONE_SCALAR.match(event)
+    if m is not None:
+        slen, vlen, tlen = m[2][0], m[3][0], m[4][0]
+        p = m.end()
+        if (
+            slen == vlen + 2
+            and vlen == tlen + 7
+            and len(event) == p + tlen + 5
+            and event[p + tlen] == 0x15
+        ):
+            raw, step = m[1], 0
+            for k, b in enumerate(raw):
+                step |= (b & 0x7F) << (7 * k)
+            tag = event[p : p + tlen].decode("utf-8", "replace")
+            yield step, tag, struct.unpack_from("<f", event, p + tlen + 1)[0]
+            return
+    yield from _walk_scalars(event)
+
+
+def _walk_scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
     step, summary = 0, None
     for field, _, value in _fields(event):
         if field == 2:

@@ -177,3 +177,63 @@ def test_a_restart_goes_on_from_the_saved_offsets(tmp_path) -> None:
     assert len(spikes) == 1 and spikes[0].data["onset_step"] == SPIKE
     (summary,) = second.summary()
     assert summary["steps"] == 240 and summary["spikes"] == 1  # counts carried over
+
+
+def test_the_fast_scalar_path_reads_what_the_protobuf_walk_reads(tmp_path) -> None:
+    from observatory.scan import _records, _scalars, _walk_scalars
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    tags = ["loss", "train/loss", "x" * 130, "ünïcode/täg"]  # a tag too long for one byte
+    for step in (0, 1, 127, 128, 300, 16_384, 2**31 - 1):
+        for i, tag in enumerate(tags):
+            writer.add_scalar(tag, 1.5 + i + step * 1e-3, step)
+    writer.add_text("note", "not a scalar", 5)
+    writer.close()
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    records = list(_records(events))
+    got = [x for r in records for x in _scalars(r)]
+    assert got == [x for r in records for x in _walk_scalars(r)]
+    assert len(got) == 7 * len(tags)
+    assert {s for s, _, _ in got} == {0, 1, 127, 128, 300, 16_384, 2**31 - 1}
+
+
+def _mlflow_run(uri: str, name: str, monkeypatch) -> None:
+    mlflow = pytest.importorskip("mlflow", reason="mlflow-skinny (a dev extra) is not installed")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store is in maintenance
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("spikes")
+    with mlflow.start_run(run_name=name):
+        for step in range(240):
+            mlflow.log_metrics({"train_loss": _loss(step), "lr": 1e-3}, step=step)
+
+
+def test_an_mlflow_file_store_is_followed(tmp_path, monkeypatch) -> None:
+    """Written by MLflow's own client into `mlruns/`: each MLflow run is a run, its loss
+    found by the tag table, its spike found once."""
+    _mlflow_run(f"file:{tmp_path / 'mlruns'}", "first", monkeypatch)
+    _mlflow_run(f"file:{tmp_path / 'mlruns'}", "second", monkeypatch)
+    follower, url = _follow(tmp_path, tmp_path / "mlruns")
+    assert len(follower.runs) == 2
+    for run in follower.runs:
+        assert _loss_steps(url, run) == 240
+    assert [s["spikes"] for s in follower.summary()] == [1, 1]
+    assert {s["first_onset"] for s in follower.summary()} == {SPIKE}
+
+
+def test_an_mlflow_database_is_followed_as_it_grows(tmp_path, monkeypatch) -> None:
+    """MLflow's default store since 3.0 (sqlite:///mlflow.db), read by rowid: a second
+    poll after more runs reads only the new rows."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _mlflow_run(uri, "first", monkeypatch)
+    url = f"sqlite:///{tmp_path / 'sw.db'}"
+    db.upgrade(url)
+    sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    follower = Follower([tmp_path / "mlflow.db"], sink)
+    try:
+        assert follower.poll() == 2 * 240
+        _mlflow_run(uri, "second", monkeypatch)
+        assert follower.poll() == 2 * 240
+    finally:
+        sink.close(timeout=30)
+    assert sorted(r.name for r in follower.runs.values()) == ["mlflow/first", "mlflow/second"]
+    assert [s["spikes"] for s in follower.summary()] == [1, 1]

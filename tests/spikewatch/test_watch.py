@@ -149,7 +149,8 @@ def test_a_users_callback_is_heard_and_its_rollback_carried_out(tmp_path) -> Non
             watch.step(loss)
     (rb,) = watch.interventions
     assert rb["kind"] == "rollback" and rb["reason"] == "the user's callback asked"
-    assert (rb["from_step"], rb["to_step"]) == (40, 20)
+    # step 25: in host memory (every 25 steps by default), newer than disk's step 20
+    assert (rb["from_step"], rb["to_step"], rb["tier"]) == (40, 25, "memory")
     assert (40, "rollback") in cb.seen and watch.step_count == 50
 
 
@@ -214,4 +215,4 @@ def test_the_watch_says_where_its_checkpoints_go_how_many_and_how_big(tmp_path, 
     (line,) = [m for m in caplog.messages if m.startswith("rollback checkpoints:")]
     size = f"~{3 * params / 2**10:,.1f} KB each"  # Adam's moments counted before they exist
     assert f"host memory every 5 steps, {size}, at most 2 kept" in line
-    assert f"disk every 25 steps in {tmp_path / 'checkpoints'}, {size}, at most 4 kept" in line
+    assert f"disk every 100 steps in {tmp_path / 'checkpoints'}, {size}, at most 1 kept" in line

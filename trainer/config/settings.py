@@ -19,7 +19,10 @@ from trainer.config.sections import (
 
 __all__ = ["WatchSettings"]
 
-DISK_INTERVAL = 25  # the Watch's default: a checkpoint on disk every 25 steps
+# The Watch's defaults: rollback targets in host memory every 25 steps (cheap: an asynchronous
+# copy), and on disk every 100 (for a crash: a resume reads only disk).
+DISK_INTERVAL = 100
+MEMORY_INTERVAL = 25
 
 
 class WatchSettings(_Section):
@@ -39,7 +42,9 @@ class WatchSettings(_Section):
         "measured the norm before clipping); None = no clipping.",
     )
     checkpoint: CheckpointConfig = Field(
-        default_factory=lambda: CheckpointConfig(interval=DISK_INTERVAL),
+        default_factory=lambda: CheckpointConfig(
+            interval=DISK_INTERVAL, memory_interval=MEMORY_INTERVAL
+        ),
         description="Retained checkpoints for rollback (interval None = detect only).",
     )
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Telemetry.")
@@ -77,8 +82,9 @@ class WatchSettings(_Section):
         given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
         given["warmup_steps"] = warmup_steps
         base.update({k: v for k, v in given.items() if v is not None})
-        # a checkpoint section without `interval` keeps the default disk interval
-        section = {"interval": DISK_INTERVAL, **base.get("checkpoint", {})}
+        # a checkpoint section keeps the default intervals it does not set
+        defaults = {"interval": DISK_INTERVAL, "memory_interval": MEMORY_INTERVAL}
+        section = {**defaults, **base.get("checkpoint", {})}
         if checkpoint_every is not None:
             section["interval"] = checkpoint_every
         base["checkpoint"] = section
