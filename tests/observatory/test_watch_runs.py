@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 from pathlib import Path
 
 import pytest
@@ -21,16 +19,7 @@ from observatory.scan import scan_path
 from observatory.store import db
 from observatory.store.sink import DbSink
 
-pytest.importorskip("tensorboard", reason="torch's SummaryWriter needs the tensorboard package")
-from torch.utils.tensorboard import SummaryWriter  # noqa: E402
-
-SPIKE = 150
-
-
-def _loss(step: int) -> float:
-    rng = random.Random(step)
-    base = 2.0 + 3.0 * math.exp(-step / 60) + 0.02 * rng.gauss(0, 1)
-    return base * (2.5 if SPIKE <= step < SPIKE + 6 else 1.0)
+from .test_follow import SPIKE, SummaryWriter, _loss  # the same curve with its spike
 
 
 def _tb(logs: Path, tag: str, steps: int = 240, extra: str | None = "lr") -> None:
