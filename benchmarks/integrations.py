@@ -14,7 +14,10 @@ included, without over with. Runs are long enough (default 1,000 steps) for the 
 windows to fill and checkpoints to rotate as in a real run.
 
 `--breakdown` also times the plain loop with one part off at a time (per-head maxima, the
-store, checkpoints, every probe), to show where the cost goes.
+store, checkpoints, every probe), to show where the cost goes. Runs minutes apart drift by a
+few percent on a shared 2-core machine, so the plain loop is also measured **interleaved**:
+two identical models in one process, one watched, stepping alternately, so that both see the
+same machine at every moment (`loop_interleaved_ratio_b*`: the most robust figure here).
 
     python benchmarks/integrations.py [--reps 1] [--steps 1000] [--batch-sizes 8,16] [--breakdown]
 
@@ -209,6 +212,48 @@ def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[
     return [start, *clock.t, time.perf_counter()]
 
 
+def loop_interleaved(args: argparse.Namespace, tmp: Path, part: str = "full") -> float:
+    """Plain loop, two identical models stepping alternately, one watched: the median step
+    time without over the median with."""
+    from spikewatch import Watch
+    from spikewatch.hf import attach_attention
+
+    batches = _batches(args)
+    loops = []
+    for watched in (False, True):
+        model = _model(args).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(args.steps))
+        watch = None
+        if watched:
+            kwargs = {**_watch_kwargs(tmp), **PARTS[part]}
+            watch = Watch(model, opt, sched, grad_clip=1.0, run_dir=tmp / f"il-{part}", **kwargs)
+            watch.open()
+            attach_attention(model, watch.attn)
+        loops.append((model, opt, sched, watch, []))
+    for i in range(args.steps):
+        for model, opt, sched, watch, times in loops if i % 2 else loops[::-1]:
+            t0 = time.perf_counter()
+            x = batches[i]
+            if watch is not None:
+                watch.begin_step(i)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            if watch is not None:
+                watch.step(loss)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+    for *_, watch, _ in loops:
+        if watch is not None:
+            watch.close()
+    off, on = (median(t[WARM:]) for *_, t in loops)
+    return off / on
+
+
 def _steps(stamps: list[float]) -> list[float]:
     """Step times after the warm-up, from [run start, step ends..., run end]."""
     ends = stamps[1:-1]
@@ -225,6 +270,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="8,16", help="comma-separated: one shape each")
     ap.add_argument("--only", default="loop,hf,lightning")
     ap.add_argument("--breakdown", action="store_true", help="the plain loop, one part off")
+    ap.add_argument("--interleaved", action="store_true", help="only the interleaved loop")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -234,6 +280,18 @@ def main() -> None:
     everything = {"loop": loop_times, "hf": hf_times, "lightning": lightning_times}
     runners = {k: everything[k] for k in args.only.split(",")}
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.interleaved:
+        out = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for b in sizes:
+                shaped = argparse.Namespace(**{**vars(args), "batch_size": b})
+                for part in PARTS if args.breakdown else ["full"]:
+                    r = loop_interleaved(shaped, Path(tmp) / f"b{b}-{part}", part)
+                    key = "" if part == "full" else f"_{part}"
+                    out[f"loop_interleaved{key}_ratio_b{b}"] = round(r, 4)
+                    print(f"B={b} loop interleaved, {part}: ratio {r:.3f}")
+        print(json.dumps(out))
+        return
     runs: dict[tuple, list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.reps):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,24 @@ def _torchrun(cwd: Path, example: str, *args: str, probe: bool = True) -> subpro
     )
 
 
-def _finish(proc: subprocess.Popen, cwd: Path) -> None:
+# On this machine about 1 launch in 10 of a 2-rank gloo job of the HF Trainer aborts in the
+# interpreter's teardown, after all its work, with this line from a C++ destructor; it does so
+# without spikewatch attached too (the same example with callbacks=[]: 1 in 10), so it is
+# torch's or accelerate's, not ours. A job that wrote everything it was to write and then died
+# of exactly this is taken as finished; anything else still fails.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _finish(proc: subprocess.Popen, cwd: Path, wrote: Callable[[], bool] = lambda: False) -> None:
     try:
         rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"hung: {(cwd / 'log.txt').read_text()[-3000:]}") from None
-    assert rc == 0, (cwd / "log.txt").read_text()[-4000:]
+    log = (cwd / "log.txt").read_text()
+    if rc != 0 and TEARDOWN_ABORT in log and wrote():
+        return
+    assert rc == 0, log[-4000:]
 
 
 WAYS = {
@@ -74,7 +86,8 @@ def job(request, tmp_path_factory) -> dict[str, Any]:
     cwd = tmp_path_factory.mktemp(request.param)
     db = f"sqlite:///{cwd / 'x.db'}"  # fresh: rank 0 alone creates and migrates it
     args = ("--steps", "150", *POISON, "--db", db, "--summary-json", "s.json", *extra)
-    _finish(_torchrun(cwd, example, *args), cwd)
+    outputs = [cwd / "s.json", *(cwd / "probe" / f"rank{r}.json" for r in (0, 1))]
+    _finish(_torchrun(cwd, example, *args), cwd, lambda: all(p.is_file() for p in outputs))
     ranks = [json.loads((cwd / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
     return {"summary": json.loads((cwd / "s.json").read_text()), "ranks": ranks, "db": db}
 
