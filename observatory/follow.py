@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -50,7 +51,7 @@ from observatory.scan import _scalars, flat_numbers
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
 
-__all__ = ["FollowError", "Follower", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
+__all__ = ["FollowError", "Follower", "default_state_path", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,12 @@ def _restore_run(key: str, d: dict[str, Any], cfg: DetectorConfig) -> _Run:
         first_onset=d["first_onset"],
         last_step=d["last_step"],
     )
+
+
+def default_state_path(spool_dir: Path, url: str, paths: list[Path]) -> Path:
+    """Where a watch keeps its offsets by default: one file per store and set of paths."""
+    key = "\n".join([url, *sorted(str(p.resolve()) for p in paths)])
+    return spool_dir / f"watch-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
 class FollowError(ValueError):

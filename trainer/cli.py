@@ -232,7 +232,7 @@ def _default_db(run: str) -> str | None:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from observatory.alerts import Alerter, urls_from
-    from observatory.follow import Follower, FollowError
+    from observatory.follow import Follower, FollowError, default_state_path
     from observatory.store.db import redact, resolve_url, upgrade
     from observatory.store.sink import DbSink
     from trainer.config import ConfigError
@@ -247,7 +247,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     urls = urls_from(args.alert_url)
     if urls:
         sink.alerts = Alerter(urls)
-    state = Path(args.state) if args.state else spool / f"watch-{_watch_id(url, paths)}.json"
+    state = Path(args.state) if args.state else default_state_path(spool, url, paths)
     follower = Follower(paths, sink, metric=args.metric, run_name=args.run, state_path=state)
     log.info("watching %s into %s", ", ".join(map(str, paths)), redact(url))
     try:
@@ -271,14 +271,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
         )  # fmt: skip
     log.info("%d runs, %d values stored", len(follower.runs), follower.values)
     return 0
-
-
-def _watch_id(url: str, paths: list[Path]) -> str:
-    """The saved offsets of one watch: the same store and the same paths."""
-    import hashlib
-
-    key = "\n".join([url, *sorted(str(p.resolve()) for p in paths)])
-    return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def cmd_alert_test(args: argparse.Namespace) -> int:
