@@ -24,3 +24,19 @@ def machine() -> dict:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def plain_step(model, opt, sched, watch, x: torch.Tensor, i: int) -> None:  # noqa: ANN001
+    """One step of a benchmark's plain loop (a Hugging Face causal LM on batch `x`): the
+    Watch's, or the same arithmetic by hand (clip at 1.0, step, schedule, zero)."""
+    if watch is not None:
+        watch.begin_step(i)
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    if watch is not None:
+        watch.step(loss)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)

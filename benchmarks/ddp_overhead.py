@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import torch  # noqa: E402  (after _common set the thread environment)
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _common import machine, median  # noqa: E402
+from _common import machine, median, plain_step  # noqa: E402
 from integrations import _batches, _cosine, _model  # noqa: E402
 
 WARM = 5
@@ -58,18 +58,7 @@ def _times(args: argparse.Namespace, watched: bool, tmp: Path, rank: int) -> lis
         attach_attention(inner, watch.attn)
     stamps = []
     for i in range(args.steps):
-        x = batches[i]
-        if watch is not None:
-            watch.begin_step(i)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        if watch is not None:
-            watch.step(loss)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+        plain_step(model, opt, sched, watch, batches[i], i)
         stamps.append(time.perf_counter())
     if watch is not None:
         watch.close()

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine, median  # noqa: E402
+from _common import machine, median, plain_step  # noqa: E402
 
 WARM = 5
 
@@ -85,21 +85,6 @@ PARTS: dict[str, dict] = {
 }
 
 
-def _plain_step(model, opt, sched, watch, x: torch.Tensor, i: int) -> None:  # noqa: ANN001
-    """One step of the plain loop: the Watch's, or the same arithmetic by hand."""
-    if watch is not None:
-        watch.begin_step(i)
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    if watch is not None:
-        watch.step(loss)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-
-
 # -- the plain loop -------------------------------------------------------------------------
 def loop_times(
     args: argparse.Namespace, watched: bool, tmp: Path, part: str = "full"
@@ -119,7 +104,7 @@ def loop_times(
         watch.open()
         attach_attention(model, watch.attn)
     for i in range(args.steps):
-        _plain_step(model, opt, sched, watch, batches[i], i)
+        plain_step(model, opt, sched, watch, batches[i], i)
         stamps.append(time.perf_counter())
     if watch is not None:
         watch.close()
@@ -238,7 +223,7 @@ def loop_interleaved(args: argparse.Namespace, tmp: Path, part: str = "full") ->
     for i in range(args.steps):
         for model, opt, sched, watch, times in loops if i % 2 else loops[::-1]:
             t0 = time.perf_counter()
-            _plain_step(model, opt, sched, watch, batches[i], i)
+            plain_step(model, opt, sched, watch, batches[i], i)
             times.append(time.perf_counter() - t0)
     for *_, watch, _ in loops:
         if watch is not None:
