@@ -25,9 +25,9 @@ max attention logit above `attn_warn`.
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -112,33 +112,29 @@ class _Robust:
             self.add(v)
 
     def add(self, v: float) -> None:
-        if self.values:
-            d = v - self.values[-1]
-            self._diffs.append(d)
-            bisect.insort(self._sorted_diffs, d)
-        self.values.append(v)
+        values, diffs, sorted_diffs = self.values, self._diffs, self._sorted_diffs
+        if values:
+            d = v - values[-1]
+            diffs.append(d)
+            insort(sorted_diffs, d)
+        values.append(v)
         self._recent.append(v)
-        bisect.insort(self._sorted_recent, v)
-        if len(self._recent) > min(self.level_window, self.window):
-            _remove(self._sorted_recent, self._recent.popleft())
-        while len(self.values) > self.window:
-            self.values.popleft()
-            _remove(self._sorted_diffs, self._diffs.popleft())
+        insort(self._sorted_recent, v)
+        if len(self._recent) > self.level_window or len(self._recent) > self.window:
+            del self._sorted_recent[bisect_left(self._sorted_recent, self._recent.popleft())]
+        if len(values) > self.window:
+            values.popleft()
+            del sorted_diffs[bisect_left(sorted_diffs, diffs.popleft())]
 
     def score(self, v: float, floor: float) -> float:
         level = _sorted_median(self._sorted_recent)
         s = self._sorted_diffs
-        if s:
-            mid = _sorted_median(s)
-            mad = _deviation_median(s, mid)
-        else:
-            mad = 0
-        scale = max(1.4826 * mad / math.sqrt(2), floor)
+        mad = _deviation_median(s, _sorted_median(s)) if s else 0
+        scale = max(1.4826 * mad / _SQRT2, floor)
         return (v - level) / scale
 
 
-def _remove(s: list[float], v: float) -> None:
-    del s[bisect.bisect_left(s, v)]
+_SQRT2 = math.sqrt(2)
 
 
 def _sorted_median(s: list[float]) -> float:
@@ -153,26 +149,28 @@ def _deviation_median(s: list[float], mid: float) -> float:
     """median(abs(d - mid) for d in s) of sorted `s`: the deviations below `mid` (read
     backwards) and from `mid` up are two sorted runs (rounding is monotonic), so the middle
     ones are found by bisection over how many come from each."""
-    j = bisect.bisect_left(s, mid)
-    below, above = j, len(s) - j
-
-    def kth(k: int) -> float:  # the k-th smallest deviation (0-based)
-        lo, hi = max(0, k + 1 - above), min(below, k + 1)
-        while lo < hi:  # take i from below and k + 1 - i from above
-            i = (lo + hi) // 2
-            if mid - s[j - 1 - i] < s[j + k - i] - mid:
-                lo = i + 1
-            else:
-                hi = i
-        best = -math.inf
-        if lo > 0:
-            best = mid - s[j - lo]
-        if k + 1 - lo > 0:
-            best = max(best, s[j + k - lo] - mid)
-        return best
-
+    j = bisect_left(s, mid)
     n = len(s)
-    return kth(n // 2) if n % 2 else (kth(n // 2 - 1) + kth(n // 2)) / 2
+    if n % 2:
+        return _kth(s, mid, j, n // 2)
+    return (_kth(s, mid, j, n // 2 - 1) + _kth(s, mid, j, n // 2)) / 2
+
+
+def _kth(s: list[float], mid: float, j: int, k: int) -> float:
+    """The k-th smallest (0-based) of abs(d - mid) over sorted `s`, `j` values below `mid`."""
+    lo, hi = max(0, k + 1 - (len(s) - j)), min(j, k + 1)
+    while lo < hi:  # take i from below and k + 1 - i from above
+        i = (lo + hi) // 2
+        if mid - s[j - 1 - i] < s[j + k - i] - mid:
+            lo = i + 1
+        else:
+            hi = i
+    if lo == 0:
+        return s[j + k] - mid
+    if lo == k + 1:
+        return mid - s[j - lo]
+    a, b = mid - s[j - lo], s[j + k - lo] - mid
+    return a if a > b else b
 
 
 class Detector:

@@ -13,17 +13,20 @@ observatory/metric_names.py, so the dashboard draws them as for native runs). Th
 detector (observatory/detect.py) runs on the loss and the grad norm; its verdicts are events,
 exactly as the trainer records them.
 
-Files are read incrementally from an offset, never whole. A TensorBoard record is verified
-by its two masked CRC-32C checksums (length and data); a record still being written (its tail
-not there yet) is read on a later poll once complete; a record whose data fails its checksum is
+Files are read incrementally from an offset, never whole. TensorBoard files are read in bulk
+by observatory/tfevents.py (framing, both masked CRC-32C checksums, decoding): a record still
+being written is read on a later poll once complete; a record whose data fails its checksum is
 reported (a log line and a note event) and skipped; a length that fails its checksum leaves the
 rest of that file unreadable (reported once). CSV and JSON lines wait for their newline; a line
-that is not a row is reported and skipped.
+that is not a row is reported and skipped. A poll's new points of a run go to the sink as one
+record of columns (`log_series`), so a large log imports at the writer's speed, and its loss
+reaches the detector in step order.
 
-Restart-safe by idempotence: a new `watch` reads every source from the start again; points
-keep their first value (observatory/store/ingest.py) and events have content-derived uids, so the
-store ends with every point and event exactly once, and the detector, which sees the same
-points in the same order, makes the same verdicts.
+Restart-safe: with `state_path` (the CLI's default), where each source was read to and each
+run's detector are saved once what was read is durable, and a restarted watch goes on from there.
+Without it, a new watch reads every source from the start again; points keep their first value
+(observatory/store/ingest.py) and events have content-derived uids, so the store ends with every
+point and event exactly once either way.
 """
 
 from __future__ import annotations
@@ -37,19 +40,19 @@ import logging
 import math
 import os
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c
+import numpy as np
 
 from observatory import metric_names as M
 from observatory.detect import Detector, DetectorConfig, Verdict
-from observatory.scan import _scalars, flat_numbers
+from observatory.scan import flat_numbers
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
+from observatory.tfevents import Columns, Records, masked_crc
 
 __all__ = ["FollowError", "Follower", "default_state_path", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 
@@ -60,12 +63,6 @@ LOSS_TAGS = M.FOREIGN_LOSS_TAGS
 GRAD_TAGS = M.FOREIGN_GRAD_NORM_TAGS
 STEP_KEYS = M.FOREIGN_STEP_KEYS
 MAX_RUN_KEY = 64
-
-
-def masked_crc(data: bytes) -> int:
-    """TFRecord's masked CRC-32C."""
-    crc = crc32c.crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 class _Tail:
@@ -90,44 +87,6 @@ class _Tail:
         for line in data[: end + 1].split(b"\n")[:-1]:
             yield at, line
             at += len(line) + 1
-
-
-class _Records:
-    """Complete, verified TFRecords of one event file from an offset."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.dead = False  # a length failed its checksum: nothing after it can be framed
-        self.corrupt: list[int] = []  # offsets of records skipped for a bad data checksum
-
-    def read(self) -> Iterator[bytes]:
-        if self.dead:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            while True:
-                head = f.read(12)
-                if len(head) < 12:
-                    return  # not written yet
-                (n,), (crc_len,) = struct.unpack("<Q", head[:8]), struct.unpack("<I", head[8:])
-                if masked_crc(head[:8]) != crc_len:
-                    self.dead = True
-                    self.corrupt.append(self.offset)
-                    log.error("watch: %s: bad length checksum at byte %d", self.path, self.offset)
-                    return
-                body = f.read(n + 4)
-                if len(body) < n + 4:
-                    return  # a record still being written: read it once complete
-                at, self.offset = self.offset, self.offset + 12 + n + 4
-                data, (crc,) = body[:n], struct.unpack("<I", body[n:])
-                if masked_crc(data) != crc:
-                    self.corrupt.append(at)
-                    log.error(
-                        "watch: %s: record at byte %d fails its checksum, skipped", self.path, at
-                    )
-                    continue
-                yield data
 
 
 @dataclass
@@ -238,7 +197,7 @@ class Follower:
         self.run_name = run_name
         self.detector_cfg = detector or DetectorConfig(ignore_before=20)
         self.runs: dict[str, _Run] = {}
-        self._tb: dict[Path, _Records] = {}
+        self._tb: dict[Path, Records] = {}
         self._lines: dict[Path, _Tail] = {}
         self._header: dict[Path, list[str]] = {}
         self._owner: dict[str, Path] = {}  # run id -> the one source it follows
@@ -353,21 +312,18 @@ class Follower:
                 if src["header"] is not None:
                     self._header[path] = list(src["header"])
             else:
-                self._tb[path] = _Records(path)
+                self._tb[path] = Records(path)
                 self._tb[path].offset, self._tb[path].dead = src["offset"], src["dead"]
         for key, r in state.get("runs", {}).items():
             self.runs[key] = _restore_run(key, r, self.detector_cfg)
         self._owner.update({k: Path(v) for k, v in state.get("owners", {}).items()})
 
     def _read_tb(self, run: _Run, path: Path) -> None:
-        rec = self._tb.setdefault(path, _Records(path))
-        by_step: dict[int, dict[str, float]] = {}
-        for data in rec.read():
-            for step, tag, value in _scalars(data):
-                by_step.setdefault(int(step), {})[tag] = float(value)
-        for at in rec.corrupt:
-            self._report(run, path, at, "a TensorBoard record failed its checksum; skipped")
-        self._store(run, by_step)
+        rec = self._tb.setdefault(path, Records(path))
+        columns, problems = rec.read_scalars()
+        for at, what in problems:
+            self._report(run, path, at, what)
+        self._store(run, columns)
 
     def _read_lines(self, run: _Run, kind: str, path: Path) -> None:
         tail = self._lines.setdefault(path, _Tail(path))
@@ -383,7 +339,7 @@ class Follower:
                 continue
             if step is not None:
                 by_step.setdefault(step, {}).update(values)
-        self._store(run, by_step)
+        self._store(run, _columns(by_step))
 
     def _read_mlflow(self, run: _Run, path: Path, run_dir: Path) -> None:
         """One metric of an MLflow file-store run: lines `timestamp value step` (older
@@ -399,7 +355,7 @@ class Follower:
                 self._report(run, path, at, f"not an MLflow metric line: {raw[:80]!r}")
                 continue
             by_step.setdefault(step, {})[tag] = value
-        self._store(run, by_step)
+        self._store(run, _columns(by_step))
 
     def _read_mlflow_db(self, name: str, path: Path) -> None:
         """MLflow's SQLite store (its default since 3.0): the metric rows added since the last
@@ -426,7 +382,7 @@ class Follower:
         for uuid, by_step in per_run.items():
             label = f"{name}/{names.get(uuid) or uuid}"
             run = self._run(label, path / uuid)  # one MLflow run: the file and its run id
-            self._store(run, by_step)
+            self._store(run, _columns(by_step))
 
     def _row(self, kind: str, path: Path, line: str) -> tuple[int | None, dict[str, float]]:
         if kind == "csv":
@@ -450,19 +406,26 @@ class Follower:
         return step, {k: float(v) for k, v in flat_numbers(obj).items()}
 
     # -- into the store -------------------------------------------------------------------
-    def _store(self, run: _Run, by_step: dict[int, dict[str, float]]) -> None:
-        for step in sorted(by_step):
-            if step < 0:
-                continue
-            tags = by_step[step]
-            if run.loss_tag is None:  # the table's priority, as `scan` picks it
-                run.loss_tag = self.metric if self.metric in tags else None
-                if not self.metric:
-                    run.loss_tag = M.foreign_loss_tag(tags)
-            metrics = {self._name(run, tag): v for tag, v in tags.items()}
-            self.sink.log_metrics(run.key, 0, step, metrics)
-            self.values += len(metrics)
-            self._detect(run, step, metrics)
+    def _store(self, run: _Run, columns: Columns) -> None:
+        """One poll's new points of a run, one column per tag: stored in one record, and the
+        loss (with the grad norm) fed to the detector in step order."""
+        named: Columns = {}
+        for tag, (steps, values) in columns.items():
+            keep = steps >= 0
+            if not keep.all():
+                steps, values = steps[keep], values[keep]
+            if len(steps):
+                named[tag] = steps, values
+        if not named:
+            return
+        if run.loss_tag is None:  # the table's priority, as `scan` picks it
+            run.loss_tag = self.metric if self.metric in named else None
+            if not self.metric:
+                run.loss_tag = M.foreign_loss_tag(named)
+        named = {self._name(run, tag): column for tag, column in named.items()}
+        self.sink.log_series(run.key, 0, named)
+        self.values += sum(len(steps) for steps, _ in named.values())
+        self._detect(run, named.get(M.LOSS), named.get(M.GRAD_NORM))
 
     def _name(self, run: _Run, tag: str) -> str:
         name = run.names.get(tag)
@@ -476,24 +439,36 @@ class Follower:
             run.names[tag] = name
         return name
 
-    def _detect(self, run: _Run, step: int, metrics: dict[str, float]) -> None:
-        if M.GRAD_NORM in metrics:
-            run.grad_at[step] = metrics[M.GRAD_NORM]
-        if M.LOSS not in metrics or step <= run.last_fed:
-            return  # a re-logged step (a restarted run): its first value stands
-        run.last_fed = step
-        run.steps, run.last_step = run.steps + 1, step
-        grad = run.grad_at.pop(step, None)
-        for s in [s for s in run.grad_at if s < step]:
-            del run.grad_at[s]
-        for v in run.detector.update(step, metrics[M.LOSS], grad):
-            kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
-            if v.kind in ("spike", "nonfinite", "divergence"):
-                self._say(run, v)
-            data = tagged(v.to_dict())
-            self.sink.log_event(
-                run.key, kind, step=v.step, message=v.message, data=data, source="detector"
-            )
+    def _detect(
+        self,
+        run: _Run,
+        loss: tuple[np.ndarray, np.ndarray] | None,
+        grad: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        """Each new loss step, in step order, with its grad norm if that was logged (in this
+        poll or an earlier one); a re-logged step (a restarted run) keeps its first value."""
+        if grad is not None:
+            for step, g in zip(grad[0].tolist(), grad[1].tolist(), strict=True):
+                if step > run.last_fed:
+                    run.grad_at[step] = g
+        if loss is None:
+            return
+        order = np.argsort(loss[0], kind="stable")
+        for step, value in zip(loss[0][order].tolist(), loss[1][order].tolist(), strict=True):
+            if step <= run.last_fed:
+                continue
+            run.last_fed = step
+            run.steps, run.last_step = run.steps + 1, step
+            for v in run.detector.update(step, value, run.grad_at.pop(step, None)):
+                kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
+                if v.kind in ("spike", "nonfinite", "divergence"):
+                    self._say(run, v)
+                data = tagged(v.to_dict())
+                self.sink.log_event(
+                    run.key, kind, step=v.step, message=v.message, data=data, source="detector"
+                )
+        if run.grad_at:
+            run.grad_at = {s: g for s, g in run.grad_at.items() if s > run.last_fed}
 
     def _say(self, run: _Run, v: Verdict) -> None:
         """A spike, non-finite step or divergence, on the console as it is found."""
@@ -535,3 +510,14 @@ class Follower:
         self.sink.log_event(
             run.key, "note", message=message, data={"kind": "corrupt_record"}, source="watch"
         )
+
+
+def _columns(by_step: dict[int, dict[str, float]]) -> Columns:
+    """Rows `{step: {tag: value}}` as one column per tag, in step order."""
+    cols: dict[str, tuple[list[int], list[float]]] = {}
+    for step in sorted(by_step):
+        for tag, value in by_step[step].items():
+            steps, values = cols.setdefault(tag, ([], []))
+            steps.append(step)
+            values.append(value)
+    return {t: (np.array(st, np.int64), np.array(v, np.float64)) for t, (st, v) in cols.items()}

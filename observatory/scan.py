@@ -2,23 +2,24 @@
 
 Inputs: a CSV with a header row `step,loss[,...]` (choose the column with `metric`), or a
 TensorBoard log directory (every `events.out.tfevents.*` file below it; `metric` is the scalar's
-tag). TensorBoard files are read with a small TFRecord + protobuf reader of our own (scalars as
-`simple_value` or as a one-element tensor), so no TensorFlow or TensorBoard install is needed.
+tag). TensorBoard files are read with a small TFRecord + protobuf reader of our own
+(observatory/tfevents.py), so no TensorFlow or TensorBoard install is needed.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
-import re
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from observatory import metric_names as M
 from observatory.detect import Detector, DetectorConfig
+from observatory.tfevents import EventError, Records
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ScanError", "read_csv", "read_tensorboard", "scan", "scan_path"]
 
@@ -88,123 +89,24 @@ def flat_numbers(obj: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        if i >= len(buf):
-            raise ScanError("truncated protobuf varint")
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, i
-        shift += 7
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message, without a schema."""
-    i = 0
-    value: int | bytes
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(buf, i)
-        elif wire == 1:
-            value, i = buf[i : i + 8], i + 8
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            value, i = buf[i : i + n], i + n
-        elif wire == 5:
-            value, i = buf[i : i + 4], i + 4
-        else:
-            raise ScanError(f"unsupported protobuf wire type {wire}")
-        yield field, wire, value
-
-
-def _tensor_scalar(buf: bytes) -> float | None:
-    dtype = None
-    for field, wire, value in _fields(buf):
-        if field == 1:
-            dtype = value
-        elif field == 5:  # float_val, packed or not
-            return struct.unpack("<f", value[:4])[0]
-        elif field == 6:
-            return struct.unpack("<d", value[:8])[0]
-        elif field == 4 and wire == 2 and value:  # tensor_content
-            return struct.unpack("<d" if dtype == 2 else "<f", value[: 8 if dtype == 2 else 4])[0]
-    return None
-
-
-# One scalar per event, as SummaryWriters write them: Event{wall_time, step, summary{value{tag,
-# simple_value}}}, every length one byte. Matched whole in C; anything else takes the walk.
-_ONE_SCALAR = re.compile(rb"\x09.{8}\x10([\x80-\xff]{0,9}[\x00-\x7f])\x2a(.)\x0a(.)\x0a(.)", re.S)
-
-
-def _scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
-    m = _ONE_SCALAR.match(event)
-    if m is not None:
-        slen, vlen, tlen = m[2][0], m[3][0], m[4][0]
-        p = m.end()
-        if (
-            slen == vlen + 2
-            and vlen == tlen + 7
-            and len(event) == p + tlen + 5
-            and event[p + tlen] == 0x15
-        ):
-            raw, step = m[1], 0
-            for k, b in enumerate(raw):
-                step |= (b & 0x7F) << (7 * k)
-            tag = event[p : p + tlen].decode("utf-8", "replace")
-            yield step, tag, struct.unpack_from("<f", event, p + tlen + 1)[0]
-            return
-    yield from _walk_scalars(event)
-
-
-def _walk_scalars(event: bytes) -> Iterator[tuple[int, str, float]]:
-    step, summary = 0, None
-    for field, _, value in _fields(event):
-        if field == 2:
-            step = value
-        elif field == 5:
-            summary = value
-    if summary is None:
-        return
-    for field, _, value in _fields(summary):
-        if field != 1:
-            continue
-        tag, number = None, None
-        for f, _, v in _fields(value):
-            if f == 1:
-                tag = v.decode("utf-8", "replace")
-            elif f == 2:
-                number = struct.unpack("<f", v)[0]
-            elif f == 8:
-                number = _tensor_scalar(v)
-        if tag is not None and number is not None:
-            yield step, tag, number
-
-
-def _records(path: Path) -> Iterator[bytes]:
-    data = path.read_bytes()
-    i = 0
-    while i + 12 <= len(data):
-        (n,) = struct.unpack("<Q", data[i : i + 8])
-        if i + 12 + n + 4 > len(data):
-            raise ScanError(f"{path}: truncated record at byte {i}")
-        yield data[i + 12 : i + 12 + n]
-        i += 12 + n + 4
-
-
 def read_tensorboard(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int, float]]]:
     files = sorted(path.rglob("events.out.tfevents.*"))
     if not files:
         raise ScanError(f"{path}: no TensorBoard event files (events.out.tfevents.*) below it")
     series: dict[str, dict[int, float]] = {}
     for f in files:
-        for record in _records(f):
-            for step, tag, value in _scalars(record):
-                series.setdefault(tag, {})[step] = value  # a restart's re-logged step wins
+        records = Records(f)
+        try:
+            columns, problems = records.read_scalars()
+        except EventError as e:
+            raise ScanError(f"{f}: {e}") from None
+        for at, what in problems:
+            log.warning("scan: %s at byte %d: %s", f, at, what)
+        if not records.dead and records.offset < f.stat().st_size:
+            raise ScanError(f"{f}: truncated record at byte {records.offset}")
+        for tag, (steps, values) in columns.items():
+            column = series.setdefault(tag, {})
+            column.update(zip(steps.tolist(), values.tolist(), strict=True))  # re-logged: last
     name = metric or M.foreign_loss_tag(series)
     if name is None or name not in series:
         wanted = repr(metric) if metric else "loss (" + ", ".join(M.FOREIGN_LOSS_TAGS) + ")"

@@ -130,7 +130,7 @@ class Writer:
     def _write(self, conn: Connection, records: Sequence[Record]) -> int:
         metrics = []
         for rec in records:
-            if rec.kind == "metrics":
+            if rec.kind in ("metrics", "series"):
                 metrics.append(rec)
             else:
                 self._write_control(conn, rec)
@@ -291,12 +291,23 @@ class Writer:
     def _pieces(self, conn: Connection, metrics: list[Record]) -> tuple[dict[int, Piece], int]:
         """{series id: (steps, values)} of a batch and the number of values sent.
 
-        Records with one layout (run, branch and the same names as the step before: the usual
+        A series record (many steps of each metric, an import) is one piece per metric. Other
+        records with one layout (run, branch and the same names as the step before: the usual
         case) are stacked as a steps x series matrix, so the per-value work is numpy's."""
         groups: dict[int, tuple[np.ndarray, list[int], list[np.ndarray]]] = {}
         sent = 0
+        parts: dict[int, list[Piece]] = {}
         for rec in metrics:
             run_id = self._run_id(conn, rec.run)
+            if rec.kind == "series":  # columns already: one piece per metric
+                columns = rec.data["series"]
+                ids = self._series_ids(conn, run_id, rec.data["branch"], set(columns))
+                for name, (steps, values) in columns.items():
+                    if len(steps):
+                        st, v = np.asarray(steps, np.int64), np.asarray(values, np.float64)
+                        parts.setdefault(ids[name], []).append(_unique(st, v))
+                        sent += len(st)
+                continue
             branch, values = rec.data["branch"], rec.data["values"]
             names = list(values)
             layout = self._layouts.get((run_id, branch))
@@ -308,7 +319,6 @@ class Writer:
             group[1].append(rec.data["step"])
             group[2].append(np.fromiter(values.values(), np.float64, len(names)))
             sent += len(names)
-        parts: dict[int, list[Piece]] = {}
         for sids, steps, rows in groups.values():
             st = np.asarray(steps, np.int64)
             order = np.argsort(st, kind="stable")
@@ -435,6 +445,8 @@ def _chunked(xs: list[int], size: int) -> Iterable[list[int]]:
 
 def _unique(steps: np.ndarray, values: np.ndarray) -> Piece:
     """Sorted by step; a step given twice keeps its first value."""
+    if len(steps) < 2 or (np.diff(steps) > 0).all():
+        return np.ascontiguousarray(steps, np.int64), np.ascontiguousarray(values, np.float64)
     order = np.argsort(steps, kind="stable")
     st, first = np.unique(np.asarray(steps, np.int64)[order], return_index=True)
     return st, np.asarray(values, np.float64)[order][first]

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from observatory.store.models import CHECKSUM_STATUSES, EVENT_KINDS, RUN_STATUSES
 from observatory.store.names import MAX_INDEX, parse_name
 
@@ -21,7 +23,7 @@ __all__ = ["MAX_STEP", "Record", "RecordError"]
 
 MAX_STEP = 2**31 - 1  # stored as INTEGER
 MAX_KEY_LEN = 64
-KINDS = ("run", "branch", "status", "metrics", "event", "checkpoint")
+KINDS = ("run", "branch", "status", "metrics", "series", "event", "checkpoint")
 
 
 class RecordError(ValueError):
@@ -34,7 +36,17 @@ class Record(NamedTuple):
     data: dict[str, Any]
 
     def to_json(self) -> str:
-        return json.dumps([self.kind, self.run, self.data], allow_nan=True, separators=(",", ":"))
+        body = [self.kind, self.run, self.data]
+        return json.dumps(body, allow_nan=True, separators=(",", ":"), default=_plain)
+
+    @property
+    def size(self) -> int:
+        """Metric values it carries (what batches are sized by), at least 1."""
+        if self.kind == "metrics":
+            return len(self.data["values"]) + 1
+        if self.kind == "series":
+            return sum(len(steps) for steps, _ in self.data["series"].values()) + 1
+        return 1
 
     @classmethod
     def from_json(cls, line: str) -> Record:
@@ -44,6 +56,13 @@ class Record(NamedTuple):
         if not isinstance(run, str) or not isinstance(data, dict):
             raise RecordError(f"not a record: {line[:80]!r}")
         return cls(kind, run, data)
+
+
+def _plain(x: object) -> Any:
+    """numpy arrays (a series record's columns) as JSON lists."""
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
 
 
 def check_run_key(run: object) -> str:
@@ -110,14 +129,40 @@ class MetricsChecker:
             return out
         return self._slow(out)
 
+    def name(self, name: str) -> None:
+        if name not in self._names:
+            try:
+                parse_name(name)
+            except ValueError as e:
+                raise RecordError(str(e)) from e
+            self._names.add(name)
+
+    def series(self, series: object) -> dict[str, list[np.ndarray]]:
+        """`{name: (steps, values)}`, many steps of each metric at once, as int64 / float64
+        columns of one length (a step given twice keeps its first value in the store)."""
+        if not isinstance(series, Mapping):
+            raise RecordError(f"series must be a mapping name -> (steps, values), got {series!r}")
+        out = {}
+        for name, (steps, values) in series.items():
+            self.name(name)
+            try:
+                st = np.asarray(steps, dtype=np.int64)
+                v = np.asarray(values, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise RecordError(f"series {name!r}: steps and values must be numbers: {e}") from e
+            if st.ndim != 1 or st.shape != v.shape:
+                raise RecordError(
+                    f"series {name!r}: steps and values must be 1-D of one length, "
+                    f"got {st.shape} and {v.shape}"
+                )
+            if len(st) and (st.min() < 0 or st.max() > MAX_STEP):
+                raise RecordError(f"series {name!r}: steps must be in [0, {MAX_STEP}]")
+            out[name] = [st, v]
+        return out
+
     def _slow(self, out: dict[str, float]) -> dict[str, float]:
         for name, value in out.items():
-            if name not in self._names:
-                try:
-                    parse_name(name)
-                except ValueError as e:
-                    raise RecordError(str(e)) from e
-                self._names.add(name)
+            self.name(name)
             if type(value) is not float:
                 out[name] = self._number(name, value)
         return out

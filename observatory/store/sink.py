@@ -6,6 +6,7 @@ API (the same on `DbSink` and on `NullSink`, which stores nothing)::
     sink.start_run(run_id, name=..., config=cfg_dict, tags=[...], sweep_group=..., hypothesis=...,
                    run_dir=...)                          # branch 0 comes with the run
     sink.log_metrics(run_id, branch, step, {"train/loss": 2.3, "layer/0/grad_norm": 0.1, ...})
+    sink.log_series(run_id, branch, {"train/loss": (steps, values), ...})  # many steps at once
     sink.start_branch(run_id, 1, parent=0, fork_step=120, reason="rollback after spike at 131")
     sink.log_event(run_id, "rollback", step=131, branch=0, message=..., data={...})
     sink.log_checkpoint(run_id, step=120, path=..., pinned=True, checksum_status="ok")
@@ -127,6 +128,16 @@ class BaseSink:
             check_step(step)
         values = self._check_metrics(metrics)
         self._put(Record("metrics", run_id, {"branch": branch, "step": step, "values": values}))
+
+    def log_series(
+        self, run_id: str, branch: int, series: Mapping[str, tuple[Iterable[int], Iterable[float]]]
+    ) -> None:
+        """Many steps at once, `{metric name: (steps, values)}` (an import: one record, not one
+        per step)."""
+        if branch not in self._known_branches(run_id):
+            raise RecordError(f"branch {branch!r} of run {run_id!r} was never started")
+        columns = self._check_metrics.series(series)
+        self._put(Record("series", run_id, {"branch": branch, "series": columns}))
 
     def log_event(
         self,
@@ -388,7 +399,7 @@ class DbSink(BaseSink):
                 flushes.append(item)
                 break  # a flush wants what came before it written now
             batch.append(item)
-            size += len(item.data.get("values", ())) + 1
+            size += item.size
             deadline = deadline or time.monotonic() + self.linger_s
         return batch, flushes, False
 

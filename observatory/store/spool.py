@@ -112,7 +112,7 @@ class Spool:
                     Spool._set_aside(path, lineno, raw, e)
                     continue
                 batch.append(rec)
-                size += len(rec.data.get("values", ())) + 1
+                size += rec.size
                 if size >= chunk:
                     yield batch
                     batch, size = [], 0

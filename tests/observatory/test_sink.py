@@ -317,3 +317,53 @@ def test_an_event_sent_again_is_stored_once(sqlite_url: str, tmp_path: Path) -> 
     engine = db.make_engine(sqlite_url)
     assert count(engine, "SELECT COUNT(*) FROM events") == 3
     engine.dispose()
+
+
+def test_many_steps_in_one_series_record_store_like_step_by_step(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """`log_series` (an import's one record for many steps) stores what `log_metrics` stores
+    step by step: the first value of a step given twice, NaN kept, through a locked database
+    and the spool file too; bad columns are refused before anything is queued."""
+    import numpy as np
+
+    by_step, by_series = tmp_path / "a.db", tmp_path / "b.db"
+    urls = [f"sqlite:///{by_step}", f"sqlite:///{by_series}"]
+    for url in urls:
+        db.upgrade(url)
+    steps = np.array([5, 1, 2, 2, 700, 3, 1500, 4], np.int64)  # out of order, 2 twice
+    values = np.array([0.5, 0.1, 0.2, 9.9, math.nan, 0.3, 1.5, 0.4])
+    one = DbSink(urls[0], spool_dir=tmp_path / "s1")
+    one.start_run("r")
+    for s, v in zip(steps.tolist(), values.tolist(), strict=True):
+        one.log_metrics("r", 0, s, {"train/loss": v, "layer/1/grad_norm": 2 * v})
+    one.close()
+    two = DbSink(
+        urls[1],
+        spool_dir=tmp_path / "s2",
+        linger_s=0.01,
+        retry_s=(0.05, 0.2),
+        engine_kwargs={"sqlite_busy_ms": 100},
+    )
+    two.start_run("r")
+    assert two.flush(30)
+    blocker = sqlite3.connect(by_series, isolation_level=None)
+    blocker.execute("PRAGMA busy_timeout=0")
+    blocker.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(RecordError, match="one length"):
+        two.log_series("r", 0, {"train/loss": (steps, values[:-1])})
+    with pytest.raises(RecordError, match="steps must be in"):
+        two.log_series("r", 0, {"train/loss": ([-1], [1.0])})
+    with pytest.raises(RecordError, match="never started"):
+        two.log_series("r", 3, {"train/loss": (steps, values)})
+    two.log_series(
+        "r", 0, {"train/loss": (steps, values), "layer/1/grad_norm": (steps, 2 * values)}
+    )
+    assert not two.flush(1.0) and two.stats["spooled"] == 1  # the record waits in the spool
+    blocker.execute("COMMIT")
+    blocker.close()
+    assert two.flush(60)
+    two.close()
+    got = [stored_points(db.make_engine(url)) for url in urls]
+    assert len(got[0]) == 14 and repr(got[0]) == repr(got[1])  # repr: NaN equals NaN
+    assert {v for _, step, v in got[1] if step == 2} == {0.2, 0.4}  # step 2's first values

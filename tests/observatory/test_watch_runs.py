@@ -169,7 +169,7 @@ def test_a_restart_goes_on_from_the_saved_offsets(tmp_path) -> None:
 
 
 def test_the_fast_scalar_path_reads_what_the_protobuf_walk_reads(tmp_path) -> None:
-    from observatory.scan import _records, _scalars, _walk_scalars
+    from observatory.tfevents import _frame, scalars, walk_scalars
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     tags = ["loss", "train/loss", "x" * 130, "ünïcode/täg"]  # a tag too long for one byte
@@ -179,9 +179,13 @@ def test_the_fast_scalar_path_reads_what_the_protobuf_walk_reads(tmp_path) -> No
     writer.add_text("note", "not a scalar", 5)
     writer.close()
     (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
-    records = list(_records(events))
-    got = [x for r in records for x in _scalars(r)]
-    assert got == [x for r in records for x in _walk_scalars(r)]
+    buf = events.read_bytes()
+    starts, size, _, _ = _frame(buf)
+    records = [
+        buf[a + 12 : a + 12 + n] for a, n in zip(starts.tolist(), size.tolist(), strict=True)
+    ]
+    got = [x for r in records for x in scalars(r)]
+    assert got == [x for r in records for x in walk_scalars(r)]
     assert len(got) == 7 * len(tags)
     assert {s for s, _, _ in got} == {0, 1, 127, 128, 300, 16_384, 2**31 - 1}
 
