@@ -6,7 +6,10 @@ Sources, each followed as it grows:
     file appearing there, after a restart, continues the same run);
   a CSV file with a header row `step,<metric>,...`;
   a JSON-lines file, one object per line with a `step` (or `global_step`, `iteration`) and
-    numbers (nested objects flatten to `a/b`).
+    numbers (nested objects flatten to `a/b`);
+  MLflow's file store (`mlruns/`) and its SQLite database;
+  W&B run files (`wandb/offline-run-*/run-*.wandb`, below a directory given or named
+    themselves; observatory/wandb_log.py), each run named by its run directory.
 Every scalar becomes a series of the run (the recognised loss tag, or `--metric`, is stored
 under spikewatch's loss name and a recognised grad-norm tag under its grad-norm name,
 observatory/metric_names.py, so the dashboard draws them as for native runs). The online
@@ -52,7 +55,8 @@ from observatory.detect import Detector, DetectorConfig, Verdict
 from observatory.scan import flat_numbers
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
-from observatory.tfevents import Columns, Records, masked_crc
+from observatory.tfevents import Columns, EventError, Records, masked_crc
+from observatory.wandb_log import WANDB_GLOB, WandbLog
 
 __all__ = ["FollowError", "Follower", "default_state_path", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 
@@ -198,6 +202,7 @@ class Follower:
         self.detector_cfg = detector or DetectorConfig(ignore_before=20)
         self.runs: dict[str, _Run] = {}
         self._tb: dict[Path, Records] = {}
+        self._wandb: dict[Path, WandbLog] = {}
         self._lines: dict[Path, _Tail] = {}
         self._header: dict[Path, list[str]] = {}
         self._owner: dict[str, Path] = {}  # run id -> the one source it follows
@@ -226,6 +231,10 @@ class Follower:
             elif root.is_dir():
                 for f in sorted(root.rglob(TB_GLOB)):
                     yield "tb", named(f.parent), f, f.parent
+                for f in sorted(root.rglob(WANDB_GLOB)):  # W&B: one file per run directory
+                    yield "wandb", named(f.parent), f, f
+            elif root.suffix == ".wandb":
+                yield "wandb", named(root.parent), root, root
             elif root.name.startswith("events.out.tfevents."):
                 yield "tb", named(root.parent), root, root.parent
             elif root.suffix == ".csv":
@@ -269,6 +278,8 @@ class Follower:
             run = self._run(name, source)
             if kind == "tb":
                 self._read_tb(run, path)
+            elif kind == "wandb":
+                self._read_wandb(run, path)
             elif kind == "mlflow":
                 self._read_mlflow(run, path, source)
             else:
@@ -289,6 +300,8 @@ class Follower:
         }
         for p, t in self._lines.items():
             sources[str(p)] = {"offset": t.offset, "header": self._header.get(p)}
+        for p, w in self._wandb.items():
+            sources[str(p)] = {"offset": w.offset, "kind": "wandb"}
         runs = {key: _run_state(r) for key, r in self.runs.items()}
         owners = {k: str(v) for k, v in self._owner.items()}
         state = {"version": 1, "sources": sources, "runs": runs, "owners": owners}
@@ -306,7 +319,10 @@ class Follower:
                     "watch: %s is shorter than where it was read to; reading it again", path
                 )
                 continue
-            if "header" in src:
+            if src.get("kind") == "wandb":
+                self._wandb[path] = WandbLog(path)
+                self._wandb[path].offset = src["offset"]
+            elif "header" in src:
                 self._lines[path] = _Tail(path)
                 self._lines[path].offset = src["offset"]
                 if src["header"] is not None:
@@ -321,6 +337,16 @@ class Follower:
     def _read_tb(self, run: _Run, path: Path) -> None:
         rec = self._tb.setdefault(path, Records(path))
         columns, problems = rec.read_scalars()
+        for at, what in problems:
+            self._report(run, path, at, what)
+        self._store(run, columns)
+
+    def _read_wandb(self, run: _Run, path: Path) -> None:
+        log_ = self._wandb.setdefault(path, WandbLog(path))
+        try:
+            columns, problems = log_.read_scalars()
+        except EventError as e:
+            raise FollowError(str(e)) from None
         for at, what in problems:
             self._report(run, path, at, what)
         self._store(run, columns)

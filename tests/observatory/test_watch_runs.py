@@ -230,3 +230,82 @@ def test_an_mlflow_database_is_followed_as_it_grows(tmp_path, monkeypatch) -> No
         sink.close(timeout=30)
     assert sorted(r.name for r in follower.runs.values()) == ["mlflow/first", "mlflow/second"]
     assert [s["spikes"] for s in follower.summary()] == [1, 1]
+
+
+WANDB_WRITER = """
+import json, sys, wandb
+rows = json.load(open(sys.argv[1]))
+run = wandb.init(project="spikes", name=sys.argv[2], dir=sys.argv[3], mode="offline")
+for step, row in enumerate(rows):
+    wandb.log(row, step=step)
+run.finish()
+"""
+
+
+def _wandb_run(tmp: Path, name: str, rows: list[dict]) -> Path:
+    """A run written by W&B's own client in offline mode (in a process of its own: the client
+    starts a service); its run file."""
+    pytest.importorskip("wandb", reason="wandb (a dev extra) is not installed")
+    import subprocess
+    import sys
+
+    (tmp / f"{name}.json").write_text(json.dumps(rows))
+    (tmp / "writer.py").write_text(WANDB_WRITER)
+    env = {**__import__("os").environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    subprocess.run(
+        [sys.executable, str(tmp / "writer.py"), str(tmp / f"{name}.json"), name, str(tmp)],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    (path,) = [p for p in (tmp / "wandb").rglob("run-*.wandb") if name in _wandb_names(p)]
+    return path
+
+
+def _wandb_names(path: Path) -> str:
+    return path.read_bytes()[:4096].decode("latin-1")
+
+
+def test_a_wandb_offline_run_is_followed(tmp_path) -> None:
+    """Written by W&B's own client: the loss by the tag table, nested keys as a/b, media and
+    text skipped, W&B's own `_` keys left out; a history row longer than a 32 KiB block (its
+    record in several chunks) read whole; the spike found once."""
+    rows = [
+        {"train/loss": _loss(s), "lr": 1e-3, "eval": {"acc": s / 240}}
+        | ({"note": "x" * 70_000} if s == 50 else {})
+        for s in range(240)
+    ]
+    _wandb_run(tmp_path, "spiky", rows)
+    follower, url = _follow(tmp_path, tmp_path / "wandb")
+    (summary,) = follower.summary()
+    assert summary["name"].startswith("wandb/offline-run-")
+    assert summary["steps"] == 240 and summary["spikes"] == 1 and summary["first_onset"] == SPIKE
+    with store.session_factory(url)() as s:
+        names = set(store.metric_names(s, run_id=summary["run_id"]))
+    assert names == {M.LOSS, "lr", "eval/acc"}
+
+
+def test_a_wandb_file_read_as_it_grows_and_a_corrupt_chunk_reported(tmp_path) -> None:
+    from observatory.wandb_log import BLOCK, WandbLog
+
+    rows = [{"loss": 2.0 + s * 1e-3} | ({"blob": "y" * 40_000} if s % 60 == 7 else {})
+            for s in range(400)]  # fmt: skip
+    whole = _wandb_run(tmp_path, "grows", rows).read_bytes()
+    grown = tmp_path / "grown.wandb"
+    log = WandbLog(grown)
+    got: list[float] = []
+    with open(grown, "wb") as f:
+        for cut in [*range(3, len(whole), 9_001), len(whole)]:  # inside headers, chunks, blocks
+            f.write(whole[f.tell() : cut])
+            f.flush()
+            columns, problems = log.read_scalars()
+            assert problems == []
+            got += columns["loss"][1].tolist() if "loss" in columns else []
+    assert got == [r["loss"] for r in rows]
+    bad = bytearray(whole)
+    bad[BLOCK + 2000] ^= 0xFF  # inside block 1
+    (tmp_path / "bad.wandb").write_bytes(bytes(bad))
+    columns, problems = WandbLog(tmp_path / "bad.wandb").read_scalars()
+    assert len(problems) == 1 and "checksum" in problems[0][1]
+    steps = columns["loss"][0].tolist()
+    assert steps[0] == 0 and steps[-1] == 399 and 300 < len(steps) < 400  # only block 1 lost
