@@ -518,7 +518,9 @@ def _add_sweeps(sub: Any) -> None:
 
 def _add_tools(sub: Any) -> None:
     """advise, alert-test, serve, scan, logbook, db."""
-    watch = sub.add_parser("watch", help="follow TensorBoard / CSV / JSON-lines logs, live")
+    watch = sub.add_parser(
+        "watch", help="follow TensorBoard / CSV / JSON-lines / MLflow / W&B logs, live"
+    )
     watch.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files")
     watch.add_argument("--db", default=None, help="store URL (default as for serve)")
     watch.add_argument("--metric", default=None, help="the loss tag (default: recognised)")

@@ -283,6 +283,13 @@ def test_a_wandb_offline_run_is_followed(tmp_path) -> None:
     with store.session_factory(url)() as s:
         names = set(store.metric_names(s, run_id=summary["run_id"]))
     assert names == {M.LOSS, "lr", "eval/acc"}
+    state = tmp_path / "state.json"  # a restart from saved offsets reads nothing again
+    for expected in (3 * 240, 0):
+        sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+        try:
+            assert Follower([tmp_path / "wandb"], sink, state_path=state).poll() == expected
+        finally:
+            sink.close(timeout=30)
 
 
 def test_a_wandb_file_read_as_it_grows_and_a_corrupt_chunk_reported(tmp_path) -> None:
