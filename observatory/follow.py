@@ -449,9 +449,10 @@ class Follower:
             if not self.metric:
                 run.loss_tag = M.foreign_loss_tag(named)
         named = {self._name(run, tag): column for tag, column in named.items()}
+        # the detector first: the sink's writer thread would contend with it for the GIL
+        self._detect(run, named.get(M.LOSS), named.get(M.GRAD_NORM))
         self.sink.log_series(run.key, 0, named)
         self.values += sum(len(steps) for steps, _ in named.values())
-        self._detect(run, named.get(M.LOSS), named.get(M.GRAD_NORM))
 
     def _name(self, run: _Run, tag: str) -> str:
         name = run.names.get(tag)

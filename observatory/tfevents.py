@@ -184,7 +184,7 @@ class _Chains:
         self.starts, self.size, self.nxt = cand[keep], size[keep], nxt[keep]
         self.breaks = np.flatnonzero(self.nxt[:-1] != self.starts[1:])  # link k -> k + 1 fails
         crc = _at(arr, self.starts + 8, "<u4")
-        lengths, inverse = np.unique(self.size, return_inverse=True)
+        lengths, _, inverse = _distinct(self.size)
         want = np.array([masked_crc(struct.pack("<Q", int(n))) for n in lengths], np.uint32)
         self.bad = np.flatnonzero(want[inverse.ravel()] != crc)  # length checksum fails
         self.end = len(arr)
@@ -291,6 +291,17 @@ def _checksums(arr: np.ndarray, data: np.ndarray, n: int, rows: np.ndarray | Non
     return _mask(crc)
 
 
+def _distinct(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`np.unique(x, return_index=True, return_inverse=True)` for integers with few distinct
+    values (record lengths, tags), without sorting all of `x`."""
+    values = np.unique(x)  # hashed, not sorted in full
+    if len(values) > 64:
+        return np.unique(x, return_index=True, return_inverse=True)
+    inverse = np.searchsorted(values, x)
+    first = np.array([np.argmax(inverse == j) for j in range(len(values))], np.int64)
+    return values, first, inverse
+
+
 def _tag_ids(tags: np.ndarray) -> tuple[list[bytes], np.ndarray]:
     """The distinct rows of a (records, length) byte matrix and each row's index among them:
     by a 64-bit fingerprint, checked against the rows (a collision falls back to sorting the
@@ -302,7 +313,7 @@ def _tag_ids(tags: np.ndarray) -> tuple[list[bytes], np.ndarray]:
     fp = np.zeros(len(tags), np.uint64)
     for j in range(words.shape[1]):
         fp = (fp ^ words[:, j]) * np.uint64(0x9E3779B97F4A7C15)
-    _, first, which = np.unique(fp, return_index=True, return_inverse=True)
+    _, first, which = _distinct(fp)
     if not (tags == tags[first][which]).all():
         rows = np.ascontiguousarray(tags).view(f"V{tags.shape[1]}").ravel()
         _, first, which = np.unique(rows, return_index=True, return_inverse=True)
@@ -389,7 +400,7 @@ class Records:
         scalar keyed by its byte offset in the file (file order across reads), one group of
         records of one length at a time."""
         arr = np.frombuffer(buf, np.uint8)
-        lengths, inverse = np.unique(size, return_inverse=True)
+        lengths, _, inverse = _distinct(size)
         walk: list[int] = []
         for g, n in enumerate(lengths.tolist()):
             idx = np.flatnonzero(inverse == g)
