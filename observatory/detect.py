@@ -8,7 +8,11 @@ z-score passes `threshold`; `persistence` consecutive excursion steps make a spi
 noisy batch never does, nor do isolated ones separated by calm steps (spike, calm, spike, calm,
 spike is three blips, not a spike). The **onset** is where the excursion began: the detector
 walks back over the points just before the first excursion while they stand above
-`onset_threshold`. Points inside an excursion never enter the baseline.
+`onset_threshold`. Points inside an excursion never enter the baseline, and neither do the
+points of a climb (z above `onset_threshold`, not yet an excursion) while it lasts: otherwise a
+slow climb on a noisy floor (a genuine Adam spike near zero loss rises a thousandfold over 25
+steps, each step under the threshold) drags the level up with it and is never reported. A climb
+that stops short joins the baseline then; one that lasts `window` steps is a new level.
 
 What it must not fire on, and how: warmup (nothing fires before `ignore_before` nor before
 `min_history` normal points), known regime changes such as a data-mixture stage switch or the
@@ -185,6 +189,7 @@ class Detector:
         self.run = 0  # consecutive excursion steps now
         self.calm = 0
         self.reported = False  # the excursion now under way has had its verdict
+        self.pending: list[float] = []  # log-losses of a climb (z > onset_threshold), held out
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
         self.ema_min = math.inf
@@ -217,6 +222,7 @@ class Detector:
         cfg = self.cfg
         score = self.loss.score(z, cfg.noise_floor) if self._armed(step, self.loss) else 0.0
         if score > cfg.threshold:
+            self.pending = []  # the climb was the spike's rise: none of it joins the level
             self.excursion.append((step, score))
             self.run += 1
             self.calm = 0
@@ -232,8 +238,16 @@ class Detector:
             if self.calm < cfg.persistence:
                 return None
             self.excursion, self.calm, self.reported = [], 0, False
-        self.loss.add(z)
         self.recent.append((step, score))
+        if score > cfg.onset_threshold:  # climbing, not yet an excursion: held out of the
+            self.pending.append(z)  # level while it climbs, so it cannot drag the level up
+            if len(self.pending) >= cfg.window:  # not a climb but a new level: accept it
+                self.rebase(step)
+            return self._trend(step, z)
+        for held in self.pending:  # the climb stopped short of a spike: its points join
+            self.loss.add(held)
+        self.pending = []
+        self.loss.add(z)
         return self._trend(step, z)
 
     def _spike(self, step: int) -> Verdict:
@@ -337,6 +351,7 @@ class Detector:
         self.loss.clear()
         self.recent.clear()
         self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
+        self.pending = []
         self.ema, self.ema_min, self.trend_n = None, math.inf, 0
         self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
 
@@ -356,6 +371,7 @@ class Detector:
             "calm": self.calm,
             "run": self.run,
             "reported": self.reported,
+            "pending": list(self.pending),
             "updates": {k: list(v) for k, v in self.updates.items()},
             "ema": self.ema,
             "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
@@ -374,6 +390,7 @@ class Detector:
         self.run = int(d.get("run", len(self.excursion) if not self.calm else 0))
         # a state from before the flag: an excursion at persistence had its verdict
         self.reported = bool(d.get("reported", len(self.excursion) >= self.cfg.persistence))
+        self.pending = [float(z) for z in d.get("pending", [])]
         self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
         self.ema = d["ema"]
         self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf

@@ -57,3 +57,23 @@ def test_verdicts_survive_a_restored_state():
             restored = Detector()
             restored.load_state_dict(state)
     assert a == b and any(v["kind"] == "spike" and v["onset_step"] == 700 for v in a)
+
+
+def test_a_slow_climb_cannot_drag_the_level_up_with_it():
+    """A loss that climbs 20,000-fold over 25 steps on a noisy floor (a genuine Adam spike:
+    the log-loss jitters by about 1 a step there). Each step of the climb stays under the
+    threshold, so before the points of a climb were held out of the level the level followed
+    them up and no spike was ever reported; a climb that stops short still joins the level."""
+    rng = random.Random(3)
+    floor = [-18.0 + rng.gauss(0, 0.9) for _ in range(200)]
+    climb = [-18.0 + 0.4 * i + rng.gauss(0, 0.2) for i in range(1, 26)]
+    losses = [math.exp(z) for z in floor + climb + [-8.0] * 5]
+    det = Detector()
+    got = [v for step, loss in enumerate(losses) for v in det.update(step, loss)]
+    spikes = [v for v in got if v.kind == "spike"]
+    assert len(spikes) == 1 and 200 <= spikes[0].step < 225 and spikes[0].onset_step >= 195
+    det = Detector()  # a climb of 4 steps to z ~ 5 that stops: it joins the level afterwards
+    bumps = [-18.0 + rng.gauss(0, 0.9) for _ in range(120)] + [-14.5] * 4 + [-18.0] * 3
+    for step, z in enumerate(bumps):
+        det.update(step, math.exp(z))
+    assert det.pending == [] and -14.5 in det.loss.values
