@@ -343,9 +343,10 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="where the store goes (default: a temp dir)")
     ap.add_argument("--cases", default="mlp,lm")
     ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--steps", default="mlp=3000,lm=8000", help="steps per case")
-    ap.add_argument("--remedy-seeds", type=int, default=3)
-    ap.add_argument("--sharpness-every", type=int, default=25)
+    ap.add_argument("--steps", default="mlp=2500,lm=3000", help="steps per case")
+    ap.add_argument("--remedy-cases", default="mlp,lm")
+    ap.add_argument("--remedy-seeds", type=int, default=2)
+    ap.add_argument("--sharpness-every", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(2)
     root = Path(args.root) if args.root else Path(__import__("tempfile").mkdtemp())
@@ -360,7 +361,7 @@ def main() -> None:
     steps = {k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))}
     report: dict[str, Any] = {}
     for case in args.cases.split(","):
-        seeds = list(range(args.seeds or 6))
+        seeds = list(range(args.seeds or 4))
         rows = detection(case, seeds, steps[case], db, args.sharpness_every)
         cost = [r["sharpness_seconds"] / r["seconds"] for r in rows if "sharpness_seconds" in r]
         report[case] = {
@@ -382,7 +383,9 @@ def main() -> None:
             ],  # fmt: skip
             "leads": lead_table(rows),
             "sharpness_share_of_run_time": round(statistics.median(cost), 3) if cost else None,
-            "remedies": remedies(case, seeds[: args.remedy_seeds], steps[case], db),
+            "remedies": remedies(case, seeds[: args.remedy_seeds], steps[case], db)
+            if case in args.remedy_cases.split(",")
+            else [],
         }
         (root / "report.json").write_text(json.dumps(report, indent=1))
     total = {k: sum(report[c]["detection"][k] for c in report) for k in report[case]["detection"]}

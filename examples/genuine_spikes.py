@@ -110,7 +110,7 @@ class VFloor(Callback):
     typical sqrt(v) caps them at ten times the typical step, and it is chosen from the run's own
     state at the moment the instability was seen, not guessed in advance."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fraction: float = 0.1) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, fraction: float = 1.0) -> None:
         self.optimizer, self.fraction = optimizer, fraction
         self.raised: list[tuple[int, float]] = []  # (step, new eps)
 
@@ -143,7 +143,7 @@ def settings_for(remedy: str, memory_interval: int = 10) -> dict[str, Any]:
         "guard": {
             "rollback": act,
             "same_step": {"enabled": remedy == "samestep"},
-            "policy": {"max_rollbacks": 50, **policy},
+            "policy": policy,
         },
     }
 
