@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from early_warning import episode_starts, jump, rise  # noqa: E402
 from sqlalchemy import select  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from observatory import metric_names as M  # noqa: E402
 from observatory import store  # noqa: E402
@@ -102,7 +103,8 @@ class Sharpness(Callback):
             st = self.optimizer.state[p]
             v_hat = st["exp_avg_sq"] / (1 - b2 ** float(st["step"]))
             half.append((v_hat.sqrt() + eps).rsqrt())
-        loss = self.case.loss_fn(self.case.batch)
+        with sdpa_kernel(SDPBackend.MATH):  # twice differentiable (the fused kernels are not)
+            loss = self.case.loss_fn(self.case.batch)
         grads = torch.autograd.grad(loss, params, create_graph=True)
         u = self._u or [torch.randn_like(p) for p in params]
         lam = 0.0
@@ -216,6 +218,10 @@ ONLINE = {  # the detector's own warnings, by the signal name its verdicts carry
     "detector: attention logit > 100": lambda s: s.endswith(M.STAT_ATTN_MAX),
 }
 SHARPNESS = "preconditioned sharpness"
+PER_SEED = (
+    "seed", "run_id", "spikes", "detected", "false_alarms", "extra_verdicts", "min_loss",
+    "labels", "verdicts", "signals", "steps_run",
+)  # fmt: skip
 
 
 def episodes(session, run_id: str) -> dict[str, set[int]]:
@@ -347,6 +353,7 @@ def main() -> None:
     ap.add_argument("--remedy-cases", default="mlp,lm")
     ap.add_argument("--remedy-seeds", type=int, default=2)
     ap.add_argument("--sharpness-every", type=int, default=50)
+    ap.add_argument("--report", action="store_true", help="the tables again from report.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
     root = Path(args.root) if args.root else Path(__import__("tempfile").mkdtemp())
@@ -359,6 +366,13 @@ def main() -> None:
         print(json.dumps(out))
         return
     steps = {k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))}
+    if args.report:
+        report = json.loads((root / "report.json").read_text())
+        for case, part in report.items():
+            part["leads"] = lead_table(part["per_seed"])
+            print(json.dumps({case: part["leads"]}))
+        (root / "report.json").write_text(json.dumps(report, indent=1))
+        return
     report: dict[str, Any] = {}
     for case in args.cases.split(","):
         seeds = list(range(args.seeds or 4))
@@ -366,25 +380,11 @@ def main() -> None:
         cost = [r["sharpness_seconds"] / r["seconds"] for r in rows if "sharpness_seconds" in r]
         report[case] = {
             "detection": summary(rows),
-            "per_seed": [
-                {
-                    k: r[k]
-                    for k in (
-                        "seed",
-                        "spikes",
-                        "detected",
-                        "false_alarms",
-                        "extra_verdicts",
-                        "min_loss",
-                        "labels",
-                    )
-                }
-                for r in rows
-            ],  # fmt: skip
+            "per_seed": [{k: r[k] for k in PER_SEED} for r in rows],
             "leads": lead_table(rows),
             "sharpness_share_of_run_time": round(statistics.median(cost), 3) if cost else None,
             "remedies": remedies(case, seeds[: args.remedy_seeds], steps[case], db)
-            if case in args.remedy_cases.split(",")
+            if case in args.remedy_cases.split(",") and args.remedy_seeds
             else [],
         }
         (root / "report.json").write_text(json.dumps(report, indent=1))

@@ -1,0 +1,52 @@
+"""A genuine spike, nothing injected: the paper's MLP under the Watch spikes near step 140 on
+seed 1, the loss alone labels it, and the detector finds it (benchmarks/genuine_spikes.py runs
+the study; docs/spikes.md section 4)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from observatory import store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def study():
+    return _load("genuine_study", ROOT / "benchmarks" / "genuine_spikes.py")
+
+
+def test_the_ground_truth_rule_on_a_known_curve(study) -> None:
+    """Two decades above the floor is a spike, with its onset where the climb left 3x the
+    floor; a 30x bump is not; a rise over a high floor that moves the loss by under 10% is not."""
+    floor = [1e-10 * (1 + 0.5 * math.sin(i)) for i in range(400)]
+    curve = list(floor)
+    for k, i in enumerate(range(200, 215)):
+        curve[i] = 1e-10 * 10 ** min(k, 7)  # climbs to 1e-3 from step 201 (1-based)
+    curve[300] = 3e-9  # a 30x bump
+    assert [(o, e) for o, _, e in study.label(curve)] == [(202, 215)]
+    high_floor = [0.9 + x for x in curve]  # the same excess over a floor of 0.9
+    assert study.label(high_floor, floor=0.9) == []  # 1e-3 over 0.9: no spike a user sees
+
+
+def test_the_mlp_spikes_on_its_own_and_the_watch_finds_it(study, tmp_path) -> None:
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    r = study.run("mlp", 1, 200, "none", db=db, run_dir=tmp_path / "run")
+    (spike, *_) = study.label(r["losses"])
+    assert 130 <= spike[0] <= 150 and min(r["losses"][:130]) < 1e-8  # from its floor upwards
+    with store.session_factory(db)() as s:
+        found = study.verdicts(s, r["run_id"])
+    assert study.match([spike], found)["detected"] == 1
