@@ -118,6 +118,20 @@ def rise(delta: float, window: int = 100, history: int = 20) -> Callable:
     return rule
 
 
+def drop(factor: float, window: int = 100, history: int = 20):
+    """The value falls below its previous `window` values' median / `factor`."""
+
+    def rule(v: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(v), bool)
+        for i in range(history, len(v)):
+            prev = v[max(0, i - window) : i]
+            prev = prev[np.isfinite(prev)]
+            out[i] = len(prev) >= history and v[i] < np.median(prev) / factor
+        return out
+
+    return rule
+
+
 # Offline signals: (name, per-layer stat or scalar metric, rule, rule in words)
 OFFLINE: list[tuple[str, str, Callable, str]] = [
     ("layer grad norm 10x", M.STAT_GRAD_NORM, jump(10.0), "a layer's grad norm > 10x its median"),

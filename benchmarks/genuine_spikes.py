@@ -60,7 +60,7 @@ def _example() -> Any:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from early_warning import episode_starts, jump, rise  # noqa: E402
+from early_warning import drop, episode_starts, jump, rise  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
@@ -180,20 +180,6 @@ def match(spikes: list[tuple[int, int, int]], found: list[tuple[int, int]]) -> d
     }
 
 
-def drop(factor: float, window: int = 100, history: int = 20):
-    """The value falls below its previous `window` values' median / `factor`."""
-
-    def rule(v: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(v), bool)
-        for i in range(history, len(v)):
-            prev = v[max(0, i - window) : i]
-            prev = prev[np.isfinite(prev)]
-            out[i] = len(prev) >= history and v[i] < np.median(prev) / factor
-        return out
-
-    return rule
-
-
 # (name, per-layer stat, rule, the rule in words)
 OFFLINE = [
     ("layer grad norm 3x", M.STAT_GRAD_NORM, jump(3.0), "a layer's grad norm > 3x its median"),
@@ -284,8 +270,9 @@ def detection(
 
 
 def lead_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per signal: spikes warned within HORIZON steps before the onset, the median lead, and
-    the false warnings per 10k clean steps."""
+    """Per signal: isolated spikes (none other in the HORIZON + AFTER steps before the onset,
+    so that a warning cannot be the last spike's aftermath) warned within HORIZON steps before
+    the onset, the median lead, and the false warnings per 10k clean steps."""
     names = [*ONLINE, *(o[0] for o in OFFLINE), SHARPNESS]
     out = []
     for name in names:
@@ -293,13 +280,16 @@ def lead_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rows:
             starts = r["signals"].get(name, [])
             near = np.zeros(r["steps_run"] + 2, bool)
-            for onset, _, end in r["labels"]:
+            ends = [-(10**9)] + [end for _, _, end in r["labels"]]
+            for k, (onset, _, end) in enumerate(r["labels"]):
+                near[max(0, onset - HORIZON) : min(len(near), end + AFTER + 1)] = True
+                if ends[k] >= onset - HORIZON - AFTER:
+                    continue  # not isolated
                 spikes += 1
                 early = [x for x in starts if onset - HORIZON <= x <= onset]
                 if early:
                     warned += 1
                     leads.append(onset - min(early))
-                near[max(0, onset - HORIZON) : min(len(near), end + AFTER + 1)] = True
             clean += int((~near[1:]).sum())
             false += sum(1 for x in starts if x < len(near) and not near[x])
         out.append(
@@ -308,6 +298,8 @@ def lead_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "warned": warned,
                 "spikes": spikes,
                 "median_lead": statistics.median(leads) if leads else None,
+                "false_warnings": false,
+                "clean_steps": clean,
                 "false_per_10k_clean": round(1e4 * false / clean, 1) if clean else None,
             }
         )
