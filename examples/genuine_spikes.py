@@ -191,7 +191,7 @@ def run(
             loss.backward()
             step = watch.step_count + 1  # the update this batch is for
             if watch.step(loss) != "rolled_back":
-                losses[step] = float(loss)
+                losses[step] = float(loss.detach())
             computed += 1
         halted = watch.halted
     final = [v for s, v in sorted(losses.items()) if s > max(losses, default=0) - 50 and v > 0]
