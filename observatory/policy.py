@@ -6,13 +6,7 @@ step s raises the loss only at s+1, hence margin 1), and skip the batches from t
 batch through the detection step's, plus `skip_extra` more. A spike within `repeat_window` steps
 of the previous rollback is a repeat: the extra skip grows by `skip_growth` and the LR is scaled
 by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
-why. A repeat at the same step as the last rollback's onset (not right after the restored step,
-where a persistent data fault comes back), although that spike's batches were skipped, is the
-optimizer state's (Adam's own instability: docs/spikes.md section 4): skipping
-more cannot help, the LR cut does, so such repeats keep cutting the LR (and skip no more than
-`skip_extra`) without counting toward the halt, until the LR scale would fall below
-`min_lr_scale`. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a
-row roll back.
+why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
 
 With `warning_horizon` (100 steps by default; None turns it off), a leading signal moves the
 rollback target earlier: when a warning episode (observatory/detect.py's warnings) began at most
@@ -66,14 +60,6 @@ class PolicyConfig(BaseModel):
     level_tolerance: float = Field(
         0.15, gt=0, description="Largest |log ratio| of two spikes' levels that is one level."
     )
-    min_lr_scale: float = Field(
-        1 / 64,
-        gt=0,
-        le=1,
-        description="A spike that comes back at the same step after its batches were skipped "
-        "is the optimizer state's, not the data's: it is rolled back with an LR cut each time "
-        "(not counted toward max_rollbacks) until the LR scale would fall below this.",
-    )
     warning_horizon: int | None = Field(
         100,
         ge=1,
@@ -98,7 +84,6 @@ class Policy:
         self.rollback_steps: list[int] = []  # detection steps of past rollbacks
         self.nonfinite_run: list[int] = []
         self.lr_cuts: list[int] = []  # detection steps of the rollbacks that cut the LR
-        self.onsets: list[tuple[int, int]] = []  # past rollbacks' (spike onset, restored step)
         self.restored_at = 0  # the step of the last LR cut given back
         # the last rollback, for telling a new level from a spike: the batch index its skip
         # ends at, the spike's loss level, and how many rollbacks in a row met that level
@@ -222,17 +207,7 @@ class Policy:
             "signal": verdict.signal,
             "repeats": len(recent),
         }
-        # the same spike again, at the same step, although its batches were skipped: the
-        # optimizer state's (Adam's own instability), not the data's
-        # (a persistent data fault comes back right after the restored step instead)
-        state = bool(recent) and any(
-            abs(onset - o) <= cfg.margin + 2 and onset > to + cfg.margin + 2
-            for o, to in self.onsets[-1:]
-        )
-        cut_to = cfg.lr_decay ** (len(self.lr_cuts) + 1)
-        if state and cut_to >= cfg.min_lr_scale:
-            pass  # keep cutting the LR: that is what cures it (docs/spikes.md section 4)
-        elif len(recent) >= cfg.max_rollbacks:
+        if len(recent) >= cfg.max_rollbacks:
             return Plan(
                 "halt",
                 f"{what} at step {verdict.step} (onset {onset}) after "
@@ -264,13 +239,9 @@ class Policy:
                 info=info,
             )
         extra = round(cfg.skip_extra * cfg.skip_growth ** len(recent))
-        if state:  # skipping more data cannot help a spike the data does not cause
-            extra = cfg.skip_extra
-            info["cause"] = "optimizer_state"
         skip = (batch_of[first], last + 1 + extra)
         lr_scale = cfg.lr_decay if recent else 1.0
         self.rollback_steps.append(verdict.step)
-        self.onsets.append((onset, to_step))
         if recent:
             self.lr_cuts.append(verdict.step)
         info.update(to_step=to_step, skip_ranges=[list(skip)], lr_scale=lr_scale)
@@ -290,7 +261,6 @@ class Policy:
             "rollback_steps": self.rollback_steps,
             "nonfinite_run": self.nonfinite_run,
             "lr_cuts": self.lr_cuts,
-            "onsets": [list(x) for x in self.onsets],
             "restored_at": self.restored_at,
             "shift": self.shift,
         }
@@ -299,7 +269,6 @@ class Policy:
         self.rollback_steps = list(d["rollback_steps"])
         self.nonfinite_run = list(d["nonfinite_run"])
         self.lr_cuts = list(d.get("lr_cuts", []))
-        self.onsets = [(int(o), int(t)) for o, t in d.get("onsets", [])]
         self.restored_at = int(d.get("restored_at", 0))
         self.shift = d.get("shift")
 

@@ -128,28 +128,3 @@ def test_a_level_that_returns_where_the_skip_ends_is_accepted() -> None:
         == "rollback"
     )
     assert other.shift is not None and other.shift["count"] == 0
-
-
-def test_a_spike_back_at_the_same_step_after_its_skip_is_the_optimizer_states() -> None:
-    """Adam's own spike (docs/spikes.md section 4) comes back at the same step whatever the
-    data: each repeat cuts the LR again, skips no more, and does not count toward the halt,
-    until the LR scale would fall below min_lr_scale. A data fault that comes back right after
-    the restored step (the skip did not reach past it) still escalates and halts as before."""
-    cfg = PolicyConfig(max_rollbacks=2, skip_extra=10, min_lr_scale=1 / 8)
-    ck = list(range(0, 2000, 10))
-    p = Policy(cfg)
-    plans = [p.decide(_spike(143, 140), checkpoints=ck, batch_of=BATCH_OF) for _ in range(5)]
-    assert [x.action for x in plans] == ["rollback"] * 4 + ["halt"]
-    assert [x.lr_scale for x in plans[:4]] == [1.0, 0.5, 0.5, 0.5]  # down to 1/8 in all
-    assert [x.info.get("cause") for x in plans[:4]] == [None, *["optimizer_state"] * 3]
-    assert all(x.skip_ranges[0][1] == BATCH_OF[143] + 1 + 10 for x in plans[:4])  # no growth
-    data = Policy(cfg)  # onset 131 = right after the restored step 130: the data again
-    first = data.decide(_spike(143, 140), checkpoints=ck, batch_of=BATCH_OF)
-    again = data.decide(_spike(133, 131), checkpoints=ck, batch_of=BATCH_OF)
-    assert first.to_step == 130 and again.info.get("cause") is None
-    assert again.skip_ranges[0][1] == BATCH_OF[133] + 1 + 20  # escalates
-    assert again.to_step == 120  # and it comes back right after that, at 121: a halt
-    assert data.decide(_spike(123, 121), checkpoints=ck, batch_of=BATCH_OF).action == "halt"
-    restored = Policy(cfg)
-    restored.load_state_dict(p.state_dict())
-    assert restored.onsets == p.onsets
