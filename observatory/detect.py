@@ -105,18 +105,28 @@ class _Robust:
     def __post_init__(self) -> None:
         self.clear(list(self.values))
 
-    def clear(self, values: list[float] | None = None) -> None:
-        """Forget every point (a rebase), or start from `values` (a restored state)."""
+    def clear(self, values: list[float] | None = None, steps: list[int] | None = None) -> None:
+        """Forget every point (a rebase), or start from `values` taken at `steps` (a restored
+        state; a state from before steps were kept has them unknown: -1)."""
         self.values = deque()
+        self.steps: deque[int] = deque()
         self._diffs: deque[float] = deque()
         self._sorted_diffs: list[float] = []
         self._recent: deque[float] = deque()
         self._sorted_recent: list[float] = []
-        for v in values or ():
-            self.add(v)
+        values = list(values or ())
+        for v, step in zip(values, steps if steps is not None else [-1] * len(values), strict=True):
+            self.add(v, step)
 
-    def add(self, v: float) -> None:
+    def forget_after(self, step: int) -> None:
+        """Drop the points taken after `step` (a rollback to it: they are another branch's)."""
+        if self.steps and self.steps[-1] > step:
+            kept = [(v, s) for v, s in zip(self.values, self.steps, strict=True) if s <= step]
+            self.clear([v for v, _ in kept], [s for _, s in kept])
+
+    def add(self, v: float, step: int = -1) -> None:
         values, diffs, sorted_diffs = self.values, self._diffs, self._sorted_diffs
+        self.steps.append(step)
         if values:
             d = v - values[-1]
             diffs.append(d)
@@ -128,6 +138,7 @@ class _Robust:
             del self._sorted_recent[bisect_left(self._sorted_recent, self._recent.popleft())]
         if len(values) > self.window:
             values.popleft()
+            self.steps.popleft()
             del sorted_diffs[bisect_left(sorted_diffs, diffs.popleft())]
 
     def score(self, v: float, floor: float) -> float:
@@ -189,7 +200,7 @@ class Detector:
         self.run = 0  # consecutive excursion steps now
         self.calm = 0
         self.reported = False  # the excursion now under way has had its verdict
-        self.pending: list[float] = []  # log-losses of a climb (z > onset_threshold), held out
+        self.pending: list[tuple[int, float]] = []  # a climb's (step, log-loss), held out
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
         self.ema_min = math.inf
@@ -240,14 +251,14 @@ class Detector:
             self.excursion, self.calm, self.reported = [], 0, False
         self.recent.append((step, score))
         if score > cfg.onset_threshold:  # climbing, not yet an excursion: held out of the
-            self.pending.append(z)  # level while it climbs, so it cannot drag the level up
+            self.pending.append((step, z))  # level while it climbs, so it cannot drag it up
             if len(self.pending) >= cfg.window:  # not a climb but a new level: accept it
                 self.rebase(step)
             return self._trend(step, z)
-        for held in self.pending:  # the climb stopped short of a spike: its points join
-            self.loss.add(held)
+        for at, held in self.pending:  # the climb stopped short of a spike: its points join
+            self.loss.add(held, at)
         self.pending = []
-        self.loss.add(z)
+        self.loss.add(z, step)
         return self._trend(step, z)
 
     def _spike(self, step: int) -> Verdict:
@@ -297,7 +308,7 @@ class Detector:
                     f"grad norm {score:.1f} robust sigmas above its level",
                 )
             ]
-        self.grad.add(g)
+        self.grad.add(g, step)
         return []
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> list[Verdict]:
@@ -356,22 +367,29 @@ class Detector:
         self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
 
     def rewind(self, step: int) -> None:
-        """After a rollback to `step`: the spike's points are gone; forget the excursion."""
+        """After a rollback to `step`: the spike's points are gone; forget the excursion, and
+        the points taken after `step` (a rollback far back must not judge the restored,
+        higher loss by the level the run had reached since)."""
         self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
         self.recent = deque(((s, z) for s, z in self.recent if s <= step), maxlen=32)
+        self.pending = [(s, z) for s, z in self.pending if s <= step]
+        self.loss.forget_after(step)
+        self.grad.forget_after(step)
         self.last_step = step
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "cfg": self.cfg.model_dump(),
             "loss": list(self.loss.values),
+            "loss_steps": list(self.loss.steps),
             "grad": list(self.grad.values),
+            "grad_steps": list(self.grad.steps),
             "recent": [list(r) for r in self.recent],
             "excursion": [list(e) for e in self.excursion],
             "calm": self.calm,
             "run": self.run,
             "reported": self.reported,
-            "pending": list(self.pending),
+            "pending": [list(p) for p in self.pending],
             "updates": {k: list(v) for k, v in self.updates.items()},
             "ema": self.ema,
             "ema_min": self.ema_min if math.isfinite(self.ema_min) else None,
@@ -382,15 +400,17 @@ class Detector:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.cfg = DetectorConfig.model_validate(d["cfg"])
-        self.loss = _Robust(self.cfg.window, self.cfg.level_window, deque(d["loss"]))
-        self.grad = _Robust(self.cfg.window, self.cfg.level_window, deque(d["grad"]))
+        self.loss = _Robust(self.cfg.window, self.cfg.level_window)
+        self.loss.clear(list(d["loss"]), d.get("loss_steps"))
+        self.grad = _Robust(self.cfg.window, self.cfg.level_window)
+        self.grad.clear(list(d["grad"]), d.get("grad_steps"))
         self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
         self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
         self.calm = d["calm"]
         self.run = int(d.get("run", len(self.excursion) if not self.calm else 0))
         # a state from before the flag: an excursion at persistence had its verdict
         self.reported = bool(d.get("reported", len(self.excursion) >= self.cfg.persistence))
-        self.pending = [float(z) for z in d.get("pending", [])]
+        self.pending = [(int(p[0]), float(p[1])) for p in d.get("pending", [])]
         self.updates = {k: deque(v, maxlen=self.cfg.window) for k, v in d["updates"].items()}
         self.ema = d["ema"]
         self.ema_min = d["ema_min"] if d["ema_min"] is not None else math.inf

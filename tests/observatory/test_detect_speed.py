@@ -77,3 +77,24 @@ def test_a_slow_climb_cannot_drag_the_level_up_with_it():
     for step, z in enumerate(bumps):
         det.update(step, math.exp(z))
     assert det.pending == [] and -14.5 in det.loss.values
+
+
+def test_a_rollback_far_back_forgets_the_level_reached_since():
+    """Rolled back from step 300 to step 10 (a warning moved the target back, or only an early
+    checkpoint was left): the restored run's loss is the early, higher one. Judged against the
+    converged level the run had reached since, it was a 'spike' at once, and with no checkpoint
+    before it the run halted; the points after the target are another branch's and go."""
+    rng = random.Random(5)
+    early = [2.0 * math.exp(-s / 20) + 1.0 for s in range(40)]
+    losses = early + [1.0 + rng.gauss(0, 0.002) for _ in range(260)]
+    det = Detector()
+    for step, loss in enumerate(losses, start=1):
+        det.update(step, loss)
+    det.rewind(10)
+    assert len(det.loss.values) == 0  # its 64 points were all taken after step 10
+    again = [v for step, loss in enumerate(early[10:], start=11) for v in det.update(step, loss)]
+    assert [v for v in again if v.kind == "spike"] == []
+    state = det.state_dict()  # the steps travel with the state
+    restored = Detector()
+    restored.load_state_dict(state)
+    assert list(restored.loss.steps) == list(det.loss.steps)
