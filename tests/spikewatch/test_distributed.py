@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,24 +49,57 @@ def _torchrun(cwd: Path, example: str, *args: str, probe: bool = True) -> subpro
     )
 
 
-# On this machine about 1 launch in 10 of a 2-rank gloo job of the HF Trainer aborts in the
-# interpreter's teardown, after all its work, with this line from a C++ destructor; it does so
-# without spikewatch attached too (the same example with callbacks=[]: 1 in 10), so it is
-# torch's or accelerate's, not ours. A job that wrote everything it was to write and then died
-# of exactly this is taken as finished; anything else still fails.
+# About 1 launch in 10 to 50 of a 2-rank gloo job on this machine aborts with this line from
+# C++ (an exception thrown where none may be, inside torch's gloo transport): mostly in the
+# interpreter's teardown after all its work, once in CI right after start-up. It happens without
+# spikewatch attached too (the HF example with callbacks=[]: 1 in 10), so it is torch's, not ours.
+# A job that wrote everything it was to write and then died of exactly this is taken as finished;
+# one that died of it before is launched once more, from the same files (`fresh` wipes them
+# first); anything else, or the same abort twice, still fails.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _finish(proc: subprocess.Popen, cwd: Path, wrote: Callable[[], bool] = lambda: False) -> None:
+def _aborted(proc: subprocess.Popen, cwd: Path) -> bool:
+    """The job ended of the gloo abort above (the launcher reports a rank's SIGABRT)."""
+    return proc.returncode != 0 and TEARDOWN_ABORT in (cwd / "log.txt").read_text()
+
+
+def _wait(proc: subprocess.Popen, cwd: Path) -> int:
     try:
-        rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        return proc.wait(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"hung: {(cwd / 'log.txt').read_text()[-3000:]}") from None
-    log = (cwd / "log.txt").read_text()
-    if rc != 0 and TEARDOWN_ABORT in log and wrote():
-        return
+
+
+def _launch(
+    cwd: Path,
+    example: str,
+    *args: str,
+    probe: bool = True,
+    fresh: bool = True,
+    wrote: Callable[[], bool] = lambda: False,
+) -> None:
+    """A job run to its end, that must succeed (see TEARDOWN_ABORT for the one retry)."""
+    for attempt in (1, 2):
+        proc = _torchrun(cwd, example, *args, probe=probe)
+        rc = _wait(proc, cwd)
+        log = (cwd / "log.txt").read_text()
+        if rc == 0 or not _aborted(proc, cwd):
+            break
+        if wrote():
+            return
+        if attempt == 1:
+            (cwd / "log.txt").rename(cwd / "aborted-log.txt")
+            if fresh:
+                _wipe(cwd)
     assert rc == 0, log[-4000:]
+
+
+def _wipe(cwd: Path) -> None:
+    for p in cwd.iterdir():
+        if p.name != "aborted-log.txt":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 WAYS = {
@@ -87,7 +121,7 @@ def job(request, tmp_path_factory) -> dict[str, Any]:
     db = f"sqlite:///{cwd / 'x.db'}"  # fresh: rank 0 alone creates and migrates it
     args = ("--steps", "150", *POISON, "--db", db, "--summary-json", "s.json", *extra)
     outputs = [cwd / "s.json", *(cwd / "probe" / f"rank{r}.json" for r in (0, 1))]
-    _finish(_torchrun(cwd, example, *args), cwd, lambda: all(p.is_file() for p in outputs))
+    _launch(cwd, example, *args, wrote=lambda: all(p.is_file() for p in outputs))
     ranks = [json.loads((cwd / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
     return {"summary": json.loads((cwd / "s.json").read_text()), "ranks": ranks, "db": db}
 
@@ -125,20 +159,24 @@ def test_a_killed_two_rank_job_resumes_bitwise(tmp_path) -> None:
     args = ("--steps", "60", *POISON[:1], "30", *POISON[2:], "--db", "none")
     args = (*args, "--checkpoint-every", "5", "--run-dir", "run", "--summary-json", "s.json")
     whole = tmp_path / "whole"
-    _finish(_torchrun(whole, "plain_loop", *args, probe=False), whole)
+    _launch(whole, "plain_loop", *args, probe=False, wrote=(whole / "s.json").is_file)
     killed = tmp_path / "killed"
-    proc = _torchrun(killed, "plain_loop", *args, probe=False)
     mark = killed / "run" / "checkpoints" / "step00000045" / "meta.json"
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not mark.exists():
-        assert proc.poll() is None, (killed / "log.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, "never reached step 45"
-        time.sleep(0.01)
+    for attempt in (1, 2):
+        proc = _torchrun(killed, "plain_loop", *args, probe=False)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not mark.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "never reached step 45"
+            time.sleep(0.01)
+        if mark.exists() or attempt == 2 or not _aborted(proc, killed):
+            break
+        _wipe(killed)  # the gloo abort before step 45: once more from nothing
+    assert mark.exists(), (killed / "log.txt").read_text()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, at once
     proc.wait()
     saved = [int(p.name[4:]) for p in (killed / "run" / "checkpoints").glob("step*")]
     assert 45 <= max(saved) < 60, "the kill came mid-run"
-    _finish(_torchrun(killed, "plain_loop", *args, "--resume", "run", probe=False), killed)
+    _launch(killed, "plain_loop", *args, "--resume", "run", probe=False, fresh=False)
     a = json.loads((whole / "s.json").read_text())
     b = json.loads((killed / "s.json").read_text())
     assert b["interventions"] and [i["to_step"] for i in b["interventions"]] == [
