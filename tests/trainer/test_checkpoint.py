@@ -227,7 +227,7 @@ def test_auto_interval_uses_the_measured_save_cost(tmp_path) -> None:
     cp.save_seconds = 2.0  # Daly(2 s, 0.36 s MTBF) = MTBF, since C >= 2M
     assert cp.interval_for(seconds_per_step=0.01) == 36
     cp.cfg = cp.cfg.model_copy(update={"mtbf_hours": 1.0})
-    from trainer.checkpoints.young_daly import daly
+    from observatory.goodput.young_daly import daly
 
     assert cp.interval_for(seconds_per_step=0.5) == round(daly(2.0, 3600.0) / 0.5)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpoints.retention import keep
+from observatory.retention import keep
 
 
 @settings(max_examples=300, deadline=None)

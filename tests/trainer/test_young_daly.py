@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from trainer.checkpoints.young_daly import daly, overhead, parse_duration, young
+from observatory.goodput.young_daly import daly, overhead, parse_duration, young
 from trainer.cli import main
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from trainer.checkpoints import format as ck
-from trainer.checkpoints.retention import keep
+from observatory.retention import keep
 from trainer.checkpoints.staging import Live, Stager, stage_tensors
-from trainer.checkpoints.young_daly import daly
+from observatory.goodput.young_daly import daly
 from trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]

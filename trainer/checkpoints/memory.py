@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoints.format import CheckpointError, Snapshot
-from trainer.checkpoints.retention import keep
+from observatory.retention import keep
 from trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]

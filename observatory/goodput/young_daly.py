@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["daly", "overhead", "parse_duration", "young"]
+__all__ = ["daly", "expected_overhead", "overhead", "parse_duration", "young"]
 
 _UNITS = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -32,6 +32,17 @@ def daly(save_s: float, mtbf_s: float) -> float:
 def overhead(interval_s: float, save_s: float, mtbf_s: float) -> float:
     """Expected fraction of wall time lost to saving and to rework after failures."""
     return save_s / interval_s + (interval_s + save_s) / (2 * mtbf_s)
+
+
+def expected_overhead(
+    interval_s: float, save_s: float, mtbf_s: float, restart_s: float = 0.0
+) -> float:
+    """The exact expected fraction of wall time lost under exponential failures (Daly 2006, eq.
+    for the wall time of a segment: M e^(R/M) (e^((t + C)/M) - 1) per t of work), of which
+    `overhead` is the first-order expansion: the two part as C/M grows."""
+    _check(save_s, mtbf_s)
+    wall = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s)
+    return 1 - interval_s / wall
 
 
 def parse_duration(text: str) -> float:

@@ -1,0 +1,255 @@
+"""`spikewatch simulate`: its options, the scenario they describe, and what it prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from observatory.goodput.engine import simulate
+from observatory.goodput.model import LLAMA3_PER_GPU_DAY, Cause, Failures, Scenario, Spikes, Tier
+from observatory.goodput.plan import best_interval, from_run, optimize, report, young_daly
+from observatory.goodput.young_daly import parse_duration
+
+__all__ = ["FAILURE_MODELS", "add_parser", "run", "scenario_from_args"]
+
+# Failures per GPU-day. Llama 3: 419 in 54 days on 16,384 GPUs. Kokolis et al. (arXiv
+# 2410.21680): 6.50 and 2.34 failures per 1000 node-days on RSC-1 and RSC-2, 8 GPUs a node; their
+# causes are not split here the way Table 5 splits Llama 3's, so Table 5's shares serve for all.
+FAILURE_MODELS = {"llama3": LLAMA3_PER_GPU_DAY, "rsc1": 6.50e-3 / 8, "rsc2": 2.34e-3 / 8}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="goodput of a large run: failures, spikes, checkpoint tiers (a simulation)",
+        description="Simulate a training run at any scale, many seeds, and report goodput with "
+        "badput by bucket. Defaults: Llama 3 405B's interruptions and PaLM's spikes. Intervals "
+        "are steps, or durations such as 30min.",
+    )
+    run_ = p.add_argument_group("the run")
+    run_.add_argument("--gpus", type=int, default=16_384)
+    run_.add_argument("--step-time", default="6s", help="one step's time (default 6s)")
+    size = run_.add_mutually_exclusive_group()
+    size.add_argument("--steps", type=int, default=None, help="steps to train")
+    size.add_argument("--days", type=float, default=54.0, help="failure-free length (default 54)")
+    fail = p.add_argument_group("failures")
+    fail.add_argument("--failure-model", choices=sorted(FAILURE_MODELS), default="llama3")
+    fail.add_argument(
+        "--failures-per-gpu-day", type=float, default=None, help="overrides the model"
+    )
+    fail.add_argument("--causes", type=Path, default=None, help="JSON list of causes (see docs)")
+    fail.add_argument("--restart", default="5min", help="detect + schedule + init + warm-up")
+    sp = p.add_argument_group("spikes")
+    sp.add_argument("--spikes-per-1k", type=float, default=None, help="default: PaLM's 0.078")
+    sp.add_argument(
+        "--spike-back",
+        default=None,
+        help="steps before detection the target must lie: N or N,M,...",
+    )
+    sp.add_argument("--skip", type=int, default=None, help="batches skipped per rollback (350)")
+    tiers = p.add_argument_group("checkpoint tiers")
+    tiers.add_argument("--tiers", default="memory,disk", help="memory,disk or disk")
+    for name, d in (("memory", Scenario().tier("memory")), ("disk", Scenario().tier("disk"))):
+        assert d is not None
+        tiers.add_argument(
+            f"--{name}-interval", default=str(d.interval), help=f"default {d.interval} steps"
+        )
+        tiers.add_argument(f"--{name}-stall", default=f"{d.stall_s:g}s", help="blocking per save")
+        tiers.add_argument(f"--{name}-restore", default=f"{d.restore_s:g}s")
+        tiers.add_argument(f"--{name}-write", default=f"{d.write_s:g}s", help="background write")
+        tiers.add_argument(
+            f"--{name}-retention",
+            default="exponential",
+            help="exponential[:K] (the newest K, then one per power-of-two age) or last:K",
+        )
+        tiers.add_argument(f"--{name}-max-kept", type=int, default=None, help="a count budget")
+    tiers.add_argument("--memory-replicas", type=int, default=2, help="2: survives a host's loss")
+    out = p.add_argument_group("what to do")
+    out.add_argument("--seeds", type=int, default=100)
+    out.add_argument("--seed", type=int, default=0)
+    out.add_argument("--optimize", action="store_true", help="search intervals and tiers")
+    out.add_argument("--from-run", default=None, metavar="RUN", help="measured inputs from a run")
+    out.add_argument("--db", default=None, help="store URL for --from-run")
+    out.add_argument("--no-search", action="store_true", help="skip the disk interval search")
+    out.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def _steps(text: str, step_s: float) -> int:
+    """An interval: a number of steps, or a duration turned into steps."""
+    if text.strip().isdigit():
+        return int(text)
+    return max(1, round(parse_duration(text) / step_s))
+
+
+def _retention(text: str) -> tuple[str, int]:
+    kind, _, k = text.partition(":")
+    if kind not in ("exponential", "last") or (k and not k.isdigit()):
+        raise ValueError(f"retention is exponential[:K] or last:K, not {text!r}")
+    return kind, int(k) if k else 2
+
+
+def _causes(path: Path) -> tuple[Cause, ...]:
+    try:
+        rows = json.loads(path.read_text())
+        return tuple(
+            Cause(
+                str(r["name"]),
+                float(r["share"]),
+                None if r.get("restart") is None else parse_duration(str(r["restart"])),
+                bool(r.get("host_lost", False)),
+            )
+            for r in rows
+        )
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"--causes {path}: {e}; expected a JSON list of "
+            '{"name": ..., "share": 0.3, "restart": "10min", "host_lost": false}'
+        ) from None
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    step_s = parse_duration(args.step_time)
+    steps = args.steps if args.steps is not None else round(args.days * 86_400 / step_s)
+    base = Scenario()
+    rate = args.failures_per_gpu_day
+    failures = Failures(
+        per_gpu_day=FAILURE_MODELS[args.failure_model] if rate is None else rate,
+        causes=_causes(args.causes) if args.causes else base.failures.causes,
+    )
+    backs = base.spikes.back_steps
+    if args.spike_back:
+        backs = tuple(int(x) for x in args.spike_back.split(","))
+    spikes = Spikes(
+        per_1k_steps=base.spikes.per_1k_steps if args.spikes_per_1k is None else args.spikes_per_1k,
+        back_steps=backs,
+        skip=base.spikes.skip if args.skip is None else args.skip,
+    )
+    names = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if set(names) - {"memory", "disk"} or "disk" not in names:
+        raise ValueError(f"--tiers is memory,disk or disk, not {args.tiers!r}")
+    tiers = []
+    for name in ("memory", "disk"):
+        if name not in names:
+            continue
+        kind, keep_last = _retention(getattr(args, f"{name}_retention"))
+        tiers.append(
+            Tier(
+                name,
+                _steps(getattr(args, f"{name}_interval"), step_s),
+                stall_s=parse_duration(getattr(args, f"{name}_stall")),
+                restore_s=parse_duration(getattr(args, f"{name}_restore")),
+                write_s=parse_duration(getattr(args, f"{name}_write")),
+                retention=kind,
+                keep_last=keep_last,
+                max_kept=getattr(args, f"{name}_max_kept"),
+                replicas=args.memory_replicas if name == "memory" else 1,
+            )
+        )
+    return Scenario(
+        gpus=args.gpus,
+        step_s=step_s,
+        steps=steps,
+        restart_s=parse_duration(args.restart),
+        failures=failures,
+        spikes=spikes,
+        tiers=tuple(tiers),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.seeds < 1:
+        raise ValueError("--seeds must be >= 1")
+    sc = scenario_from_args(args)
+    out: dict[str, Any] = {}
+    if args.from_run:
+        from observatory.store.db import store_url
+        from observatory.store.queries import session_factory
+
+        with session_factory(store_url(args.db))() as session:
+            sc, out["measured"] = from_run(session, args.from_run, sc)
+    t0 = time.perf_counter()
+    if args.optimize:
+        found = optimize(sc, seed=args.seed)
+        sc = found.pop("scenario")
+        out["optimize"] = {**found, "seconds": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    lanes = simulate([sc], args.seeds, args.seed)
+    out = {**report(sc, lanes), "seconds": time.perf_counter() - t1, **out}
+    best = None if args.no_search else best_interval(sc, seed=args.seed)
+    out["young_daly"] = young_daly(sc, best)
+    out["scenario"] = _describe(sc)
+    if args.json:
+        print(json.dumps(out))  # noqa: T201 - the command's output
+    else:
+        print(_text(out))  # noqa: T201
+    return 0
+
+
+def _describe(sc: Scenario) -> dict[str, Any]:
+    return {
+        "gpus": sc.gpus,
+        "step_s": sc.step_s,
+        "steps": sc.steps,
+        "mtbf_h": sc.mtbf_s / 3600,
+        "restart_s": sc.restart_s,
+        "failures_per_gpu_day": sc.failures.per_gpu_day,
+        "spikes_per_1k_steps": sc.spikes.per_1k_steps,
+        "spike_back_steps": list(sc.spikes.back_steps)[:50],
+        "skip": sc.spikes.skip,
+        "tiers": [
+            {
+                "name": t.name,
+                "interval": t.interval,
+                "stall_s": t.stall_s,
+                "restore_s": t.restore_s,
+                "write_s": t.write_s,
+                "retention": t.retention if t.retention == "last" else "exponential",
+                "keep_last": t.keep_last,
+                "max_kept": t.max_kept,
+                "replicas": t.replicas,
+            }
+            for t in sc.tiers
+        ],
+    }
+
+
+def _text(out: dict[str, Any]) -> str:
+    s = out["scenario"]
+    tiers = "; ".join(
+        f"{t['name']} every {t['interval']} steps (stall {t['stall_s']:g} s, restore "
+        f"{t['restore_s']:g} s, {t['retention']}"
+        + (f" {t['keep_last']})" if t["retention"] == "last" else ")")
+        for t in s["tiers"]
+    )
+    lines = [
+        f"{s['gpus']:,} GPUs, {s['steps']:,} steps of {s['step_s']:g} s; a failure every "
+        f"{s['mtbf_h']:.2f} h, {s['spikes_per_1k_steps']:.3g} spikes per 1k steps; {tiers}",
+        f"goodput {out['goodput']:.4f} (5-95%: {out['goodput_p5']:.4f}-{out['goodput_p95']:.4f} "
+        f"over {out['seeds']} seeds), {out['wall_days']:.1f} days of wall time",
+    ]
+    lines += [f"  {k:<40} {100 * v:6.2f}%" for k, v in out["badput"].items()]
+    lines.append(
+        f"{out['failures']:.0f} failures ({out['restores_from_memory']:.0f} restored from memory), "
+        f"{out['spike_rollbacks']:.1f} spike rollbacks, {100 * out['rollbacks_further_back']:.1f}% "
+        f"of them further back than the newest save before the onset"
+    )
+    yd = out["young_daly"]
+    if "daly_interval_s" in yd:
+        line = f"Young/Daly: disk every {yd['young_interval_s'] / 60:.1f} / {yd['daly_interval_s'] / 60:.1f} min"
+        if "simulated_best_interval_s" in yd:
+            line += (
+                f"; simulated best {yd['simulated_best_interval_s'] / 60:.1f} min "
+                f"({100 * yd['simulated_vs_daly']:+.1f}% from Daly)"
+            )
+        lines.append(line)
+    if "optimize" in out:
+        b = out["optimize"]["best"]
+        lines.append(
+            f"best of {out['optimize']['configurations']} plans: memory every "
+            f"{b['memory_interval']} steps, disk every {b['disk_interval']} steps, goodput "
+            f"{b['goodput']:.4f} ({out['optimize']['seconds']:.1f} s)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""Planning on top of the simulation: a report of one plan, the best interval of one tier (the
+simulated counterpart of Young/Daly), a grid search over intervals and tiers, and a scenario's
+measured inputs taken from a run in the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from observatory.goodput.engine import BUCKETS, Lanes, simulate
+from observatory.goodput.model import Scenario, Spikes
+from observatory.goodput.young_daly import daly, overhead, young
+
+__all__ = [
+    "Best",
+    "best_interval",
+    "from_run",
+    "optimize",
+    "report",
+    "simulated_optimum",
+    "young_daly",
+]
+
+
+def report(scenario: Scenario, lanes: Lanes, i: int = 0) -> dict[str, Any]:
+    """One scenario's figures over its seeds: goodput (mean and spread), badput by bucket as
+    fractions of wall time, and what happened."""
+    s = lanes.of(i)
+    g = lanes.goodput[s]
+    wall = lanes.wall_s[s]
+    rollbacks = lanes.spikes[s].sum()
+    return {
+        "goodput": float(g.mean()),
+        "goodput_p5": float(np.percentile(g, 5)),
+        "goodput_p50": float(np.percentile(g, 50)),
+        "goodput_p95": float(np.percentile(g, 95)),
+        "seeds": int(g.size),
+        "wall_days": float(wall.mean() / 86_400),
+        "badput": {k: float((lanes.buckets[k][s] / wall).mean()) for k in BUCKETS[1:]},
+        "failures": float(lanes.failures[s].mean()),
+        "spike_rollbacks": float(lanes.spikes[s].mean()),
+        "restores_from_memory": float(lanes.restores_from_memory[s].mean()),
+        "rollbacks_further_back": float(lanes.further_back[s].sum() / max(rollbacks, 1)),
+        "further_back_steps": float(
+            lanes.further_steps[s].sum() / max(lanes.further_back[s].sum(), 1)
+        ),
+        "batches_skipped": float(lanes.spikes[s].mean() * scenario.spikes.skip),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Best:
+    tier: str
+    interval: int  # steps
+    goodput: float
+    intervals: list[int]
+    goodputs: list[float]
+
+
+def best_interval(
+    scenario: Scenario, tier: str = "disk", *, seeds: int = 40, points: int = 17, seed: int = 0
+) -> Best:
+    """The interval of `tier` with the best mean goodput, the other tiers as they are: a grid
+    from a quarter to four times Young's interval (in log steps), then the vertex of a parabola
+    through the best point and its neighbours in log interval (the curve is flat at the top)."""
+    t = scenario.tier(tier)
+    if t is None:
+        raise ValueError(f"the scenario has no {tier} tier")
+    centre = young(max(t.stall_s, 1e-3), min(scenario.mtbf_s, 1e12)) / scenario.step_s
+    grid = np.unique(np.round(np.geomspace(centre / 4, centre * 4, points)).astype(int).clip(1))
+    lanes = simulate([scenario.with_tier(tier, interval=int(k)) for k in grid], seeds, seed)
+    g = np.array([lanes.goodput[lanes.of(i)].mean() for i in range(grid.size)])
+    i = int(g.argmax())
+    best = float(grid[i])
+    if 2 <= i <= grid.size - 3:
+        x, y = np.log(grid[i - 2 : i + 3]), 1 / g[i - 2 : i + 3]
+        a, b, _ = np.polyfit(x, y, 2)
+        if a > 0:
+            best = float(np.clip(np.exp(-b / (2 * a)), grid[i - 1], grid[i + 1]))
+    return Best(tier, round(best), float(g[i]), grid.tolist(), g.tolist())
+
+
+def simulated_optimum(save_s: float, mtbf_s: float, *, seeds: int = 40) -> tuple[float, float]:
+    """Young/Daly's own setting simulated: failures at 1/MTBF, a blocking save, no restart, no
+    restore, no spikes, one disk tier; a run of 200 MTBFs in steps of 1/200 of Young's interval.
+    The best interval (seconds) and the wall-time fraction lost there."""
+    from observatory.goodput.model import Cause, Failures, Tier
+
+    step_s = young(save_s, mtbf_s) / 200
+    sc = Scenario(
+        gpus=1,
+        step_s=step_s,
+        steps=round(200 * mtbf_s / step_s),
+        restart_s=0.0,
+        failures=Failures(86_400 / mtbf_s, (Cause("any", 1.0),)),
+        spikes=Spikes(per_1k_steps=0.0),
+        tiers=(Tier("disk", 200, stall_s=save_s, restore_s=0.0),),
+    )
+    best = best_interval(sc, seeds=seeds)
+    return best.interval * step_s, 1 - best.goodput
+
+
+def young_daly(scenario: Scenario, best: Best | None = None) -> dict[str, Any]:
+    """Young/Daly's closed forms for the disk tier (its stall as the save cost, the failure
+    rate as 1/MTBF), beside the simulated best interval when given."""
+    disk = scenario.tier("disk")
+    assert disk is not None
+    m, c = scenario.mtbf_s, disk.stall_s
+    out: dict[str, Any] = {"mtbf_s": m, "save_cost_s": c}
+    if not (math.isfinite(m) and c > 0):
+        out["note"] = "no failures or a free save: Young/Daly have no optimum"
+        return out
+    out |= {
+        "young_interval_s": young(c, m),
+        "daly_interval_s": daly(c, m),
+        "young_overhead": overhead(young(c, m), c, m),
+    }
+    if best is not None:
+        sim = best.interval * scenario.step_s
+        out |= {
+            "simulated_best_interval_s": sim,
+            "simulated_vs_daly": sim / daly(c, m) - 1,
+        }
+    return out
+
+
+def optimize(
+    scenario: Scenario,
+    *,
+    seeds: int = 30,
+    points: int = 9,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The best plan over a grid: disk interval x memory interval (a quarter to eight times
+    Young's interval for each tier's stall), and disk alone. Returns the best plan's report,
+    the grid's goodputs and the time the grid took."""
+    disk = scenario.tier("disk")
+    mem = scenario.tier("memory")
+    assert disk is not None
+    m = min(scenario.mtbf_s, 1e12)
+
+    def grid(stall: float) -> list[int]:
+        centre = young(max(stall, 1e-3), m) / scenario.step_s
+        return sorted({max(1, round(x)) for x in np.geomspace(centre / 4, centre * 8, points)})
+
+    disk_grid = grid(disk.stall_s)
+    mem_tier = mem or dataclasses.replace(
+        disk, name="memory", stall_s=1.0, restore_s=30.0, write_s=0.0, replicas=2
+    )
+    mem_grid = grid(mem_tier.stall_s)
+    alone = scenario.replace(tiers=(disk,))
+    plans: list[tuple[int | None, int]] = [(None, k) for k in disk_grid]
+    plans += [(km, kd) for km in mem_grid for kd in disk_grid if kd >= km]
+    scenarios = [
+        alone.with_tier("disk", interval=kd)
+        if km is None
+        else scenario.replace(
+            tiers=(
+                dataclasses.replace(mem_tier, interval=km),
+                dataclasses.replace(disk, interval=kd),
+            )
+        )
+        for km, kd in plans
+    ]
+    lanes = simulate(scenarios, seeds, seed)
+    g = [float(lanes.goodput[lanes.of(i)].mean()) for i in range(len(plans))]
+    i = int(np.argmax(g))
+    km, kd = plans[i]
+    return {
+        "best": {"memory_interval": km, "disk_interval": kd, **report(scenarios[i], lanes, i)},
+        "grid": [
+            {"memory_interval": a, "disk_interval": b, "goodput": x} for (a, b), x in zip(plans, g)
+        ],
+        "configurations": len(plans),
+        "seeds": seeds,
+        "scenario": scenarios[i],
+    }
+
+
+def from_run(session: Any, run_id: str, base: Scenario) -> tuple[Scenario, dict[str, Any]]:
+    """`base` with the step time, save stalls, spike rate and rollback distances measured in a
+    stored run; also what was measured, and from how much."""
+    from observatory import metric_names as M
+    from observatory.store import queries as q
+
+    run = q.get_run(session, run_id=run_id)
+    steps = _trained_steps(session, run_id)
+    if steps < 2:
+        raise ValueError(f"run {run_id} has {steps} stored steps: too few to measure")
+    end = run.ended_at or run.updated_at
+    stalls = {t: _values(session, run_id, M.checkpoint_stall(t)) for t in ("memory", "disk")}
+    stall_total = sum(float(v.sum()) for v in stalls.values())
+    step_s = max((end - run.created_at).total_seconds() - stall_total, 1e-6) / steps
+    spikes = q.events(session, run_id=run_id, kinds=["spike"])
+    backs = tuple(
+        sorted(
+            max(int(e.step) - int(e.data["onset_step"]) + 1, 1)
+            for e in spikes
+            if e.step is not None and e.data.get("onset_step") is not None
+        )
+    )
+    measured: dict[str, Any] = {
+        "run_id": run_id,
+        "trained_steps": steps,
+        "step_s": step_s,
+        "spikes": len(spikes),
+        "spikes_per_1k_steps": 1000 * len(spikes) / steps,
+        "back_steps": list(backs),
+    }
+    sc = base.replace(
+        step_s=step_s,
+        spikes=Spikes(
+            per_1k_steps=measured["spikes_per_1k_steps"],
+            back_steps=backs or base.spikes.back_steps,
+            skip=base.spikes.skip,
+        ),
+    )
+    for tier, values in stalls.items():
+        if values.size and sc.tier(tier) is not None:
+            measured[f"{tier}_stall_s"] = float(np.median(values))
+            sc = sc.with_tier(tier, stall_s=measured[f"{tier}_stall_s"])
+    return sc, measured
+
+
+def _trained_steps(session: Any, run_id: str) -> int:
+    """Steps trained on every branch (replays after a rollback included)."""
+    from observatory import metric_names as M
+    from observatory.store import queries as q
+
+    try:
+        parts = q.series(session, run_id=run_id, metric=M.LOSS, branch="all", buckets=1)
+    except q.NotFoundError:
+        return 0
+    return sum(b.n for s in parts for b in s.buckets)
+
+
+def _values(session: Any, run_id: str, metric: str) -> np.ndarray:
+    """A sparse metric's values (a save's stall: one per save), exact while each bucket holds
+    at most one value; an absent metric gives none."""
+    from observatory.store import queries as q
+
+    try:
+        parts = q.series(session, run_id=run_id, metric=metric, branch="all", buckets=q.MAX_BUCKETS)
+    except q.NotFoundError:
+        return np.zeros(0)
+    vals = [
+        (b.min_value + b.max_value) / 2
+        for s in parts
+        for b in s.buckets
+        for _ in range(b.n - b.n_nan)
+        if b.min_value is not None and b.max_value is not None
+    ]
+    return np.array(vals, dtype=np.float64)
