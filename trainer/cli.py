@@ -321,9 +321,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from observatory.goodput.young_daly import daly, overhead, parse_duration, young
-
     from observatory.goodput.plan import simulated_optimum
+    from observatory.goodput.young_daly import daly, overhead, parse_duration, young
 
     mtbf, cost = parse_duration(args.mtbf), parse_duration(args.save_cost)
     rows = [("Young", young(cost, mtbf)), ("Daly", daly(cost, mtbf))]

@@ -238,10 +238,12 @@ def _text(out: dict[str, Any]) -> str:
     )
     yd = out["young_daly"]
     if "daly_interval_s" in yd:
-        line = f"Young/Daly: disk every {yd['young_interval_s'] / 60:.1f} / {yd['daly_interval_s'] / 60:.1f} min"
+        young_min, daly_min = yd["young_interval_s"] / 60, yd["daly_interval_s"] / 60
+        line = f"Young / Daly: disk every {young_min:.1f} / {daly_min:.1f} min"
         if "simulated_best_interval_s" in yd:
             line += (
-                f"; simulated best {yd['simulated_best_interval_s'] / 60:.1f} min "
+                f"; simulated best disk interval (other tiers as set) "
+                f"{yd['simulated_best_interval_s'] / 60:.1f} min "
                 f"({100 * yd['simulated_vs_daly']:+.1f}% from Daly)"
             )
         lines.append(line)

@@ -122,7 +122,9 @@ class _Run:
             self.tiers[name] = {
                 "on": np.repeat([x is not None for x in t], seeds),
                 "k": np.repeat([x.interval if x else _NEVER for x in t], seeds).astype(np.int64),
-                "stall": np.repeat([_stall(x, s) for x, s in zip(t, scenarios)], seeds),
+                "stall": np.repeat(
+                    [_stall(x, s) for x, s in zip(t, scenarios, strict=True)], seeds
+                ),
                 "restore": np.repeat([x.restore_s if x else 0.0 for x in t], seeds),
                 "write": np.repeat([x.write_s if x else 0.0 for x in t], seeds),
                 "survives": np.repeat([bool(x and x.replicas >= 2) for x in t], seeds),

@@ -172,7 +172,8 @@ def optimize(
     return {
         "best": {"memory_interval": km, "disk_interval": kd, **report(scenarios[i], lanes, i)},
         "grid": [
-            {"memory_interval": a, "disk_interval": b, "goodput": x} for (a, b), x in zip(plans, g)
+            {"memory_interval": a, "disk_interval": b, "goodput": x}
+            for (a, b), x in zip(plans, g, strict=True)
         ],
         "configurations": len(plans),
         "seeds": seeds,
