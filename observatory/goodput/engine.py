@@ -15,7 +15,9 @@ fits: productive (the final lineage's steps), wasted progress from disruption (s
 failures, and the part-step in flight), wasted progress from spike rollbacks, checkpoint save
 (stalls), checkpoint restore, and infrastructure recovery (detection, scheduling,
 initialisation, warm-up: the restart).
-Failures strike only while the job runs, not during its restart or restore.
+Failures strike only while the job runs, not during its restart or restore. A lane whose
+spikes or failures come faster than it can progress stops at GIVE_UP times its failure-free
+time, unfinished; its productive time is then the steps it kept.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ BUCKETS = (
     "infrastructure_recovery_from_disruption",
 )
 _NEVER = np.iinfo(np.int64).max // 4
+GIVE_UP = 20  # a lane stops after this many times its failure-free time
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ class Lanes:
     counts of what happened."""
 
     seeds: int
+    finished: np.ndarray  # False: gave up after GIVE_UP times the failure-free time
     wall_s: np.ndarray
     buckets: dict[str, np.ndarray]
     failures: np.ndarray
@@ -77,23 +81,30 @@ def simulate(scenarios: Sequence[Scenario], seeds: int = 100, seed: int = 0) -> 
 
 
 class _Draws:
-    """Per seed, the same unit draws in every scenario, extended on demand."""
+    """Per seed, the same unit draws in every scenario, extended on demand: each stream of
+    each seed has its own generator, so what a seed draws does not depend on the batch."""
+
+    STREAMS = ("fail", "spike", "cause", "back")
 
     def __init__(self, seeds: int, seed: int, n: int) -> None:
-        self.rngs = [np.random.default_rng([seed + i, 0x5EED]) for i in range(seeds)]
+        self.rngs = {
+            name: [np.random.default_rng([seed + i, 0x5EED, j]) for i in range(seeds)]
+            for j, name in enumerate(self.STREAMS)
+        }
         self.cols: dict[str, np.ndarray] = {}
         self.n = 0
         self._grow(n)
 
     def _grow(self, n: int) -> None:
-        fresh = {
-            "fail": np.stack([r.standard_exponential(n) for r in self.rngs]),
-            "spike": np.stack([r.standard_exponential(n) for r in self.rngs]),
-            "cause": np.stack([r.random(n) for r in self.rngs]),
-            "back": np.stack([r.random(n) for r in self.rngs]),
-        }
-        for k, v in fresh.items():
-            self.cols[k] = np.concatenate([self.cols[k], v], axis=1) if k in self.cols else v
+        for name, rngs in self.rngs.items():
+            draw = [
+                r.random(n) if name in ("cause", "back") else r.standard_exponential(n)
+                for r in rngs
+            ]
+            fresh = np.stack(draw)
+            self.cols[name] = (
+                np.concatenate([self.cols[name], fresh], axis=1) if name in self.cols else fresh
+            )
         self.n += n
 
     def take(self, name: str, seed: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -206,7 +217,9 @@ class _Run:
 
     def go(self) -> Lanes:
         active = np.ones(self.P.size, dtype=bool)
+        give_up = GIVE_UP * self.N * self.step_s
         while active.any():
+            active &= self.t < give_up  # spikes or failures faster than the run can progress
             ia = np.flatnonzero(active)
             P = self.P[ia]
             to_end = self.N[ia] - P
@@ -256,12 +269,14 @@ class _Run:
         for j, lane in enumerate(ia):
             if mem_ok[j] and mem_step[j] < 0:
                 step = self._retained(int(lane), "memory", int(Pf[j]))
-                if step > R[j]:
+                if step >= R[j]:  # a tie restores from memory: it is faster
                     R[j], mem_step[j] = step, step
         from_mem = mem_ok & (mem_step == R) & (R >= 0)
         restore = np.where(from_mem, mem["restore"][ia], self.tiers["disk"]["restore"][ia])
         lost_mem = mem["on"][ia] & ~mem_ok
-        self.mem_floor[ia] = np.where(lost_mem, R + 1, self.mem_floor[ia])
+        # memory holds nothing from before a loss; a restore below the floor starts a lineage
+        # whose new snapshots it holds
+        self.mem_floor[ia] = np.where(lost_mem, R + 1, np.minimum(self.mem_floor[ia], R + 1))
         self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * self.step_s[ia] + (tau - done)
         self.b["infrastructure_recovery_from_disruption"][ia] += restart
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
@@ -316,6 +331,7 @@ class _Run:
         self.b["unproductive_checkpoint_restore_time"][lane] += restore
         self.t[lane] += restore
         self.P[lane] = target
+        self.mem_floor[lane] = min(self.mem_floor[lane], target + 1)
         self.count["spikes"][lane] += 1
         self.s_left[lane] = self._spike_gap(np.array([lane]))[0]
 
@@ -333,9 +349,10 @@ class _Run:
         return step if step >= floor else 0
 
     def _lanes(self) -> Lanes:
-        self.b["productive"] = self.N * self.step_s
+        self.b["productive"] = self.P * self.step_s  # the steps kept: all of them if it finished
         return Lanes(
             seeds=self.seeds,
+            finished=self.P == self.N,
             wall_s=self.t,
             buckets=self.b,
             failures=self.count["failures"],

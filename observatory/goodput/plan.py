@@ -38,6 +38,7 @@ def report(scenario: Scenario, lanes: Lanes, i: int = 0) -> dict[str, Any]:
         "goodput_p50": float(np.percentile(g, 50)),
         "goodput_p95": float(np.percentile(g, 95)),
         "seeds": int(g.size),
+        "unfinished": float(1 - lanes.finished[s].mean()),
         "wall_days": float(wall.mean() / 86_400),
         "badput": {k: float((lanes.buckets[k][s] / wall).mean()) for k in BUCKETS[1:]},
         "failures": float(lanes.failures[s].mean()),
