@@ -138,24 +138,24 @@ def main() -> None:
     args = p.parse_args()
     print(json.dumps(machine()))  # noqa: T201
     out = timing(args.seeds)
-    print(
-        f"one 54-day 16,384-GPU run: {out['one_run_s']:.3f} s; {out['grid_runs']:,} runs (100 plans x {args.seeds} seeds): {out['grid_s']:.1f} s"
-    )  # noqa: T201
+    grid = f"{out['grid_runs']:,} runs (100 plans x {args.seeds} seeds)"
+    print(f"one 54-day 16,384-GPU run: {out['one_run_s']:.3f} s; {grid}: {out['grid_s']:.1f} s")  # noqa: T201
     llama = report(Scenario(), simulate([Scenario()], seeds=args.seeds))
     out["llama3_goodput"] = llama["goodput"]
     out["llama3"] = llama
-    print(
-        f"Llama 3 defaults: goodput {llama['goodput']:.4f} (5-95%: {llama['goodput_p5']:.4f}-{llama['goodput_p95']:.4f})"
-    )  # noqa: T201
+    band = f"{llama['goodput_p5']:.4f}-{llama['goodput_p95']:.4f}"
+    print(f"Llama 3 defaults: goodput {llama['goodput']:.4f} (5-95%: {band})")  # noqa: T201
     out["young_daly"] = young_daly_check(min(args.seeds, 40))
-    print(
-        f"Young/Daly: simulated best {out['young_daly']['simulated_best_interval_s']:.0f} s vs Daly {out['young_daly']['daly_interval_s']:.0f} s"
-    )  # noqa: T201
+    yd = out["young_daly"]
+    sim, dal = yd["simulated_best_interval_s"], yd["daly_interval_s"]
+    print(f"Young/Daly: simulated best {sim:.0f} s vs Daly {dal:.0f} s")  # noqa: T201
     out["palm"] = palm(args.seeds)
     for row in out["palm"]:
-        print(
-            f"PaLM-like, memory {row['memory_retention']}: goodput {row['goodput']:.4f}, further back {100 * row['rollbacks_further_back']:.0f}% of rollbacks"
-        )  # noqa: T201
+        far = 100 * row["rollbacks_further_back"]
+        print(  # noqa: T201
+            f"PaLM-like, memory {row['memory_retention']}: goodput {row['goodput']:.4f}, "
+            f"further back {far:.0f}% of rollbacks, by {row['further_back_steps']:.0f} steps"
+        )
     out["seventy_b"] = seventy_b(args.seeds)
     for row in out["seventy_b"]:
         print(f"70B/1024: {row['plan']}: goodput {row['goodput']:.4f}")  # noqa: T201

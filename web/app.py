@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from observatory.store.queries import NotFoundError, session_factory
-from web.routes import compare, control, pages, runs
+from web.routes import compare, control, goodput, pages, runs
 from web.schemas import errors
 from web.settings import Settings, get_settings
 
@@ -42,6 +42,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(runs.router, dependencies=reader, responses=read_errors)
     app.include_router(pages.router, dependencies=reader, responses=read_errors)
     app.include_router(compare.router, dependencies=reader, responses=read_errors)
+    app.include_router(goodput.router, dependencies=reader, responses=read_errors)
     app.include_router(control.router)
     app.state.writer = control.make_writer(settings.db_url)
     app.state.write_lock = threading.Lock()

@@ -18,7 +18,9 @@ from observatory.store.queries import BranchRow, EventRow, Matrix, SeriesData
 from observatory.sweeps import SweepReport
 
 __all__ = [
+    "badput_figure",
     "compare_figure",
+    "goodput_curves_figure",
     "heatmap_figure",
     "lr_sweep_figure",
     "series_figure",
@@ -347,3 +349,88 @@ def _label_order(label: str) -> tuple[float, str]:
         return (float(label.split()[-1]), label)
     except (ValueError, IndexError):
         return (math.inf, label)
+
+
+def goodput_curves_figure(study: dict[str, Any]) -> dict[str, Any]:
+    """Goodput against the checkpoint interval of each tier (log x), with the 5-95% band over
+    seeds; Young/Daly's disk interval as a dotted line."""
+    traces: list[dict[str, Any]] = []
+    names = {"disk": "disk alone", "memory": "memory tier (disk as set)"}
+    for i, (tier, c) in enumerate(study["curves"].items()):
+        color = PALETTE[i % len(PALETTE)]
+        minutes = [x / 60 for x in c["interval_s"]]
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": minutes + minutes[::-1],
+                "y": c["p95"] + c["p5"][::-1],
+                "fill": "toself",
+                "line": {"width": 0},
+                "fillcolor": color,
+                "opacity": 0.15,
+                "hoverinfo": "skip",
+                "showlegend": False,
+                "legendgroup": tier,
+            }
+        )
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "x": minutes,
+                "y": c["goodput"],
+                "name": names.get(tier, tier),
+                "line": {"color": color},
+                "legendgroup": tier,
+            }
+        )
+    shapes = []
+    daly = study["young_daly"].get("daly_interval_s")
+    if daly:
+        shapes.append(
+            {
+                "type": "line",
+                "x0": daly / 60,
+                "x1": daly / 60,
+                "yref": "paper",
+                "y0": 0,
+                "y1": 1,
+                "line": {"dash": "dot", "color": "#555"},
+            }
+        )
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": "goodput vs checkpoint interval (dotted: Daly, disk)"},
+            "xaxis": {"title": {"text": "interval (minutes)"}, "type": "log"},
+            "yaxis": {"title": {"text": "goodput"}},
+            "shapes": shapes,
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 60},
+        },
+    }
+
+
+def badput_figure(study: dict[str, Any]) -> dict[str, Any]:
+    """Badput stacked by bucket (percent of wall time), one bar per plan."""
+    plans = list(study["plans"])
+    traces = [
+        {
+            "type": "bar",
+            "name": bucket.replace("_", " "),
+            "x": plans,
+            "y": [100 * study["plans"][p]["badput"][bucket] for p in plans],
+            "marker": {"color": PALETTE[i % len(PALETTE)]},
+        }
+        for i, bucket in enumerate(study["buckets"])
+    ]
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": "badput by bucket (% of wall time)"},
+            "barmode": "stack",
+            "yaxis": {"title": {"text": "% of wall time"}},
+            "margin": {"t": 40, "r": 10, "b": 80, "l": 60},
+            "legend": {"orientation": "h", "y": -0.25},
+        },
+    }

@@ -13,12 +13,39 @@ from observatory.goodput.model import LLAMA3_PER_GPU_DAY, Cause, Failures, Scena
 from observatory.goodput.plan import best_interval, from_run, optimize, report, young_daly
 from observatory.goodput.young_daly import parse_duration
 
-__all__ = ["FAILURE_MODELS", "add_parser", "run", "scenario_from_args"]
+__all__ = ["FAILURE_MODELS", "add_parser", "options", "run", "scenario_from_args"]
 
 # Failures per GPU-day. Llama 3: 419 in 54 days on 16,384 GPUs. Kokolis et al. (arXiv
 # 2410.21680): 6.50 and 2.34 failures per 1000 node-days on RSC-1 and RSC-2, 8 GPUs a node; their
 # causes are not split here the way Table 5 splits Llama 3's, so Table 5's shares serve for all.
 FAILURE_MODELS = {"llama3": LLAMA3_PER_GPU_DAY, "rsc1": 6.50e-3 / 8, "rsc2": 2.34e-3 / 8}
+
+
+def options(params: dict[str, str]) -> argparse.Namespace:
+    """The command's options from name/value pairs (the dashboard's query string): the same
+    names, defaults and checks as `spikewatch simulate`; a bad one raises ValueError."""
+    parser = argparse.ArgumentParser(prog="simulate", exit_on_error=False, add_help=False)
+    sub = parser.add_subparsers()
+    add_parser(sub)
+    cmd = sub.choices["simulate"]
+    cmd.exit_on_error = False
+    argv = ["simulate"]
+    for name, value in params.items():
+        flag = "--" + name.replace("_", "-")
+        if flag not in cmd._option_string_actions:  # noqa: SLF001 - argparse has no public view
+            raise ValueError(f"unknown option {name!r}")
+        if cmd._option_string_actions[flag].nargs == 0:  # noqa: SLF001
+            if value.lower() in ("1", "true", "on", "yes"):
+                argv.append(flag)
+        else:
+            argv += [flag, value]
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(str(e)) from None
+    if rest:
+        raise ValueError(f"unexpected {' '.join(rest)}")
+    return args
 
 
 def add_parser(sub: Any) -> None:

@@ -44,7 +44,7 @@ BUCKETS = (
     "infrastructure_recovery_from_disruption",
 )
 _NEVER = np.iinfo(np.int64).max // 4
-GIVE_UP = 20  # a lane stops after this many times its failure-free time
+GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves included)
 
 
 @dataclasses.dataclass
@@ -202,22 +202,25 @@ class _Run:
     def _steps_within(
         self, ia: np.ndarray, P: np.ndarray, tau: np.ndarray, cap: np.ndarray
     ) -> np.ndarray:
-        """The most steps (with their saves) that end by `tau` seconds, below `cap`."""
-        per = self.step_s[ia] + sum(t["stall"][ia] / t["k"][ia] for t in self.tiers.values())
-        m = np.clip(np.floor(tau / per), 0, cap - 1).astype(np.int64)
-        for _ in range(64):
-            up = (m + 1 < cap) & (self._wall(ia, P, m + 1) <= tau)
-            down = (m > 0) & (self._wall(ia, P, m) > tau)
-            if not (up.any() or down.any()):
-                return m
-            m = m + up - down
-        raise AssertionError("steps_within did not settle")  # pragma: no cover
+        """The most steps (with their saves) that end by `tau` seconds, below `cap`: bisection
+        between tau / (step + every stall) and tau / step."""
+        s = self.step_s[ia]
+        most = s + sum(t["stall"][ia] for t in self.tiers.values())
+        lo = np.minimum(np.floor(tau / most), cap - 1).astype(np.int64)
+        hi = np.minimum(np.floor(tau / s), cap - 1).astype(np.int64)
+        while (open_ := lo < hi).any():
+            mid = (lo + hi + 1) // 2
+            ok = self._wall(ia, P, mid) <= tau
+            lo = np.where(open_ & ok, mid, lo)
+            hi = np.where(open_ & ~ok, mid - 1, hi)
+        return lo
 
     # -- the loop ------------------------------------------------------------------------------
 
     def go(self) -> Lanes:
         active = np.ones(self.P.size, dtype=bool)
-        give_up = GIVE_UP * self.N * self.step_s
+        lanes = np.arange(self.P.size)
+        give_up = GIVE_UP * self._wall(lanes, np.zeros_like(self.P), self.N)  # saves included
         while active.any():
             active &= self.t < give_up  # spikes or failures faster than the run can progress
             ia = np.flatnonzero(active)
@@ -380,7 +383,7 @@ def _held(
     return _exponential(interval, keep_last, max_kept)[n]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)  # one per (interval, keep_last, cap): a grid has hundreds
 def _exponential(interval: int, keep_last: int, max_kept: int | None) -> _Growing:
     return _Growing(interval, keep_last, max_kept)
 

@@ -188,7 +188,10 @@ def from_run(session: Any, run_id: str, base: Scenario) -> tuple[Scenario, dict[
     from observatory import metric_names as M
     from observatory.store import queries as q
 
-    run = q.get_run(session, run_id=run_id)
+    try:
+        run = q.get_run(session, run_id=run_id)
+    except q.NotFoundError as e:
+        raise ValueError(f"{e} in the store (spikewatch serve lists the runs)") from None
     steps = _trained_steps(session, run_id)
     if steps < 2:
         raise ValueError(f"run {run_id} has {steps} stored steps: too few to measure")

@@ -164,8 +164,22 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
                 Tier("disk", 500, stall_s=7.0, restore_s=120.0),
             ),
         ),
+        _small(  # saves far dearer than steps (a tiny measured run): failures mid-stall
+            gpus=512 * 24,
+            step_s=0.05,
+            tiers=(
+                Tier("memory", 5, stall_s=2.0, restore_s=1.0, replicas=2),
+                Tier("disk", 100, stall_s=30.0, restore_s=10.0),
+            ),
+        ),
     ],
-    ids=["memory-last2-disk-exp", "memory-exp-capped-disk-last3", "disk-only", "far-back-exp"],
+    ids=[
+        "memory-last2-disk-exp",
+        "memory-exp-capped-disk-last3",
+        "disk-only",
+        "far-back-exp",
+        "stalls-dominate",
+    ],
 )
 def test_the_vectorised_engine_agrees_with_a_step_by_step_reference(sc: Scenario) -> None:
     seeds = 12
@@ -313,3 +327,61 @@ def test_causes_from_a_file(tmp_path, capsys) -> None:
     assert main(["simulate", "--causes", str(f), "--seeds", "5", "--no-search", "--json"]) == 0
     slow = json.loads(capsys.readouterr().out)
     assert slow["badput"]["infrastructure_recovery_from_disruption"] > 0.1  # 1 h per 3 h
+
+
+def test_from_run_takes_the_measured_inputs(tmp_path, capsys) -> None:
+    """A stored run of 1,000 steps, 20 min long, saving every 50 steps (disk 2 s, memory
+    0.1 s), with spikes detected at 300 and 700 (onsets 290 and 680)."""
+    from datetime import timedelta
+
+    from sqlalchemy import select
+
+    from observatory.store import db
+    from observatory.store.models import Run
+    from observatory.store.queries import session_factory
+    from observatory.store.sink import DbSink
+
+    url = f"sqlite:///{tmp_path / 'sw.db'}"
+    db.upgrade(url)
+    with DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01) as sink:
+        sink.start_run("r1")
+        for step in range(1, 1001):
+            values = {"train/loss": 2.0}
+            if step % 50 == 0:
+                values |= {"checkpoint/disk_stall_s": 2.0, "checkpoint/memory_stall_s": 0.1}
+            sink.log_metrics("r1", 0, step, values)
+        for detect, onset in ((300, 290), (700, 680)):
+            sink.log_event("r1", "spike", step=detect, data={"onset_step": onset})
+        sink.set_status("r1", "completed")
+    with session_factory(url)() as s:
+        run = s.scalars(select(Run)).one()
+        run.created_at = run.ended_at - timedelta(seconds=1200)
+        s.commit()
+    args = ["simulate", "--from-run", "r1", "--db", url, "--seeds", "5", "--no-search", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["measured"]
+    assert m["trained_steps"] == 1000 and m["spikes"] == 2 and m["back_steps"] == [11, 21]
+    assert m["disk_stall_s"] == pytest.approx(2.0) and m["memory_stall_s"] == pytest.approx(0.1)
+    assert m["step_s"] == pytest.approx((1200 - 20 * 2.1) / 1000, rel=1e-3)
+    sc = out["scenario"]
+    assert sc["step_s"] == pytest.approx(m["step_s"]) and sc["spikes_per_1k_steps"] == 2.0
+    assert sc["spike_back_steps"] == [11, 21]
+    assert [t["stall_s"] for t in sc["tiers"]] == pytest.approx([0.1, 2.0])
+    assert main(["simulate", "--from-run", "nope", "--db", url]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_optimize_finds_a_plan_at_least_as_good_as_the_default(capsys) -> None:
+    args = ["simulate", "--days", "10", "--gpus", "4096", "--seeds", "10", "--json"]
+    assert main([*args, "--no-search"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-search", "--optimize"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    opt = found["optimize"]
+    assert opt["configurations"] >= 50 and len(opt["grid"]) == opt["configurations"]
+    assert max(g["goodput"] for g in opt["grid"]) == opt["best"]["goodput"]
+    # the best plan, simulated again on the command's seeds, is at least the default plan
+    assert found["goodput"] >= plain["goodput"] - 1e-3
+    tiers = {t["name"]: t["interval"] for t in found["scenario"]["tiers"]}
+    assert tiers["disk"] == opt["best"]["disk_interval"]

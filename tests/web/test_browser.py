@@ -115,3 +115,28 @@ def test_runs_page_at_a_glance_and_compare_the_chosen(server, browser) -> None:
     assert sorted(page.url.split("?")[1].split("&")) == ["run=lr1e-3", "run=spiky"]
     page.wait_for_selector("#chart-loss .main-svg, .chart .main-svg")
     page.close()
+
+
+def test_goodput_page_plots_the_plan_from_a_recorded_run(server, browser, recorded_db) -> None:
+    """The planner with the spiky run's measured inputs: both charts drawn, the measured line
+    naming the run's spike, the form keeping what was asked."""
+    from observatory import store
+
+    with store.session_factory(recorded_db)() as s:
+        spikes = store.events(s, run_id="spiky", kinds=["spike"])
+    page = browser.new_page()
+    page.goto(server + "/goodput?run=spiky&gpus=1024&days=20&seeds=8")
+    page.wait_for_selector("#chart-goodput .main-svg")
+    page.wait_for_selector("#chart-badput .main-svg")
+    # two tiers' curves (a band and a line each), and one bar trace per badput bucket
+    assert page.locator("#chart-goodput .scatterlayer .trace").count() == 4
+    assert page.locator("#chart-badput .barlayer .trace").count() == 5
+    measured = page.inner_text("#measured")
+    assert "spiky" in measured and f"{len(spikes)} spikes" in measured
+    assert page.locator("#plans tr").count() == 4  # a header and three plans
+    assert page.input_value("input[name=gpus]") == "1024"
+    page.fill("input[name=gpus]", "4096")
+    page.click("#goodput-form button")
+    page.wait_for_url("**gpus=4096**")
+    page.wait_for_selector("#chart-goodput .main-svg")
+    page.close()

@@ -1,0 +1,66 @@
+"""What the dashboard's goodput page draws, computed in one simulation: goodput against the
+checkpoint interval of each tier (disk alone; memory with the disk tier as set), and badput by
+bucket for three plans (disk alone at Daly's interval, the plan as set, the best interval found
+for the memory tier)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from observatory.goodput.engine import BUCKETS, simulate
+from observatory.goodput.model import Scenario, Tier
+from observatory.goodput.plan import report, young_daly
+from observatory.goodput.young_daly import young
+
+__all__ = ["study"]
+
+_MEMORY = Tier("memory", 50, stall_s=1.0, restore_s=30.0, replicas=2)
+
+
+def _grid(stall_s: float, sc: Scenario, points: int) -> list[int]:
+    centre = young(max(stall_s, 1e-3), min(sc.mtbf_s, 1e12)) / sc.step_s
+    return sorted({max(1, round(x)) for x in np.geomspace(centre / 8, centre * 8, points)})
+
+
+def study(sc: Scenario, *, seeds: int = 30, points: int = 11, seed: int = 0) -> dict[str, Any]:
+    disk = sc.tier("disk")
+    assert disk is not None
+    mem = sc.tier("memory") or _MEMORY
+    disk_grid = _grid(disk.stall_s, sc, points)
+    mem_grid = _grid(mem.stall_s, sc, points)
+    alone = sc.replace(tiers=(disk,))
+    yd = young_daly(alone)
+    daly_steps = max(1, round(yd.get("daly_interval_s", disk.interval * sc.step_s) / sc.step_s))
+    plans = [alone.with_tier("disk", interval=k) for k in disk_grid]
+    plans += [sc.replace(tiers=(dataclasses.replace(mem, interval=k), disk)) for k in mem_grid]
+    plans += [alone.with_tier("disk", interval=daly_steps), sc]
+    lanes = simulate(plans, seeds, seed)
+
+    def curve(first: int, grid: list[int]) -> dict[str, list[float]]:
+        g = [lanes.goodput[lanes.of(first + i)] for i in range(len(grid))]
+        return {
+            "interval_s": [k * sc.step_s for k in grid],
+            "goodput": [float(x.mean()) for x in g],
+            "p5": [float(np.percentile(x, 5)) for x in g],
+            "p95": [float(np.percentile(x, 95)) for x in g],
+        }
+
+    curves = {"disk": curve(0, disk_grid), "memory": curve(len(disk_grid), mem_grid)}
+    best_mem = int(np.argmax(curves["memory"]["goodput"]))
+    named = {
+        f"disk alone, Daly's {daly_steps * sc.step_s / 60:.0f} min": len(plans) - 2,
+        "as set": len(plans) - 1,
+        f"memory every {mem_grid[best_mem] * sc.step_s / 60:.1f} min (best) + disk": len(disk_grid)
+        + best_mem,
+    }
+    return {
+        "curves": curves,
+        "plans": {name: report(plans[i], lanes, i) for name, i in named.items()},
+        "buckets": list(BUCKETS[1:]),
+        "young_daly": yd,
+        "seeds": seeds,
+        "runs": len(plans) * seeds,
+    }

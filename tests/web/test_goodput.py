@@ -1,0 +1,73 @@
+"""The goodput planner's API and page (TestClient, an empty SQLite): the command's options in the
+query string, figures from the simulation, bad options as 400 with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from observatory.goodput.cli import options, scenario_from_args
+from observatory.goodput.study import study
+from observatory.store import db
+from web import charts
+from web.app import create_app
+from web.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('goodput') / 'sw.db'}"
+    db.upgrade(url)
+    with TestClient(create_app(Settings(db_url=url))) as c:
+        yield c
+
+
+def test_the_api_answers_with_the_commands_options(client) -> None:
+    r = client.get("/api/goodput", params={"gpus": "2048", "days": "10", "seeds": "6"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    want = study(scenario_from_args(options({"gpus": "2048", "days": "10"})), seeds=6)
+    assert out["curves"] == want["curves"]  # the page computes what the library computes
+    assert list(out["plans"]) == list(want["plans"]) and len(out["plans"]) == 3
+    for plan in out["plans"].values():
+        assert 0 < plan["goodput"] < 1
+        assert sum(plan["badput"].values()) == pytest.approx(1 - plan["goodput"], rel=1e-9)
+    assert out["young_daly"]["daly_interval_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"gpus": "many"}, "invalid int"),
+        ({"warp": "9"}, "unknown option"),
+        ({"tiers": "memory"}, "disk"),
+        ({"seeds": "5000"}, "between 1 and 200"),
+        ({"run": "absent"}, "no run 'absent'"),
+    ],
+)
+def test_bad_options_are_400_with_the_reason(client, params, message) -> None:
+    r = client.get("/api/goodput", params={**params, "seeds": params.get("seeds", "3")})
+    assert r.status_code == 400 and message in r.json()["detail"]
+
+
+def test_the_page_carries_both_figures(client) -> None:
+    r = client.get("/goodput", params={"days": "5", "seeds": "4"})
+    assert r.status_code == 200
+    assert 'id="chart-goodput"' in r.text and 'id="chart-badput"' in r.text
+
+
+def test_figures_are_built_from_the_study() -> None:
+    s = study(scenario_from_args(options({"days": "5"})), seeds=4, points=5)
+    fig = charts.goodput_curves_figure(s)
+    lines = [t for t in fig["data"] if t.get("mode") == "lines+markers"]
+    assert [t["y"] for t in lines] == [
+        s["curves"]["disk"]["goodput"],
+        s["curves"]["memory"]["goodput"],
+    ]
+    assert fig["layout"]["shapes"][0]["x0"] == pytest.approx(
+        s["young_daly"]["daly_interval_s"] / 60
+    )
+    bars = charts.badput_figure(s)["data"]
+    assert len(bars) == len(s["buckets"]) == 5
+    first = list(s["plans"])[0]
+    assert sum(b["y"][0] for b in bars) == pytest.approx(100 * (1 - s["plans"][first]["goodput"]))
