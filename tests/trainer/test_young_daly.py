@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from observatory.goodput.young_daly import daly, overhead, parse_duration, young
+from observatory.goodput.young_daly import daly, expected_overhead, overhead, parse_duration, young
 from trainer.cli import main
 
 
@@ -43,3 +44,22 @@ def test_advise_prints_43_minutes(capsys) -> None:
     out = capsys.readouterr().out
     assert "Young: checkpoint every 43.1 min" in out
     assert "Daly: checkpoint every 39.9 min" in out
+
+
+def test_advise_says_how_far_the_simulation_differs(capsys) -> None:
+    assert main(["advise", "--mtbf", "3.1h", "--save-cost", "5min", "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("  Sim: checkpoint every") and "from Daly" in lines[2]
+    out = json.loads(lines[-1])
+    assert out["simulated_interval_s"] == pytest.approx(out["daly_interval_s"], rel=0.05)
+    # the simulation loses what Daly's exact expectation says, not the first-order formula
+    m, c, t = out["mtbf_s"], out["save_cost_s"], out["simulated_interval_s"]
+    assert out["simulated_overhead"] == pytest.approx(expected_overhead(t, c, m), rel=0.03)
+    assert out["young_overhead"] > 1.1 * out["simulated_overhead"]
+
+
+def test_the_exact_overhead_meets_the_first_order_one_when_saves_are_cheap() -> None:
+    c, m = 1.0, 1e6
+    t = young(c, m)
+    assert expected_overhead(t, c, m) == pytest.approx(overhead(t, c, m), rel=0.01)
+    assert expected_overhead(t, 300.0, 3600.0) < overhead(t, 300.0, 3600.0)
