@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoints import format as ck
-from observatory.retention import keep
-from trainer.checkpoints.staging import Live, Stager, stage_tensors
 from observatory.goodput.young_daly import daly
+from observatory.retention import keep
+from trainer.checkpoints import format as ck
+from trainer.checkpoints.staging import Live, Stager, stage_tensors
 from trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]

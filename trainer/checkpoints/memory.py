@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoints.format import CheckpointError, Snapshot
 from observatory.retention import keep
+from trainer.checkpoints.format import CheckpointError, Snapshot
 from trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
