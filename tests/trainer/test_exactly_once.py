@@ -106,3 +106,27 @@ def test_sigkill_and_resume_store_every_row_exactly_once(tmp_path) -> None:
         got = _store(run)
         for what in ("branches", "events", "points"):
             assert got[what] == want[what], f"trial {trial}, {what}: {_diff(want[what], got[what])}"
+
+
+def test_a_rollback_taken_again_after_a_resume_is_stored_once(tmp_path) -> None:
+    """Killed after the rollback was recorded, resumed from before it: the same decision comes
+    again from another tier in another time, and the store keeps one event (the SIGKILL test
+    above meets this only when the kill falls in that window)."""
+    from observatory import store
+    from observatory.store import db
+    from observatory.store.sink import DbSink
+    from trainer.core.recorder import Recorder
+
+    url = f"sqlite:///{tmp_path / 'sw.db'}"
+    db.upgrade(url)
+    why = "loss spike at step 73, onset 71: back to step 60"
+    with DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01) as sink:
+        for tier, seconds in (("memory", 0.01), ("disk", 0.4)):  # the run, then its resume
+            rec = Recorder(sink)
+            rec.run_id = "r"
+            sink.start_run("r")
+            rec.on_rollback(60, {"step": 73, "reason": why, "tier": tier, "restore_s": seconds})
+        sink.flush(timeout=10)
+    with store.session_factory(url)() as s:
+        rollbacks = store.events(s, run_id="r", kinds=["rollback"])
+    assert len(rollbacks) == 1 and rollbacks[0].data["tier"] == "memory"

@@ -15,6 +15,7 @@ from typing import Any
 from observatory import metric_names as M
 from observatory.control import RequestPoller
 from observatory.store.db import redact, serve_hint
+from observatory.store.records import content_uid
 from observatory.store.sink import BaseSink
 from observatory.strict_json import tagged
 from trainer.core.actions import Action, Continue, Halt, Note, Rollback
@@ -125,13 +126,19 @@ class Recorder(Callback):
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         old, self.branch = self.branch, self.branch + 1
+        message = str(record.get("reason", ""))
+        # The uid names the decision, not its timing: a run killed after recording a rollback
+        # and resumed from before it takes the same rollback again, from another tier in
+        # another time (`tier`, `restore_s`), and the store must keep it once.
+        what = {"step": record.get("step"), "branch": old, "to": step, "message": message}
         self.sink.log_event(
             self.run_id,
             "rollback",
             step=record.get("step"),
             branch=old,
-            message=str(record.get("reason", "")),
+            message=message,
             data=tagged(record),
+            uid=content_uid(self.run_id, {"kind": "rollback", **what}),
         )
         reason = str(record.get("reason", ""))
         fork: dict[str, Any] = {"branch": self.branch, "parent": old, "fork_step": step}
