@@ -35,7 +35,7 @@ import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select coun
 [ "$runs" = 3 ] || { echo "wheel check: $runs runs in the store, expected 3" >&2; exit 1; }
 run_key="$("$work/venv/bin/python" -c "
 import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select key from runs').fetchone()[0])")"
-"$sw" simulate --days 5 --seeds 3 --json --from-run "$run_key" --db "sqlite:///$work/user/runs.db" \
+"$sw" simulate --days 5 --seeds 3 --json --step-time 6s --from-run "$run_key" --db "sqlite:///$work/user/runs.db" \
   > simulate.json
 grep -q '"goodput"' simulate.json || { echo "wheel check: simulate printed no goodput" >&2; exit 1; }
 echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran, db upgrade and simulate --from-run worked"

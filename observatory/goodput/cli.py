@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 from observatory.goodput.engine import simulate
 from observatory.goodput.model import LLAMA3_PER_GPU_DAY, Cause, Failures, Scenario, Spikes, Tier
-from observatory.goodput.plan import best_interval, from_run, optimize, report, young_daly
+from observatory.goodput.plan import best_interval, measure, optimize, report, young_daly
 from observatory.goodput.young_daly import parse_duration
 
 __all__ = ["FAILURE_MODELS", "add_parser", "options", "run", "scenario_from_args"]
@@ -58,7 +59,9 @@ def add_parser(sub: Any) -> None:
     )
     run_ = p.add_argument_group("the run")
     run_.add_argument("--gpus", type=int, default=16_384)
-    run_.add_argument("--step-time", default="6s", help="one step's time (default 6s)")
+    run_.add_argument(
+        "--step-time", default=None, help="one step's time (default 6s, or the run's measured)"
+    )
     size = run_.add_mutually_exclusive_group()
     size.add_argument("--steps", type=int, default=None, help="steps to train")
     size.add_argument("--days", type=float, default=54.0, help="failure-free length (default 54)")
@@ -70,11 +73,13 @@ def add_parser(sub: Any) -> None:
     fail.add_argument("--causes", type=Path, default=None, help="JSON list of causes (see docs)")
     fail.add_argument("--restart", default="5min", help="detect + schedule + init + warm-up")
     sp = p.add_argument_group("spikes")
-    sp.add_argument("--spikes-per-1k", type=float, default=None, help="default: PaLM's 0.078")
+    sp.add_argument(
+        "--spikes-per-1k", type=float, default=None, help="default: PaLM's 0.078, or the run's"
+    )
     sp.add_argument(
         "--spike-back",
         default=None,
-        help="steps before detection the target must lie: N or N,M,...",
+        help="steps before detection the target must lie: N or N,M,... (default 100, or the run's)",
     )
     sp.add_argument("--skip", type=int, default=None, help="batches skipped per rollback (350)")
     tiers = p.add_argument_group("checkpoint tiers")
@@ -84,9 +89,14 @@ def add_parser(sub: Any) -> None:
         tiers.add_argument(
             f"--{name}-interval", default=str(d.interval), help=f"default {d.interval} steps"
         )
-        tiers.add_argument(f"--{name}-stall", default=f"{d.stall_s:g}s", help="blocking per save")
+        tiers.add_argument(
+            f"--{name}-stall",
+            default=None,
+            help=f"blocking per save ({d.stall_s:g}s, or the run's)",
+        )
         tiers.add_argument(f"--{name}-restore", default=f"{d.restore_s:g}s")
-        tiers.add_argument(f"--{name}-write", default=f"{d.write_s:g}s", help="background write")
+        if name == "disk":  # a host-memory snapshot is whole once copied: its cost is the stall
+            tiers.add_argument("--disk-write", default=f"{d.write_s:g}s", help="background write")
         tiers.add_argument(
             f"--{name}-retention",
             default="exponential",
@@ -104,11 +114,18 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-def _steps(text: str, step_s: float) -> int:
-    """An interval: a number of steps, or a duration turned into steps."""
-    if text.strip().isdigit():
-        return int(text)
-    return max(1, round(parse_duration(text) / step_s))
+def _steps(text: str, step_s: float, what: str) -> int:
+    """An interval: a number of steps (`500`, `1e3`), or a duration (`30min`) in steps."""
+    try:
+        steps = float(text)
+    except ValueError:
+        steps = parse_duration(text) / step_s
+        if steps < 1:
+            raise ValueError(f"{what} {text!r} is shorter than one {step_s:g} s step") from None
+        return round(steps)
+    if steps < 1 or steps != int(steps):
+        raise ValueError(f"{what} {text!r}: a whole number of steps >= 1, or a duration")
+    return int(steps)
 
 
 def _retention(text: str) -> tuple[str, int]:
@@ -137,44 +154,44 @@ def _causes(path: Path) -> tuple[Cause, ...]:
         ) from None
 
 
-def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    step_s = parse_duration(args.step_time)
-    steps = args.steps if args.steps is not None else round(args.days * 86_400 / step_s)
+def scenario_from_args(
+    args: argparse.Namespace, measured: dict[str, Any] | None = None
+) -> Scenario:
+    """The scenario the options describe. `measured` (a stored run's figures) fills what the
+    options leave unset: the step time, the stalls, the spike rate and the rollback distances;
+    an option given wins."""
+    got = measured or {}
     base = Scenario()
+    step_s = parse_duration(args.step_time) if args.step_time else got.get("step_s", base.step_s)
+    if not (step_s > 0 and math.isfinite(step_s)):
+        raise ValueError(f"the step time must be > 0, got {args.step_time!r}")
+    if args.steps is not None:
+        steps = args.steps
+    elif args.days > 0 and math.isfinite(args.days):
+        steps = max(1, round(args.days * 86_400 / step_s))
+    else:
+        raise ValueError(f"--days must be > 0, got {args.days}")
     rate = args.failures_per_gpu_day
     failures = Failures(
         per_gpu_day=FAILURE_MODELS[args.failure_model] if rate is None else rate,
         causes=_causes(args.causes) if args.causes else base.failures.causes,
     )
-    backs = base.spikes.back_steps
+    backs = tuple(got.get("back_steps") or base.spikes.back_steps)
     if args.spike_back:
-        backs = tuple(int(x) for x in args.spike_back.split(","))
+        try:
+            backs = tuple(int(x) for x in args.spike_back.split(","))
+        except ValueError:
+            raise ValueError(f"--spike-back is N or N,M,..., not {args.spike_back!r}") from None
+    per_1k = got.get("spikes_per_1k_steps", base.spikes.per_1k_steps)
     spikes = Spikes(
-        per_1k_steps=base.spikes.per_1k_steps if args.spikes_per_1k is None else args.spikes_per_1k,
+        per_1k_steps=per_1k if args.spikes_per_1k is None else args.spikes_per_1k,
         back_steps=backs,
         skip=base.spikes.skip if args.skip is None else args.skip,
     )
     names = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if set(names) - {"memory", "disk"} or "disk" not in names:
         raise ValueError(f"--tiers is memory,disk or disk, not {args.tiers!r}")
-    tiers = []
-    for name in ("memory", "disk"):
-        if name not in names:
-            continue
-        kind, keep_last = _retention(getattr(args, f"{name}_retention"))
-        tiers.append(
-            Tier(
-                name,
-                _steps(getattr(args, f"{name}_interval"), step_s),
-                stall_s=parse_duration(getattr(args, f"{name}_stall")),
-                restore_s=parse_duration(getattr(args, f"{name}_restore")),
-                write_s=parse_duration(getattr(args, f"{name}_write")),
-                retention=kind,
-                keep_last=keep_last,
-                max_kept=getattr(args, f"{name}_max_kept"),
-                replicas=args.memory_replicas if name == "memory" else 1,
-            )
-        )
+    tiers = [_tier(args, name, step_s, got) for name in ("memory", "disk") if name in names]
     return Scenario(
         gpus=args.gpus,
         step_s=step_s,
@@ -186,17 +203,35 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     )
 
 
+def _tier(args: argparse.Namespace, name: str, step_s: float, got: dict[str, Any]) -> Tier:
+    default = Scenario().tier(name)
+    assert default is not None
+    kind, keep_last = _retention(getattr(args, f"{name}_retention"))
+    stall = getattr(args, f"{name}_stall")
+    return Tier(
+        name,
+        _steps(getattr(args, f"{name}_interval"), step_s, f"--{name}-interval"),
+        stall_s=parse_duration(stall) if stall else got.get(f"{name}_stall_s", default.stall_s),
+        restore_s=parse_duration(getattr(args, f"{name}_restore")),
+        write_s=parse_duration(args.disk_write) if name == "disk" else 0.0,
+        retention=kind,
+        keep_last=keep_last,
+        max_kept=getattr(args, f"{name}_max_kept"),
+        replicas=args.memory_replicas if name == "memory" else 1,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.seeds < 1:
-        raise ValueError("--seeds must be >= 1")
-    sc = scenario_from_args(args)
+    if args.seeds < 1 or args.seed < 0:
+        raise ValueError("--seeds must be >= 1 and --seed >= 0")
     out: dict[str, Any] = {}
     if args.from_run:
         from observatory.store.db import store_url
         from observatory.store.queries import session_factory
 
         with session_factory(store_url(args.db))() as session:
-            sc, out["measured"] = from_run(session, args.from_run, sc)
+            out["measured"] = measure(session, args.from_run)
+    sc = scenario_from_args(args, out.get("measured"))
     t0 = time.perf_counter()
     if args.optimize:
         found = optimize(sc, seed=args.seed)

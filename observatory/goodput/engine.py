@@ -44,6 +44,8 @@ BUCKETS = (
     "infrastructure_recovery_from_disruption",
 )
 _NEVER = np.iinfo(np.int64).max // 4
+MAX_EVENTS = 1_000_000  # failures and spikes a run is expected to meet
+MAX_SAVES = 300_000  # saves of one tier in one run (retention is kept per save)
 GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves included)
 
 
@@ -155,6 +157,18 @@ class _Run:
             ),
             1.0,
         )
+        if expected > MAX_EVENTS:
+            raise ValueError(
+                f"a run would meet about {expected:,.0f} failures and spikes: too many to "
+                f"simulate (at most {MAX_EVENTS:,}); fewer GPUs, a lower rate or a shorter run"
+            )
+        for s in scenarios:
+            for t in s.tiers:
+                if s.steps // t.interval > MAX_SAVES:
+                    raise ValueError(
+                        f"the {t.name} tier would save {s.steps // t.interval:,} times (at most "
+                        f"{MAX_SAVES:,}): lengthen its interval"
+                    )
         self.draws = _Draws(seeds, seed, int(expected * 1.3 + 10 * math.sqrt(expected) + 64))
         # state
         self.t = np.zeros(L)
@@ -166,7 +180,7 @@ class _Run:
         all_lanes = np.arange(L)
         self.f_left = self._fail_gap(all_lanes)
         self.s_left = self._spike_gap(all_lanes)
-        self.pins: list[set[int]] = [set() for _ in range(L)]
+        self.pins: list[dict[str, set[int]]] = [{"memory": set(), "disk": set()} for _ in range(L)]
         self.b = {k: np.zeros(L) for k in BUCKETS}
         self.count = {
             k: np.zeros(L, dtype=np.int64)
@@ -274,7 +288,7 @@ class _Run:
                 step = self._retained(int(lane), "memory", int(Pf[j]))
                 if step >= R[j]:  # a tie restores from memory: it is faster
                     R[j], mem_step[j] = step, step
-        from_mem = mem_ok & (mem_step == R) & (R >= 0)
+        from_mem = mem_ok & (mem_step == R) & (R > 0)  # step 0 is the start, not a snapshot
         restore = np.where(from_mem, mem["restore"][ia], self.tiers["disk"]["restore"][ia])
         lost_mem = mem["on"][ia] & ~mem_ok
         # memory holds nothing from before a loss; a restore below the floor starts a lineage
@@ -298,8 +312,8 @@ class _Run:
         written = tau - self._wall(ia, P, np.maximum(S - P, 0))
         S = np.where((S > P) & (written < d["write"][ia]), S - k, S)
         out = S.copy()
-        for j in np.flatnonzero(S <= P):  # made before this stretch: retention decides
-            out[j] = self._retained(int(ia[j]), "disk", int(Pf[j]))
+        for j in np.flatnonzero(S <= P):  # made before this stretch: retention decides (not
+            out[j] = self._retained(int(ia[j]), "disk", int(S[j]))  # the unwritten one above)
         return out
 
     def _spike(self, lane: int) -> None:
@@ -320,13 +334,11 @@ class _Run:
             floor = int(self.mem_floor[lane]) if name == "memory" else 0
             if (limit // k) * k >= floor:
                 ideal = max(ideal, (limit // k) * k)
-        pinned = max((p for p in self.pins[lane] if p <= limit), default=0)
-        if pinned > target:
-            target, tier = pinned, "disk"
         if target < ideal:
             self.count["further"][lane] += 1
             self.count["further_steps"][lane] += ideal - target
-        self.pins[lane].add(target)
+        if target > 0:
+            self.pins[lane][tier].add(target)
         restore = float(self.tiers[tier]["restore"][lane])
         self.b["wasted_progress_from_spike_rollback"][lane] += (
             self.P[lane] - target
@@ -339,8 +351,8 @@ class _Run:
         self.s_left[lane] = self._spike_gap(np.array([lane]))[0]
 
     def _retained(self, lane: int, name: str, limit: int) -> int:
-        """The newest checkpoint of a tier at or before `limit` that retention still holds
-        (0 if none: the run's start is always there)."""
+        """The newest checkpoint of a tier at or before `limit` that retention still holds, or
+        that a rollback pinned there (0 if none: the run's start is always there)."""
         sc = self.sc[self.scen[lane]]
         tier = sc.tier(name)
         assert tier is not None
@@ -348,6 +360,7 @@ class _Run:
         held = _held(tier.interval, tier.retention, tier.keep_last, tier.max_kept, n)
         i = bisect.bisect_right(held, limit // tier.interval) - 1
         step = held[i] * tier.interval if i >= 0 else 0
+        step = max([step, *(p for p in self.pins[lane][name] if p <= limit)])
         floor = int(self.mem_floor[lane]) if name == "memory" else 0
         return step if step >= floor else 0
 

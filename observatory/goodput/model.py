@@ -134,6 +134,8 @@ class Tier:
             raise ValueError(f"tier {self.name}: retention is 'exponential' or 'last'")
         if self.keep_last < 1 or (self.max_kept is not None and self.max_kept < self.keep_last):
             raise ValueError(f"tier {self.name}: keep_last >= 1 and max_kept >= keep_last")
+        if self.name == "memory" and self.write_s:
+            raise ValueError("a host-memory snapshot is whole once copied: its cost is stall_s")
         if self.replicas < 1:
             raise ValueError(f"tier {self.name}: replicas must be >= 1")
 

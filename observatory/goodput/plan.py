@@ -17,7 +17,7 @@ from observatory.goodput.young_daly import daly, overhead, young
 __all__ = [
     "Best",
     "best_interval",
-    "from_run",
+    "measure",
     "optimize",
     "report",
     "simulated_optimum",
@@ -182,9 +182,10 @@ def optimize(
     }
 
 
-def from_run(session: Any, run_id: str, base: Scenario) -> tuple[Scenario, dict[str, Any]]:
-    """`base` with the step time, save stalls, spike rate and rollback distances measured in a
-    stored run; also what was measured, and from how much."""
+def measure(session: Any, run_id: str) -> dict[str, Any]:
+    """What a stored run measured for a plan: its step time (wall time less checkpoint stalls,
+    per trained step), each tier's median stall, its spike rate, and each spike's distance from
+    detection back to before its onset."""
     from observatory import metric_names as M
     from observatory.store import queries as q
 
@@ -198,36 +199,23 @@ def from_run(session: Any, run_id: str, base: Scenario) -> tuple[Scenario, dict[
     end = run.ended_at or run.updated_at
     stalls = {t: _values(session, run_id, M.checkpoint_stall(t)) for t in ("memory", "disk")}
     stall_total = sum(float(v.sum()) for v in stalls.values())
-    step_s = max((end - run.created_at).total_seconds() - stall_total, 1e-6) / steps
     spikes = q.events(session, run_id=run_id, kinds=["spike"])
-    backs = tuple(
-        sorted(
-            max(int(e.step) - int(e.data["onset_step"]) + 1, 1)
-            for e in spikes
-            if e.step is not None and e.data.get("onset_step") is not None
-        )
-    )
     measured: dict[str, Any] = {
         "run_id": run_id,
         "trained_steps": steps,
-        "step_s": step_s,
+        "step_s": max((end - run.created_at).total_seconds() - stall_total, 1e-6) / steps,
         "spikes": len(spikes),
         "spikes_per_1k_steps": 1000 * len(spikes) / steps,
-        "back_steps": list(backs),
-    }
-    sc = base.replace(
-        step_s=step_s,
-        spikes=Spikes(
-            per_1k_steps=measured["spikes_per_1k_steps"],
-            back_steps=backs or base.spikes.back_steps,
-            skip=base.spikes.skip,
+        "back_steps": sorted(
+            max(int(e.step) - int(e.data["onset_step"]) + 1, 1)
+            for e in spikes
+            if e.step is not None and e.data.get("onset_step") is not None
         ),
-    )
+    }
     for tier, values in stalls.items():
-        if values.size and sc.tier(tier) is not None:
+        if values.size:
             measured[f"{tier}_stall_s"] = float(np.median(values))
-            sc = sc.with_tier(tier, stall_s=measured[f"{tier}_stall_s"])
-    return sc, measured
+    return measured
 
 
 def _trained_steps(session: Any, run_id: str) -> int:

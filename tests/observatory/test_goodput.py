@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 from observatory.goodput import BUCKETS, Cause, Failures, Scenario, Spikes, Tier, simulate
-from observatory.goodput.engine import _Draws
+from observatory.goodput.engine import _Draws, _stall
 from observatory.goodput.plan import best_interval, report
 from observatory.goodput.young_daly import daly, expected_overhead
 from observatory.retention import keep
 from trainer.cli import main
 
-DEBUG = False
 CAUSES = (Cause("gpu", 0.7), Cause("host", 0.2, restart_s=900.0, host_lost=True), Cause("sw", 0.1))
 
 
@@ -51,18 +50,18 @@ def _held(k: int, h: int, tier: Tier) -> set[int]:
     return kept
 
 
-def _newest(tier: Tier, lo: int, P: int, start: int, H: int) -> int:
-    """At a failure: a save made since the last restore, else the newest that retention holds."""
-    made = (P // tier.interval) * tier.interval
-    if made > start:
-        return made
-    return max((s for s in _held(tier.interval, H, tier) if lo <= s <= P), default=0)
+def _lookup(tier: Tier, lo: int, limit: int, H: int, pins: set[int]) -> int:
+    """The newest checkpoint of a tier at or before `limit` that retention (counted from the
+    furthest save H) holds or a rollback pinned, if at or above `lo` (else the start, 0)."""
+    held = [s for s in _held(tier.interval, H, tier) | pins if s <= limit]
+    step = max(held, default=0)
+    return step if step >= lo else 0
 
 
 def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
-    """One lane, one step at a time, written from the engine's docstring (write_s = 0)."""
+    """One lane, one step at a time, written from docs/goodput.md's model."""
     mem, disk = sc.tier("memory"), sc.tier("disk")
-    assert disk is not None and disk.write_s == 0
+    assert disk is not None and (mem is None or mem.write_s == 0)
     cols = {k: v[seed] for k, v in draws.cols.items()}
     lam = 1 / sc.mtbf_s
     rate = sc.spikes.per_1k_steps / 1000
@@ -72,24 +71,30 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
     i_f, i_s = 1, 0
     f_left = cols["fail"][0] / lam
     s_left = math.ceil(cols["spike"][0] / rate)
-    pins: set[int] = set()
+    pins: dict[str, set[int]] = {"memory": set(), "disk": set()}
+    saved_at: dict[int, float] = {}  # disk save step -> the time its stall ended
     b = dict.fromkeys(BUCKETS, 0.0)
     n = {"failures": 0, "spikes": 0, "memory": 0, "further": 0}
     tiers = [x for x in (mem, disk) if x is not None]
     while P < sc.steps:
-        cost = sc.step_s + sum(x.stall_s for x in tiers if (P + 1) % x.interval == 0)
+        cost = sc.step_s + sum(_stall(x, sc) for x in tiers if (P + 1) % x.interval == 0)
         if f_left < cost:  # a failure during this step or its saves
             t += f_left
             b["wasted_progress_from_disruption"] += f_left
             c = int(min(np.searchsorted(cum, cols["cause"][i_f]), len(cum) - 1))
             cause = sc.failures.causes[c]
-
-            r_disk = _newest(disk, 0, P, start, H)
+            made = (P // disk.interval) * disk.interval
+            if made > start and t - saved_at[made] < disk.write_s:
+                made -= disk.interval  # still being written: the one before
+            r_disk = made if made > start else _lookup(disk, 0, made, H, pins["disk"])
             mem_ok = mem is not None and (mem.replicas >= 2 or not cause.host_lost)
-            r_mem = _newest(mem, floor, P, start, H) if mem_ok and mem is not None else -1
-            r_mem = r_mem if r_mem >= floor else 0
+            r_mem = -1
+            if mem is not None and mem_ok:
+                r_mem = (P // mem.interval) * mem.interval
+                if r_mem <= start:
+                    r_mem = _lookup(mem, floor, P, H, pins["memory"])
             R = max(r_disk, r_mem)
-            use_mem = mem_ok and r_mem == R and R >= 0
+            use_mem = mem_ok and r_mem == R and R > 0
             restore = mem.restore_s if use_mem and mem else disk.restore_s
             floor = R + 1 if mem is not None and not mem_ok else min(floor, R + 1)
             restart = sc.restart_s if cause.restart_s is None else cause.restart_s
@@ -97,8 +102,6 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
             b["infrastructure_recovery_from_disruption"] += restart
             b["unproductive_checkpoint_restore_time"] += restore
             t += restart + restore
-            if DEBUG:
-                print("R fail start", start, "at", P, "-> R", R, "H", H, r_disk, r_mem)
             P = start = R
             n["failures"] += 1
             n["memory"] += use_mem
@@ -110,6 +113,8 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
         b["unproductive_checkpoint_save_time"] += cost - sc.step_s
         P += 1
         H = max(H, P)
+        if P % disk.interval == 0:
+            saved_at[P] = t
         s_left -= 1
         if P == sc.steps or s_left > 0:
             continue
@@ -120,24 +125,18 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
         target, name, ideal = 0, "disk", 0
         for tier in tiers:
             lo = floor if tier.name == "memory" else 0
-            held = [s for s in _held(tier.interval, H, tier) if s <= limit]
-            step = max(held, default=0)
-            step = step if step >= lo else 0
+            step = _lookup(tier, lo, limit, H, pins[tier.name])
             if step > target or (step == target and tier.name == "memory" and step > 0):
                 target, name = step, tier.name
             if (limit // tier.interval) * tier.interval >= lo:
                 ideal = max(ideal, (limit // tier.interval) * tier.interval)
-        pinned = max((p for p in pins if p <= limit), default=0)
-        if pinned > target:
-            target, name = pinned, "disk"
         n["further"] += target < ideal
-        pins.add(target)
+        if target > 0:
+            pins[name].add(target)
         restore = mem.restore_s if name == "memory" and mem else disk.restore_s
         b["wasted_progress_from_spike_rollback"] += (P - target) * sc.step_s
         b["unproductive_checkpoint_restore_time"] += restore
         t += restore
-        if DEBUG:
-            print("R spike at", P, "->", target, "H", H, limit)
         P = start = target
         floor = min(floor, target + 1)
         n["spikes"] += 1
@@ -172,6 +171,15 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
                 Tier("disk", 100, stall_s=30.0, restore_s=10.0),
             ),
         ),
+        _small(  # a long background write: failures soon after a save restore the one before
+            tiers=(
+                Tier("memory", 30, stall_s=0.5, restore_s=20.0, retention="last", keep_last=2),
+                Tier("disk", 90, stall_s=7.0, restore_s=120.0, write_s=600.0),
+            ),
+        ),
+        _small(  # a write longer than the interval: each save waits for the last one's
+            tiers=(Tier("disk", 40, stall_s=5.0, restore_s=60.0, write_s=700.0, keep_last=1),),
+        ),
     ],
     ids=[
         "memory-last2-disk-exp",
@@ -179,6 +187,8 @@ def _reference(sc: Scenario, draws: _Draws, seed: int) -> dict[str, float]:
         "disk-only",
         "far-back-exp",
         "stalls-dominate",
+        "write-600s",
+        "write-outlasts-interval",
     ],
 )
 def test_the_vectorised_engine_agrees_with_a_step_by_step_reference(sc: Scenario) -> None:
@@ -309,13 +319,31 @@ def test_a_run_that_cannot_progress_stops_unfinished() -> None:
         (["--tiers", "memory"], "disk"),
         (["--memory-retention", "newest"], "retention"),
         (["--disk-interval", "soon"], "not a duration"),
+        (["--disk-interval", "2.5"], "whole number of steps"),
+        (["--memory-interval", "0.5s"], "shorter than one 6 s step"),
         (["--seeds", "0"], "seeds"),
+        (["--seed", "-1"], "seed"),
+        (["--step-time", "0s"], "step time must be > 0"),
+        (["--days", "inf"], "--days must be > 0"),
+        (["--spike-back", "ten"], "--spike-back"),
         (["--failures-per-gpu-day", "-1"], "failure rate"),
+        (["--gpus", "100000000"], "too many to simulate"),
+        (["--memory-interval", "1", "--days", "540"], "lengthen its interval"),
     ],
 )
 def test_bad_options_get_one_clear_line(args: list[str], message: str, capsys) -> None:
     assert main(["simulate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_intervals_are_steps_or_durations(capsys) -> None:
+    args = ["simulate", "--seeds", "2", "--days", "2", "--no-search", "--json"]
+    assert main([*args, "--memory-interval", "1e2", "--disk-interval", "1h"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["scenario"]["tiers"]
+    assert [t["interval"] for t in tiers] == [100, 600]  # 1e2 steps; 3,600 s of 6 s steps
+    with pytest.raises(SystemExit):  # argparse's own exit: a memory snapshot has no write
+        main([*args, "--memory-write", "1s"])
+    assert "unrecognized arguments: --memory-write" in capsys.readouterr().err
 
 
 def test_causes_from_a_file(tmp_path, capsys) -> None:
@@ -370,6 +398,13 @@ def test_from_run_takes_the_measured_inputs(tmp_path, capsys) -> None:
     assert [t["stall_s"] for t in sc["tiers"]] == pytest.approx([0.1, 2.0])
     assert main(["simulate", "--from-run", "nope", "--db", url]) == 2
     assert "nope" in capsys.readouterr().err
+    # what the user says wins over what the run measured; durations become steps after
+    given = ["--step-time", "4s", "--days", "1", "--disk-interval", "30min", "--spike-back", "50"]
+    assert main([*args, *given, "--disk-stall", "9s"]) == 0
+    sc = json.loads(capsys.readouterr().out)["scenario"]
+    assert sc["step_s"] == 4.0 and sc["steps"] == 21_600 and sc["spike_back_steps"] == [50]
+    assert sc["spikes_per_1k_steps"] == 2.0  # not given: measured
+    assert [(t["interval"], t["stall_s"]) for t in sc["tiers"]] == [(50, 0.1), (450, 9.0)]
 
 
 def test_optimize_finds_a_plan_at_least_as_good_as_the_default(capsys) -> None:

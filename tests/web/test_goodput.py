@@ -43,6 +43,11 @@ def test_the_api_answers_with_the_commands_options(client) -> None:
         ({"tiers": "memory"}, "disk"),
         ({"seeds": "5000"}, "between 1 and 200"),
         ({"run": "absent"}, "no run 'absent'"),
+        ({"causes": "/etc/passwd"}, "unknown option 'causes'"),
+        ({"from-run": "x"}, "unknown option 'from-run'"),
+        ({"gpus": "100000000"}, "at most 1,000,000"),
+        ({"seed": "-1"}, "seed must be >= 0"),
+        ({"step-time": "0s"}, "step time must be > 0"),
     ],
 )
 def test_bad_options_are_400_with_the_reason(client, params, message) -> None:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
 from observatory.goodput.cli import options, scenario_from_args
-from observatory.goodput.plan import from_run
+from observatory.goodput.plan import measure
 from observatory.goodput.study import study
 from web import charts
 from web.deps import SessionDep
@@ -41,21 +41,46 @@ FORM = (
 PAGE_SEEDS = "30"  # a page answers in about a second; the command's default is 100
 
 
+# The command's options a page takes: not --causes (a file on the server), --from-run (`run`
+# here), --db, --optimize, --no-search or --json.
+ALLOWED = {
+    *FORM,
+    "steps",
+    "tiers",
+    "seed",
+    "skip",
+    "failures-per-gpu-day",
+    "memory-retention",
+    "disk-retention",
+    "memory-max-kept",
+    "disk-max-kept",
+    "memory-replicas",
+}
+LIMITS = {"gpus": 1_000_000, "days": 3_650, "steps": 100_000_000}
+
+
 def _plan(session: Any, params: dict[str, str]) -> dict[str, Any]:
     params = {k.replace("_", "-"): v for k, v in params.items() if v != ""}
     run = params.pop("run", None)
     params.setdefault("seeds", PAGE_SEEDS)
     try:
+        unknown = sorted(set(params) - ALLOWED)
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]!r} (the page takes {sorted(ALLOWED)})")
         args = options(params)
         if not 1 <= args.seeds <= 200:
             raise ValueError("seeds must be between 1 and 200 on the dashboard")
-        sc = scenario_from_args(args)
-        measured = None
-        if run:
-            sc, measured = from_run(session, run, sc)
+        for name, most in LIMITS.items():
+            value = getattr(args, name)
+            if value is not None and value > most:
+                raise ValueError(f"{name} must be at most {most:,} on the dashboard")
+        if args.seed < 0:
+            raise ValueError("seed must be >= 0")
+        measured = measure(session, run) if run else None
+        sc = scenario_from_args(args, measured)
+        out = _study(sc, args.seeds, args.seed)
     except ValueError as e:
         raise HTTPException(status_code=400, detail=str(e)) from None
-    out = _study(sc, args.seeds, args.seed)
     return {**out, "measured": measured, "options": params, "run": run}
 
 
