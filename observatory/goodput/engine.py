@@ -162,12 +162,12 @@ class _Run:
                 f"a run would meet about {expected:,.0f} failures and spikes: too many to "
                 f"simulate (at most {MAX_EVENTS:,}); fewer GPUs, a lower rate or a shorter run"
             )
-        for s in scenarios:
-            for t in s.tiers:
-                if s.steps // t.interval > MAX_SAVES:
+        for sc in scenarios:
+            for tier in sc.tiers:
+                if sc.steps // tier.interval > MAX_SAVES:
                     raise ValueError(
-                        f"the {t.name} tier would save {s.steps // t.interval:,} times (at most "
-                        f"{MAX_SAVES:,}): lengthen its interval"
+                        f"the {tier.name} tier would save {sc.steps // tier.interval:,} times "
+                        f"(at most {MAX_SAVES:,}): lengthen its interval"
                     )
         self.draws = _Draws(seeds, seed, int(expected * 1.3 + 10 * math.sqrt(expected) + 64))
         # state
