@@ -320,39 +320,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_advise(args: argparse.Namespace) -> int:
-    from observatory.goodput.plan import simulated_optimum
-    from observatory.goodput.young_daly import daly, overhead, parse_duration, young
-
-    mtbf, cost = parse_duration(args.mtbf), parse_duration(args.save_cost)
-    rows = [("Young", young(cost, mtbf)), ("Daly", daly(cost, mtbf))]
-    out = {"mtbf_s": mtbf, "save_cost_s": cost}
-    for name, t in rows:
-        print(  # noqa: T201 - the command's output
-            f"{name:>5}: checkpoint every {t / 60:.1f} min "
-            f"(expected overhead {100 * overhead(t, cost, mtbf):.1f}% of wall time)"
-        )
-        out[f"{name.lower()}_interval_s"] = t
-        out[f"{name.lower()}_overhead"] = overhead(t, cost, mtbf)
-    sim, lost = simulated_optimum(cost, mtbf)
-    print(  # noqa: T201
-        f"  Sim: checkpoint every {sim / 60:.1f} min (lost {100 * lost:.1f}% of wall time; "
-        f"{100 * (sim / rows[1][1] - 1):+.1f}% from Daly): `spikewatch simulate` adds restarts, "
-        "spikes, tiers and retention"
-    )
-    out["simulated_interval_s"] = sim
-    out["simulated_overhead"] = lost
-    if args.json:
-        print(json.dumps(out))  # noqa: T201
-    return 0
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from observatory.goodput.cli import run
-
-    return run(args)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """The dashboard and the demo training together: watch the spike and the rollback live."""
     from trainer.config import CONFIG_DIR
@@ -557,15 +524,9 @@ def _add_tools(sub: Any) -> None:
     test.add_argument("url", nargs="*", help="webhook URL(s) (default $SPIKEWATCH_ALERT_URLS)")
     test.set_defaults(func=cmd_alert_test)
 
-    from observatory.goodput.cli import add_parser as add_simulate
+    from observatory.goodput.cli import add_parsers as add_planning
 
-    add_simulate(sub)
-    advise = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
-    advise.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")
-    advise.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
-    advise.add_argument("--json", action="store_true", help="also print a JSON line")
-    advise.set_defaults(func=cmd_advise)
-    sub.choices["simulate"].set_defaults(func=cmd_simulate)
+    add_planning(sub)  # simulate and advise
 
     serve = sub.add_parser("serve", help="the dashboard and its JSON API")
     serve.add_argument("--db", default=None, help="store URL (default as for train)")

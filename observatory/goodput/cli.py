@@ -1,4 +1,5 @@
-"""`spikewatch simulate`: its options, the scenario they describe, and what it prints."""
+"""`spikewatch simulate` and `spikewatch advise`: their options, the scenario they describe, and
+what they print."""
 
 from __future__ import annotations
 
@@ -11,10 +12,25 @@ from typing import Any
 
 from observatory.goodput.engine import simulate
 from observatory.goodput.model import LLAMA3_PER_GPU_DAY, Cause, Failures, Scenario, Spikes, Tier
-from observatory.goodput.plan import best_interval, measure, optimize, report, young_daly
-from observatory.goodput.young_daly import parse_duration
+from observatory.goodput.plan import (
+    best_interval,
+    measure,
+    optimize,
+    report,
+    simulated_optimum,
+    young_daly,
+)
+from observatory.goodput.young_daly import daly, overhead, parse_duration, young
 
-__all__ = ["FAILURE_MODELS", "add_parser", "options", "run", "scenario_from_args"]
+__all__ = [
+    "FAILURE_MODELS",
+    "add_parser",
+    "add_parsers",
+    "advise",
+    "options",
+    "run",
+    "scenario_from_args",
+]
 
 # Failures per GPU-day. Llama 3: 419 in 54 days on 16,384 GPUs. Kokolis et al. (arXiv
 # 2410.21680): 6.50 and 2.34 failures per 1000 node-days on RSC-1 and RSC-2, 8 GPUs a node; their
@@ -47,6 +63,42 @@ def options(params: dict[str, str]) -> argparse.Namespace:
     if rest:
         raise ValueError(f"unexpected {' '.join(rest)}")
     return args
+
+
+def add_parsers(sub: Any) -> None:
+    """`simulate` and `advise`, each calling its function."""
+    add_parser(sub)
+    sub.choices["simulate"].set_defaults(func=run)
+    advise_ = sub.add_parser("advise", help="checkpoint interval by Young/Daly")
+    advise_.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 3.1h")
+    advise_.add_argument("--save-cost", required=True, help="time one save costs, e.g. 5min")
+    advise_.add_argument("--json", action="store_true", help="also print a JSON line")
+    advise_.set_defaults(func=advise)
+
+
+def advise(args: argparse.Namespace) -> int:
+    """Young's and Daly's intervals, and the simulated optimum of their own setting."""
+    mtbf, cost = parse_duration(args.mtbf), parse_duration(args.save_cost)
+    rows = [("Young", young(cost, mtbf)), ("Daly", daly(cost, mtbf))]
+    out: dict[str, Any] = {"mtbf_s": mtbf, "save_cost_s": cost}
+    for name, t in rows:
+        print(  # noqa: T201 - the command's output
+            f"{name:>5}: checkpoint every {t / 60:.1f} min "
+            f"(expected overhead {100 * overhead(t, cost, mtbf):.1f}% of wall time)"
+        )
+        out[f"{name.lower()}_interval_s"] = t
+        out[f"{name.lower()}_overhead"] = overhead(t, cost, mtbf)
+    sim, lost = simulated_optimum(cost, mtbf)
+    print(  # noqa: T201
+        f"  Sim: checkpoint every {sim / 60:.1f} min (lost {100 * lost:.1f}% of wall time; "
+        f"{100 * (sim / rows[1][1] - 1):+.1f}% from Daly): `spikewatch simulate` adds restarts, "
+        "spikes, tiers and retention"
+    )
+    out["simulated_interval_s"] = sim
+    out["simulated_overhead"] = lost
+    if args.json:
+        print(json.dumps(out))  # noqa: T201
+    return 0
 
 
 def add_parser(sub: Any) -> None:
