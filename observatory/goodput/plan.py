@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from observatory.goodput.engine import BUCKETS, Lanes, simulate
-from observatory.goodput.model import Scenario, Spikes
+from observatory.goodput.model import Scenario, Spikes, Tier
 from observatory.goodput.young_daly import daly, overhead, young
 
 __all__ = [
@@ -61,6 +61,17 @@ class Best:
     goodputs: list[float]
 
 
+# The memory tier a plan tries when the scenario has none: Gemini-style, replicated on a peer.
+MEMORY = Tier("memory", 50, stall_s=1.0, restore_s=30.0, replicas=2)
+
+
+def young_grid(sc: Scenario, stall_s: float, low: float, high: float, points: int) -> list[int]:
+    """Intervals in steps, log-spaced from `low` to `high` times Young's for a save of
+    `stall_s` at the scenario's failure rate."""
+    centre = young(max(stall_s, 1e-3), min(sc.mtbf_s, 1e12)) / sc.step_s
+    return sorted({max(1, round(x)) for x in np.geomspace(centre * low, centre * high, points)})
+
+
 def best_interval(
     scenario: Scenario, tier: str = "disk", *, seeds: int = 40, points: int = 17, seed: int = 0
 ) -> Best:
@@ -70,8 +81,7 @@ def best_interval(
     t = scenario.tier(tier)
     if t is None:
         raise ValueError(f"the scenario has no {tier} tier")
-    centre = young(max(t.stall_s, 1e-3), min(scenario.mtbf_s, 1e12)) / scenario.step_s
-    grid = np.unique(np.round(np.geomspace(centre / 4, centre * 4, points)).astype(int).clip(1))
+    grid = np.array(young_grid(scenario, t.stall_s, 1 / 4, 4, points))
     lanes = simulate([scenario.with_tier(tier, interval=int(k)) for k in grid], seeds, seed)
     g = np.array([lanes.goodput[lanes.of(i)].mean() for i in range(grid.size)])
     i = int(g.argmax())
@@ -88,7 +98,7 @@ def simulated_optimum(save_s: float, mtbf_s: float, *, seeds: int = 40) -> tuple
     """Young/Daly's own setting simulated: failures at 1/MTBF, a blocking save, no restart, no
     restore, no spikes, one disk tier; a run of 200 MTBFs in steps of 1/200 of Young's interval.
     The best interval (seconds) and the wall-time fraction lost there."""
-    from observatory.goodput.model import Cause, Failures, Tier
+    from observatory.goodput.model import Cause, Failures
 
     step_s = young(save_s, mtbf_s) / 200
     sc = Scenario(
@@ -141,17 +151,9 @@ def optimize(
     disk = scenario.tier("disk")
     mem = scenario.tier("memory")
     assert disk is not None
-    m = min(scenario.mtbf_s, 1e12)
-
-    def grid(stall: float) -> list[int]:
-        centre = young(max(stall, 1e-3), m) / scenario.step_s
-        return sorted({max(1, round(x)) for x in np.geomspace(centre / 4, centre * 8, points)})
-
-    disk_grid = grid(disk.stall_s)
-    mem_tier = mem or dataclasses.replace(
-        disk, name="memory", stall_s=1.0, restore_s=30.0, write_s=0.0, replicas=2
-    )
-    mem_grid = grid(mem_tier.stall_s)
+    disk_grid = young_grid(scenario, disk.stall_s, 1 / 4, 8, points)
+    mem_tier = mem or MEMORY
+    mem_grid = young_grid(scenario, mem_tier.stall_s, 1 / 4, 8, points)
     alone = scenario.replace(tiers=(disk,))
     plans: list[tuple[int | None, int]] = [(None, k) for k in disk_grid]
     plans += [(km, kd) for km in mem_grid for kd in disk_grid if kd >= km]

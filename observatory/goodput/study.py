@@ -11,26 +11,18 @@ from typing import Any
 import numpy as np
 
 from observatory.goodput.engine import BUCKETS, simulate
-from observatory.goodput.model import Scenario, Tier
-from observatory.goodput.plan import report, young_daly
-from observatory.goodput.young_daly import young
+from observatory.goodput.model import Scenario
+from observatory.goodput.plan import MEMORY, report, young_daly, young_grid
 
 __all__ = ["study"]
-
-_MEMORY = Tier("memory", 50, stall_s=1.0, restore_s=30.0, replicas=2)
-
-
-def _grid(stall_s: float, sc: Scenario, points: int) -> list[int]:
-    centre = young(max(stall_s, 1e-3), min(sc.mtbf_s, 1e12)) / sc.step_s
-    return sorted({max(1, round(x)) for x in np.geomspace(centre / 8, centre * 8, points)})
 
 
 def study(sc: Scenario, *, seeds: int = 30, points: int = 11, seed: int = 0) -> dict[str, Any]:
     disk = sc.tier("disk")
     assert disk is not None
-    mem = sc.tier("memory") or _MEMORY
-    disk_grid = _grid(disk.stall_s, sc, points)
-    mem_grid = _grid(mem.stall_s, sc, points)
+    mem = sc.tier("memory") or MEMORY
+    disk_grid = young_grid(sc, disk.stall_s, 1 / 8, 8, points)
+    mem_grid = young_grid(sc, mem.stall_s, 1 / 8, 8, points)
     alone = sc.replace(tiers=(disk,))
     yd = young_daly(alone)
     daly_steps = max(1, round(yd.get("daly_interval_s", disk.interval * sc.step_s) / sc.step_s))
