@@ -13,6 +13,12 @@ points of a climb (z above `onset_threshold`, not yet an excursion) while it las
 slow climb on a noisy floor (a genuine Adam spike near zero loss rises a thousandfold over 25
 steps, each step under the threshold) drags the level up with it and is never reported. A climb
 that stops short joins the baseline then; one that lasts `window` steps is a new level.
+Where the noise is too wide for any z-score (a loss near zero swings a hundredfold from step to
+step), a **climb** is an excursion too: `climb_steps` rises in a row that multiply the loss by
+`climb_factor` (the smooth exponential rise of an Adam instability; no LM loss does that and
+lives). A spike is over when the loss is back near its level (`persistence` steps in a row under
+`onset_threshold`), or has stayed under `threshold` for `settle_steps` (it settled higher): its
+slow, bouncing tail is the same spike, not new ones. A fresh climb out of that tail is a new spike.
 
 What it must not fire on, and how: warmup (nothing fires before `ignore_before` nor before
 `min_history` normal points), known regime changes such as a data-mixture stage switch or the
@@ -58,6 +64,13 @@ class DetectorConfig(BaseModel):
     threshold: float = Field(8.0, gt=0, description="Robust z-score of an excursion step.")
     onset_threshold: float = Field(3.0, gt=0, description="Z-score that still counts as rising.")
     persistence: int = Field(3, ge=1, description="Consecutive excursion steps for a spike.")
+    climb_steps: int = Field(6, ge=2, description="Rises in a row that make a climb.")
+    climb_factor: float = Field(
+        30.0, gt=1, description="A climb that multiplies the loss by this is an excursion."
+    )
+    settle_steps: int = Field(
+        16, ge=1, description="Steps under `threshold` that end a reported spike's tail."
+    )
     noise_floor: float = Field(
         0.01, gt=0, description="Minimal noise scale in log-loss (1%): perfect curves still vary."
     )
@@ -188,6 +201,11 @@ def _kth(s: list[float], mid: float, j: int, k: int) -> float:
     return a if a > b else b
 
 
+def _peak(excursion: list[tuple[int, float]]) -> tuple[int, float]:
+    """The (step, score) of an excursion's highest point."""
+    return max(excursion, key=lambda e: e[1])
+
+
 class Detector:
     """Feed it one step at a time; it returns a `Verdict` when there is something to act on."""
 
@@ -198,8 +216,13 @@ class Detector:
         self.recent: deque[tuple[int, float]] = deque(maxlen=32)  # (step, z) of normal points
         self.excursion: list[tuple[int, float]] = []
         self.run = 0  # consecutive excursion steps now
-        self.calm = 0
+        self.calm = 0  # steps in a row under `threshold` since the excursion's last step
+        self.quiet = 0  # steps in a row under `onset_threshold` since then
+        self.tail: list[tuple[int, float]] = []  # (step, score) from a spike's first calm step
         self.reported = False  # the excursion now under way has had its verdict
+        self.prev: float | None = None  # the last log-loss
+        self.rises = 0  # rises in a row up to it
+        self.climb_from: tuple[int, float] = (-1, 0.0)  # (step, log-loss) the rises began at
         self.pending: list[tuple[int, float]] = []  # a climb's (step, log-loss), held out
         self.updates: dict[str, deque[float]] = {}
         self.ema: float | None = None
@@ -229,14 +252,46 @@ class Detector:
     def _armed(self, step: int, series: _Robust) -> bool:
         return step >= self.cfg.ignore_before and len(series.values) >= self.cfg.min_history
 
+    def _climbing(self, step: int, z: float) -> bool:
+        """Whether the loss has climbed `climb_factor`-fold in `climb_steps` rises in a row."""
+        if self.prev is not None and z > self.prev:
+            self.rises += 1
+        else:
+            self.rises, self.climb_from = 0, (step, z)
+        self.prev = z
+        return self._climbed()
+
+    def _climbed(self) -> bool:
+        rise = (self.prev or 0.0) - self.climb_from[1]
+        return self.rises >= self.cfg.climb_steps and rise >= math.log(self.cfg.climb_factor)
+
+    def _comes_back(self, score: float, climb: bool) -> bool:
+        """Whether a reported spike's tail turns into a new spike: a climb that began after
+        its peak, or a jump of `threshold` sigmas over the tail's median once the tail has
+        `persistence` steps (it bounces around a level of its own, above the run's; one deep
+        trough is not that level)."""
+        tail_from = self.tail[0][0] if self.tail else math.inf
+        spike = [e for e in self.excursion if e[0] < tail_from]  # the steps before its tail
+        if climb and self.climb_from[0] > _peak(spike)[0]:
+            return True
+        if len(self.tail) < self.cfg.persistence:
+            return False
+        return score > statistics.median(x for _, x in self.tail) + self.cfg.threshold
+
     def _loss(self, step: int, z: float) -> Verdict | None:
         cfg = self.cfg
-        score = self.loss.score(z, cfg.noise_floor) if self._armed(step, self.loss) else 0.0
-        if score > cfg.threshold:
+        armed = self._armed(step, self.loss)
+        score = self.loss.score(z, cfg.noise_floor) if armed else 0.0
+        climb = self._climbing(step, z) and armed and score > cfg.onset_threshold
+        if self.reported and self._comes_back(score, climb):  # a new spike out of the last one's
+            self._end_excursion()  # tail
+        if score > cfg.threshold or climb:
             self.pending = []  # the climb was the spike's rise: none of it joins the level
             self.excursion.append((step, score))
             self.run += 1
-            self.calm = 0
+            self.calm = self.quiet = 0
+            if self.tail:
+                self.tail.append((step, score))
             if self.run >= cfg.persistence and not self.reported:
                 self.reported = True  # one verdict per excursion, however it wavers
                 return self._spike(step)
@@ -244,11 +299,16 @@ class Detector:
                 self.rebase(step)
             return None
         self.run = 0
-        if self.excursion:  # an excursion ends only after `persistence` calm steps in a row
-            self.calm += 1
-            if self.calm < cfg.persistence:
+        if self.excursion:  # an excursion ends only after `persistence` calm steps in a row;
+            self.calm += 1  # a reported spike's tail, once it is back near its level, or
+            self.quiet = self.quiet + 1 if score <= cfg.onset_threshold else 0  # settled
+            if self.reported:
+                self.tail.append((step, score))
+                if self.quiet < cfg.persistence and self.calm < cfg.settle_steps:
+                    return None
+            elif self.calm < cfg.persistence:
                 return None
-            self.excursion, self.calm, self.reported = [], 0, False
+            self._end_excursion()
         self.recent.append((step, score))
         if score > cfg.onset_threshold:  # climbing, not yet an excursion: held out of the
             self.pending.append((step, z))  # level while it climbs, so it cannot drag it up
@@ -261,20 +321,36 @@ class Detector:
         self.loss.add(z, step)
         return self._trend(step, z)
 
+    def _end_excursion(self) -> None:
+        if self.reported:  # the points before a spike say nothing of the next one's onset
+            self.recent.clear()
+        self._clear_excursion()
+
+    def _clear_excursion(self) -> None:
+        self.excursion, self.run, self.calm, self.quiet, self.reported = [], 0, 0, 0, False
+        self.tail = []
+
     def _spike(self, step: int) -> Verdict:
         onset = self.excursion[0][0]
+        message = None
+        if self._climbed():  # a climb: it began where the rises did
+            onset = min(onset, self.climb_from[0] + 1)
+            fold = math.exp((self.prev or 0.0) - self.climb_from[1])
+            message = f"the loss climbed {fold:.0f}x in {self.rises} rises in a row"
         for s, score in reversed(self.recent):  # walk back while the curve was already rising
+            if s >= onset:
+                continue
             if score < self.cfg.onset_threshold or s < onset - len(self.recent):
                 break
             onset = s
-        peak_step, peak = max(self.excursion, key=lambda e: e[1])
+        peak_step, peak = _peak(self.excursion)
         return Verdict(
             "spike",
             step,
             onset,
             peak_step,
             peak,
-            message=f"log-loss {peak:.1f} robust sigmas above its level",
+            message=message or f"log-loss {peak:.1f} robust sigmas above its level",
         )
 
     def _trend(self, step: int, z: float) -> Verdict | None:
@@ -361,8 +437,9 @@ class Detector:
         """A known regime change at `step` (mixture stage, WSD decay): restart the baseline."""
         self.loss.clear()
         self.recent.clear()
-        self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
+        self._clear_excursion()
         self.pending = []
+        self.prev, self.rises = None, 0
         self.ema, self.ema_min, self.trend_n = None, math.inf, 0
         self.cfg = self.cfg.model_copy(update={"ignore_before": max(self.cfg.ignore_before, step)})
 
@@ -370,7 +447,8 @@ class Detector:
         """After a rollback to `step`: the spike's points are gone; forget the excursion, and
         the points taken after `step` (a rollback far back must not judge the restored,
         higher loss by the level the run had reached since)."""
-        self.excursion, self.run, self.calm, self.reported = [], 0, 0, False
+        self._clear_excursion()
+        self.prev, self.rises = None, 0
         self.recent = deque(((s, z) for s, z in self.recent if s <= step), maxlen=32)
         self.pending = [(s, z) for s, z in self.pending if s <= step]
         self.loss.forget_after(step)
@@ -387,6 +465,11 @@ class Detector:
             "recent": [list(r) for r in self.recent],
             "excursion": [list(e) for e in self.excursion],
             "calm": self.calm,
+            "quiet": self.quiet,
+            "tail": [list(t) for t in self.tail],
+            "prev": self.prev,
+            "rises": self.rises,
+            "climb_from": list(self.climb_from),
             "run": self.run,
             "reported": self.reported,
             "pending": [list(p) for p in self.pending],
@@ -407,6 +490,12 @@ class Detector:
         self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
         self.excursion = [(int(s), float(z)) for s, z in d["excursion"]]
         self.calm = d["calm"]
+        self.quiet = int(d.get("quiet", 0))  # states from before the climb rule lack these
+        self.tail = [(int(s), float(x)) for s, x in d.get("tail", [])]
+        self.prev = d.get("prev")
+        self.rises = int(d.get("rises", 0))
+        step, z = d.get("climb_from", (-1, 0.0))
+        self.climb_from = (int(step), float(z))
         self.run = int(d.get("run", len(self.excursion) if not self.calm else 0))
         # a state from before the flag: an excursion at persistence had its verdict
         self.reported = bool(d.get("reported", len(self.excursion) >= self.cfg.persistence))
