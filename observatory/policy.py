@@ -8,6 +8,13 @@ of the previous rollback is a repeat: the extra skip grows by `skip_growth` and 
 by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
 why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
 
+A spike the replay found in the optimizer state (cause "state": it came back from the restored
+state on batches the run had trained on without trouble, so the data is not its cause; Adam's
+own instability, Bai et al.) is not cured by skipping, only by the LR cuts, which push it
+later each time: its repeats halt the run after `max_state_rollbacks` instead of
+`max_rollbacks` (docs/spikes.md: on the genuine spikes, three rollbacks halted runs that the
+fourth to sixth cut cured).
+
 With `warning_horizon` (100 steps by default; None turns it off), a leading signal moves the
 rollback target earlier: when a warning episode (observatory/detect.py's warnings) began at most
 that many steps before the onset, the restore point precedes the earliest such start and the
@@ -45,6 +52,12 @@ class PolicyConfig(BaseModel):
     margin: int = Field(1, ge=0, description="Restore a checkpoint < onset - margin.")
     skip_extra: int = Field(10, ge=0, description="Batches skipped past the detection step.")
     max_rollbacks: int = Field(3, ge=1, description="Repeated rollbacks before a clean halt.")
+    max_state_rollbacks: int = Field(
+        8,
+        ge=1,
+        description="The same after a spike whose replay found its cause in the optimizer "
+        "state (each repeat cuts the LR, which is what cures those).",
+    )
     repeat_window: int = Field(500, ge=1, description="Steps within which a spike is a repeat.")
     skip_growth: float = Field(2.0, ge=1, description="Extra-skip multiplier per repeat.")
     lr_decay: float = Field(0.5, gt=0, le=1, description="LR multiplier per repeat.")
@@ -85,6 +98,7 @@ class Policy:
         self.nonfinite_run: list[int] = []
         self.lr_cuts: list[int] = []  # detection steps of the rollbacks that cut the LR
         self.restored_at = 0  # the step of the last LR cut given back
+        self.causes: dict[int, str] = {}  # detection step of a rollback -> its replay's cause
         # the last rollback, for telling a new level from a spike: the batch index its skip
         # ends at, the spike's loss level, and how many rollbacks in a row met that level
         self.shift: dict[str, Any] | None = None
@@ -169,6 +183,12 @@ class Policy:
             },
         )
 
+    def caused(self, cause: str | None) -> None:
+        """The cause the replay found for the last rollback ("state", "data_x_state",
+        "transient", "unknown"; None: not replayed)."""
+        if cause is not None and self.rollback_steps:
+            self.causes[self.rollback_steps[-1]] = cause
+
     def recover(self, step: int) -> float:
         """An LR factor to give back one cut (1/lr_decay) once `repeat_window` steps passed
         since the last rollback and the last give-back; 1.0 otherwise."""
@@ -199,6 +219,8 @@ class Policy:
         cfg = self.cfg
         start = onset if start is None else start
         recent = [s for s in self.rollback_steps if verdict.step - s <= cfg.repeat_window]
+        state = cfg.lr_decay < 1 and any(self.causes.get(s) == "state" for s in recent)
+        most = cfg.max_state_rollbacks if state else cfg.max_rollbacks
         info = {
             "onset_step": onset,
             "detect_step": verdict.step,
@@ -207,15 +229,21 @@ class Policy:
             "signal": verdict.signal,
             "repeats": len(recent),
         }
-        if len(recent) >= cfg.max_rollbacks:
+        if len(recent) >= most:
+            advice = (
+                "the replay found them in the optimizer state, not the data: lower Adam's "
+                "beta2 (0.95) or the learning rate"
+                if state
+                else f"check the data near batch {batch_of.get(onset, '?')} or lower the "
+                "learning rate"
+            )
             return Plan(
                 "halt",
                 f"{what} at step {verdict.step} (onset {onset}) after "
                 f"{len(recent)} rollbacks within {cfg.repeat_window} steps (at steps "
-                f"{', '.join(map(str, recent))}): the spikes keep coming back; check the "
-                f"data near batch {batch_of.get(onset, '?')} or lower the learning rate "
+                f"{', '.join(map(str, recent))}): the spikes keep coming back; {advice} "
                 "(a resume may change it: spikewatch train --resume RUN_DIR --set optim.lr=...)",
-                info=info,
+                info=info | {"state": state},
             )
         if start < onset:
             info["warning_step"] = start
@@ -263,6 +291,7 @@ class Policy:
             "lr_cuts": self.lr_cuts,
             "restored_at": self.restored_at,
             "shift": self.shift,
+            "causes": [[s, c] for s, c in self.causes.items()],
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -271,6 +300,7 @@ class Policy:
         self.lr_cuts = list(d.get("lr_cuts", []))
         self.restored_at = int(d.get("restored_at", 0))
         self.shift = d.get("shift")
+        self.causes = {int(s): str(c) for s, c in d.get("causes", [])}
 
 
 def _level(verdict: Verdict, loss_of: Mapping[int, float]) -> float | None:

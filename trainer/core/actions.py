@@ -15,7 +15,9 @@ __all__ = ["Action", "Continue", "Halt", "Note", "Rollback", "SkipUpdate", "Spik
 class Spike:
     """What the spike guard knew when it asked for a rollback or a halt: the verdict, the loss
     level before the spike and at its peak, and the (step, batch index) pairs to replay to
-    tell its cause (empty: no replay)."""
+    tell its cause (empty: no replay): the spike's own batches, and `control`, batches the run
+    trained on without trouble before the restore point, for the same steps (a spike that
+    comes back on those is the state's, not the data's)."""
 
     onset_step: int
     detect_step: int
@@ -26,12 +28,14 @@ class Spike:
     pre_spike_loss: float | None = None
     peak_loss: float | None = None
     replay: tuple[tuple[int, int], ...] = ()
+    control: tuple[tuple[int, int], ...] = ()
     ranks: tuple[int, ...] = ()  # under torchrun: the ranks whose own loss departed
 
     def record(self) -> dict[str, Any]:
         """The fields an intervention record carries (JSON types)."""
         out = asdict(self)
         out["replay"] = [list(r) for r in self.replay]
+        out["control"] = [list(r) for r in self.control]
         out["ranks"] = list(self.ranks)
         return out
 
@@ -39,6 +43,7 @@ class Spike:
     def from_record(cls, d: Mapping[str, Any]) -> Spike:
         fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         fields["replay"] = tuple((int(s), int(b)) for s, b in d.get("replay", ()))
+        fields["control"] = tuple((int(s), int(b)) for s, b in d.get("control", ()))
         fields["ranks"] = tuple(int(r) for r in d.get("ranks", ()))
         return cls(**fields)
 

@@ -170,7 +170,13 @@ class SpikeGuard(Callback):
             return Continue()
         if self.classify:
             steps = [s for s in sorted(self.batch_of) if plan.to_step < s <= v.step]
-            spike = replace(spike, replay=tuple((s, self.batch_of[s]) for s in steps))
+            good = [self.batch_of[s] for s in sorted(self.batch_of) if s <= plan.to_step]
+            good = good[-len(steps) :] if len(good) >= len(steps) else []
+            spike = replace(
+                spike,
+                replay=tuple((s, self.batch_of[s]) for s in steps),
+                control=tuple(zip(steps, good, strict=False)),
+            )
         if level is not None:
             self.watching.append((spike, level))
         return Rollback(
@@ -222,6 +228,8 @@ class SpikeGuard(Callback):
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
+        if record.get("kind") == "rollback":
+            self.policy.caused(record.get("cause"))
         # the restored branch has not seen the warnings raised after `step`: a warning there
         # starts a new episode (and pins a new anchor)
         self._warned = {k: s for k, s in self._warned.items() if s <= step}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -330,8 +330,12 @@ class StepCore:
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         spike = action.spike
         if spike is not None and spike.replay and self.replay is not None:
-            record.update(self._classify(spike, step))
-            self.restore(ck.read(where, self.probes.device), resume=False)
+
+            def reload() -> None:
+                self.restore(ck.read(where, self.probes.device), resume=False)
+
+            record.update(self._classify(spike, step, reload))
+            reload()
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
             self.run.data.add_skip(start, end)
@@ -378,14 +382,40 @@ class StepCore:
         self.config_changes = changes
         return step
 
-    def _classify(self, spike: Spike, from_step: int) -> dict[str, Any]:
+    def _classify(self, spike: Spike, from_step: int, reload: Callable[[], None]) -> dict[str, Any]:
         """Replay the spike's steps once from the restored state, on the same batches: a spike
         that comes back needs this data with this state (PaLM); one that does not was
-        transient (a flaky update, possibly a hardware fault: Megatron's question). Returns
-        the record's `cause` and `replay_peak_loss`."""
+        transient (a flaky update, possibly a hardware fault: Megatron's question). One that
+        comes back is replayed once more, from the same state, on batches the run trained on
+        without trouble before (`spike.control`): if it comes back there too, the cause is the
+        state, not the data ("state": Adam's own instability, which skipping cannot cure).
+        Returns the record's `cause`, `replay_peak_loss` and `control_peak_loss`."""
+        cause, replay_peak = classify(spike, self._replay_losses(spike.replay, from_step))
+        out: dict[str, Any] = {"replay_peak_loss": replay_peak}
+        if cause == "data_x_state" and spike.control:
+            reload()
+            again, control_peak = classify(spike, self._replay_losses(spike.control, from_step))
+            out["control_peak_loss"] = control_peak
+            cause = "state" if again == "data_x_state" else cause
+        log.warning(
+            "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)%s",
+            from_step + 1,
+            max((s for s, _ in spike.replay), default=from_step),
+            "does not reproduce" if cause == "transient" else "reproduces",
+            replay_peak,
+            spike.peak_loss if spike.peak_loss is not None else math.nan,
+            ", and on batches that trained well before: the optimizer state's, not the data's"
+            if cause == "state"
+            else "",
+        )
+        return out | {"cause": cause}
+
+    def _replay_losses(self, pairs: Iterable[tuple[int, int]], from_step: int) -> dict[int, float]:
+        """The losses of (step, batch index) pairs replayed in order, each update applied when
+        finite, as the loop would."""
         assert self.replay is not None
         losses = {}
-        for step, index in spike.replay:
+        for step, index in pairs:
             if step <= from_step:
                 continue
             t, apply = self.replay(step, index)
@@ -395,16 +425,7 @@ class StepCore:
                 apply()
             self.optimizer.zero_grad(set_to_none=True)
             losses[step] = loss if math.isfinite(loss) else math.inf
-        cause, replay_peak = classify(spike, losses)
-        log.warning(
-            "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)",
-            from_step + 1,
-            max(losses, default=from_step),
-            "reproduces" if cause == "data_x_state" else "does not reproduce",
-            replay_peak,
-            spike.peak_loss if spike.peak_loss is not None else math.nan,
-        )
-        return {"cause": cause, "replay_peak_loss": replay_peak}
+        return losses
 
     # -- the state a checkpoint holds (core/state.py's schema) -------------------------------
     def state_dict(self) -> dict[str, Any]:
