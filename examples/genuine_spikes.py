@@ -19,8 +19,9 @@ passes 2/lr. Both cases drive the loss towards zero, full batch, with beta2 = 0.
 
 `--remedy` picks what spikewatch does about them (docs/spikes.md compares them on the same
 seeds): `none` (detect and record only), `rollback` (roll back and skip, never cutting the LR),
-`lrcut` (the default policy: a repeat within 500 steps halves the LR), `samestep` (refuse an
-isolated extreme update), `beta2` (beta2 0.95 from the start), `eps` (eps 1e-6 from the
+`lrcut` (the default policy: a repeat within 500 steps halves the LR, and a spike the replay
+finds in the optimizer state may come back 8 times before a halt, not 3), `samestep` (refuse
+an isolated extreme update), `beta2` (beta2 0.95 from the start), `eps` (eps 1e-6 from the
 start) and `vfloor` (rollback, and at each rollback raise Adam's eps to a tenth of the median
 sqrt(v) of the restored state: a remedy aimed at the cause, see `VFloor`). Prints one JSON line.
 """

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from observatory.detect import Verdict
-from observatory.policy import Policy, PolicyConfig
+from observatory.policy import Plan, Policy, PolicyConfig
 
 
 def _spike(step: int, onset: int) -> Verdict:
@@ -128,3 +128,48 @@ def test_a_level_that_returns_where_the_skip_ends_is_accepted() -> None:
         == "rollback"
     )
     assert other.shift is not None and other.shift["count"] == 0
+
+
+def test_spikes_in_the_optimizer_state_may_repeat_while_the_lr_cuts_cure_them() -> None:
+    """Adam's own spikes (cause "state": the replay found them again on batches that trained
+    well) come back after every rollback until the LR is low enough: they halt only after
+    `max_state_rollbacks`, each repeat cutting the LR; data spikes still halt after
+    `max_rollbacks`, and so do state spikes when the LR is never cut."""
+    ck = list(range(0, 2000, 10))
+
+    def repeats(cause: str | None, **cfg) -> list[Plan]:
+        p = Policy(PolicyConfig(max_rollbacks=3, max_state_rollbacks=5, **cfg))
+        plans = []
+        for k in range(7):
+            plans.append(
+                p.decide(_spike(200 + 40 * k, 198 + 40 * k), checkpoints=ck, batch_of=BATCH_OF)
+            )
+            if plans[-1].action != "rollback":
+                break
+            p.caused(cause)
+        return plans
+
+    state = repeats("state")
+    assert [pl.action for pl in state] == ["rollback"] * 5 + ["halt"]
+    assert [pl.lr_scale for pl in state[:5]] == [1.0, 0.5, 0.5, 0.5, 0.5]  # each repeat cuts
+    assert "optimizer state" in state[-1].reason and "beta2" in state[-1].reason
+    assert state[-1].info["state"] is True
+    for cause in ("data_x_state", "transient", None):
+        data = repeats(cause)
+        assert [pl.action for pl in data] == ["rollback"] * 3 + ["halt"]
+        assert "check the data near batch" in data[-1].reason
+    never_cut = repeats("state", lr_decay=1.0)
+    assert [pl.action for pl in never_cut] == ["rollback"] * 3 + ["halt"]
+
+
+def test_the_causes_travel_with_the_state() -> None:
+    ck = list(range(0, 2000, 10))
+    p = Policy(PolicyConfig(max_rollbacks=1, max_state_rollbacks=3))
+    p.decide(_spike(200, 198), checkpoints=ck, batch_of=BATCH_OF)
+    p.caused("state")
+    q = Policy(PolicyConfig(max_rollbacks=1, max_state_rollbacks=3))
+    q.load_state_dict(p.state_dict())
+    assert q.decide(_spike(240, 238), checkpoints=ck, batch_of=BATCH_OF).action == "rollback"
+    fresh = Policy(PolicyConfig(max_rollbacks=1, max_state_rollbacks=3))
+    fresh.load_state_dict({**p.state_dict(), "causes": []})  # a state from before the causes
+    assert fresh.decide(_spike(240, 238), checkpoints=ck, batch_of=BATCH_OF).action == "halt"

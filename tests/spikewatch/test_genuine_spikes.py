@@ -50,3 +50,29 @@ def test_the_mlp_spikes_on_its_own_and_the_watch_finds_it(study, tmp_path) -> No
     with store.session_factory(db)() as s:
         found = study.verdicts(s, r["run_id"])
     assert study.match([spike], found)["detected"] == 1
+
+
+def test_one_deep_trough_does_not_make_the_band_a_spike(study) -> None:
+    """Near its floor the loss swings between 1e-9 and 1e-6; with the window's minimum as the
+    floor, a swing's peak 100x above one deep trough was labelled a spike. The floor is the
+    window's 10th percentile: the band is no spike, a climb out of it still is."""
+    band = [1e-9 if i % 2 else 1e-7 for i in range(300)]
+    band[150] = 1e-12  # one deep trough
+    assert [o for o, _, _ in study.label(band, q=0.0)] == [152]  # the old rule: a "spike"
+    assert study.label(band) == []
+    climb = band[:200] + [1e-7 * 3**k for k in range(1, 9)] + band[208:]
+    assert [(o, p) for o, p, _ in study.label(climb)] == [(201, 208)]
+
+
+def test_the_replay_finds_the_mlp_spike_in_the_optimizer_state(study, tmp_path) -> None:
+    """The first rollback's replay reproduces the spike on its own batches and on batches
+    that trained well before the restore point: the cause is the optimizer state, recorded
+    as such, and the policy keeps cutting the LR past `max_rollbacks` instead of halting."""
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    r = study.run("mlp", 1, 400, "lrcut", db=db, run_dir=tmp_path / "run")
+    with store.session_factory(db)() as s:
+        rows = store.queries.events(s, run_id=r["run_id"], kinds=["rollback"])
+    causes = [e.data["cause"] for e in rows]
+    assert causes and set(causes) == {"state"}
+    assert all(e.data["control_peak_loss"] > 10 * e.data["pre_spike_loss"] for e in rows)
+    assert not r["halted"]
