@@ -173,3 +173,16 @@ def test_the_causes_travel_with_the_state() -> None:
     fresh = Policy(PolicyConfig(max_rollbacks=1, max_state_rollbacks=3))
     fresh.load_state_dict({**p.state_dict(), "causes": []})  # a state from before the causes
     assert fresh.decide(_spike(240, 238), checkpoints=ck, batch_of=BATCH_OF).action == "halt"
+
+
+def test_an_lr_cut_for_a_spike_of_the_state_is_kept() -> None:
+    """Giving the LR back brought Adam's own spikes straight back (docs/spikes.md): a cut made
+    for a spike of the optimizer state stays; one made for a data spike is given back."""
+    ck = list(range(0, 2000, 10))
+    for cause, given in (("state", 1.0), ("data_x_state", 2.0)):
+        p = Policy(PolicyConfig(repeat_window=100))
+        for step in (200, 250):
+            p.decide(_spike(step, step - 2), checkpoints=ck, batch_of=BATCH_OF)
+            p.caused(cause)
+        assert p.lr_cuts == [250]
+        assert p.recover(400) == given
