@@ -38,8 +38,9 @@ from observatory import metric_names as M
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
 from trainer.checkpoints.tiers import DISK, Tiers
-from trainer.core.actions import Action, Continue, Halt, Rollback, Spike
+from trainer.core.actions import Action, Continue, Halt, Rollback
 from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from trainer.core.cause import cause_of
 from trainer.core.data_state import DataState
 from trainer.core.decide import action_name, deliver_notes, intervention, propose, rescale
 from trainer.core.probes import Probes
@@ -334,7 +335,7 @@ class StepCore:
             def reload() -> None:
                 self.restore(ck.read(where, self.probes.device), resume=False)
 
-            record.update(self._classify(spike, step, reload))
+            record.update(cause_of(spike, step, self._replay_losses, reload))
             reload()
         self.checkpointer.pin(step, "rollback target")
         for start, end in action.skip_ranges:
@@ -381,34 +382,6 @@ class StepCore:
             log.info("resumed from %s", path)
         self.config_changes = changes
         return step
-
-    def _classify(self, spike: Spike, from_step: int, reload: Callable[[], None]) -> dict[str, Any]:
-        """Replay the spike's steps once from the restored state, on the same batches: a spike
-        that comes back needs this data with this state (PaLM); one that does not was
-        transient (a flaky update, possibly a hardware fault: Megatron's question). One that
-        comes back is replayed once more, from the same state, on batches the run trained on
-        without trouble before (`spike.control`): if it comes back there too, the cause is the
-        state, not the data ("state": Adam's own instability, which skipping cannot cure).
-        Returns the record's `cause`, `replay_peak_loss` and `control_peak_loss`."""
-        cause, replay_peak = classify(spike, self._replay_losses(spike.replay, from_step))
-        out: dict[str, Any] = {"replay_peak_loss": replay_peak}
-        if cause == "data_x_state" and spike.control:
-            reload()
-            again, control_peak = classify(spike, self._replay_losses(spike.control, from_step))
-            out["control_peak_loss"] = control_peak
-            cause = "state" if again == "data_x_state" else cause
-        log.warning(
-            "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)%s",
-            from_step + 1,
-            max((s for s, _ in spike.replay), default=from_step),
-            "does not reproduce" if cause == "transient" else "reproduces",
-            replay_peak,
-            spike.peak_loss if spike.peak_loss is not None else math.nan,
-            ", and on batches that trained well before: the optimizer state's, not the data's"
-            if cause == "state"
-            else "",
-        )
-        return out | {"cause": cause}
 
     def _replay_losses(self, pairs: Iterable[tuple[int, int]], from_step: int) -> dict[int, float]:
         """The losses of (step, batch index) pairs replayed in order, each update applied when
@@ -587,18 +560,3 @@ class StepCore:
             "config": self.config(),
             **{k: v for cb in self.callbacks for k, v in cb.summary().items()},
         }
-
-
-def classify(spike: Spike, losses: dict[int, float]) -> tuple[str, float]:
-    """(cause, replay peak) from the replayed losses: "data_x_state" when the spike comes back
-    to at least half its height, "transient" when it does not, "unknown" without a level."""
-    level, peak = spike.pre_spike_loss, spike.peak_loss
-    after = [v for s, v in losses.items() if s >= spike.onset_step]
-    replay_peak = max(after, default=math.nan)
-    if level is None or peak is None or not after:
-        return "unknown", replay_peak
-    if not math.isfinite(peak):  # a non-finite spike reproduces only as non-finite
-        return ("data_x_state" if math.isinf(replay_peak) else "transient"), replay_peak
-    if math.isinf(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
-        return "data_x_state", replay_peak  # it reproduces
-    return "transient", replay_peak

@@ -1,0 +1,66 @@
+"""The cause of a spike, told by replaying it after the rollback (the core's replay).
+
+From the restored state, the spike's steps once more on the same batches: a spike that comes
+back needs this data with this state (PaLM, "data_x_state"); one that does not was transient
+(a flaky update, possibly a hardware fault: Megatron's question). One that comes back is
+replayed once more, from the same state, on batches the run trained on without trouble before
+the restore point (`Spike.control`): if it comes back there too, the data is not its cause but
+the state ("state": Adam's own instability, which skipping cannot cure; observatory/policy.py
+acts on it, docs/spikes.md measures it)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from trainer.core.actions import Spike
+
+__all__ = ["cause_of", "classify"]
+
+log = logging.getLogger(__name__)
+
+Replayer = Callable[[Iterable[tuple[int, int]], int], dict[int, float]]
+
+
+def cause_of(
+    spike: Spike, from_step: int, replay: Replayer, reload: Callable[[], None]
+) -> dict[str, Any]:
+    """The record's `cause`, `replay_peak_loss` and (after a second replay) `control_peak_loss`;
+    `replay(pairs, from_step)` gives the losses of (step, batch index) pairs replayed in order,
+    `reload()` restores the state the rollback restored."""
+    cause, replay_peak = classify(spike, replay(spike.replay, from_step))
+    out: dict[str, Any] = {"replay_peak_loss": replay_peak}
+    if cause == "data_x_state" and spike.control:
+        reload()
+        again, control_peak = classify(spike, replay(spike.control, from_step))
+        out["control_peak_loss"] = control_peak
+        cause = "state" if again == "data_x_state" else cause
+    log.warning(
+        "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)%s",
+        from_step + 1,
+        max((s for s, _ in spike.replay), default=from_step),
+        "does not reproduce" if cause == "transient" else "reproduces",
+        replay_peak,
+        spike.peak_loss if spike.peak_loss is not None else math.nan,
+        ", and on batches that trained well before: the optimizer state's, not the data's"
+        if cause == "state"
+        else "",
+    )
+    return out | {"cause": cause}
+
+
+def classify(spike: Spike, losses: dict[int, float]) -> tuple[str, float]:
+    """(cause, replay peak) from the replayed losses: "data_x_state" when the spike comes back
+    to at least half its height, "transient" when it does not, "unknown" without a level."""
+    level, peak = spike.pre_spike_loss, spike.peak_loss
+    after = [v for s, v in losses.items() if s >= spike.onset_step]
+    replay_peak = max(after, default=math.nan)
+    if level is None or peak is None or not after:
+        return "unknown", replay_peak
+    if not math.isfinite(peak):  # a non-finite spike reproduces only as non-finite
+        return ("data_x_state" if math.isinf(replay_peak) else "transient"), replay_peak
+    if math.isinf(replay_peak) or replay_peak >= level + 0.5 * (peak - level):
+        return "data_x_state", replay_peak  # it reproduces
+    return "transient", replay_peak
