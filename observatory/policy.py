@@ -14,7 +14,8 @@ own instability, Bai et al.) is not cured by skipping, only by the LR cuts, whic
 later each time: its repeats halt the run after `max_state_rollbacks` instead of
 `max_rollbacks` (docs/spikes.md: on the genuine spikes, three rollbacks within 500 steps
 halted runs that further cuts cured), and its LR cuts are not given back (11 of 13 give-backs
-brought the spike back within 12 steps).
+brought the spike back within 12 steps); its extra skip does not grow either (skipping
+cannot help it).
 
 With `warning_horizon` (100 steps by default; None turns it off), a leading signal moves the
 rollback target earlier: when a warning episode (observatory/detect.py's warnings) began at most
@@ -268,7 +269,8 @@ class Policy:
                 f"{verdict.step} are unknown, so no skip can be planned",
                 info=info,
             )
-        extra = round(cfg.skip_extra * cfg.skip_growth ** len(recent))
+        grow = 0 if state else len(recent)  # skipping more cannot help a spike of the state
+        extra = round(cfg.skip_extra * cfg.skip_growth**grow)
         skip = (batch_of[first], last + 1 + extra)
         lr_scale = cfg.lr_decay if recent else 1.0
         self.rollback_steps.append(verdict.step)

@@ -152,6 +152,8 @@ def test_spikes_in_the_optimizer_state_may_repeat_while_the_lr_cuts_cure_them() 
     state = repeats("state")
     assert [pl.action for pl in state] == ["rollback"] * 5 + ["halt"]
     assert [pl.lr_scale for pl in state[:5]] == [1.0, 0.5, 0.5, 0.5, 0.5]  # each repeat cuts
+    extra = [pl.skip_ranges[0][1] - (200 + 40 * k) for k, pl in enumerate(state[:5])]
+    assert extra == [10] * 5  # the skip does not grow: skipping cannot help these
     assert "optimizer state" in state[-1].reason and "beta2" in state[-1].reason
     assert state[-1].info["state"] is True
     for cause in ("data_x_state", "transient", None):
