@@ -125,7 +125,7 @@ def test_goodput_page_plots_the_plan_from_a_recorded_run(server, browser, record
     with store.session_factory(recorded_db)() as s:
         spikes = store.events(s, run_id="spiky", kinds=["spike"])
     page = browser.new_page()
-    page.goto(server + "/goodput?run=spiky&step-time=6s&gpus=1024&days=20&seeds=8")
+    page.goto(server + "/goodput?run=spiky&step-time=6s&gpus=1024&days=2&seeds=4")
     page.wait_for_selector("#chart-goodput .main-svg")
     page.wait_for_selector("#chart-badput .main-svg")
     # two tiers' curves (a band and a line each), and one bar trace per badput bucket

@@ -49,6 +49,6 @@ def test_the_api_keeps_its_schema(api_schema) -> None:
             suppress_health_check=list(HealthCheck),
         )
         def check(case) -> None:
-            case.call_and_validate()
+            case.call_and_validate(timeout=180)  # /api/goodput simulates: seconds, not ms
 
         check()
