@@ -539,7 +539,7 @@ def build_watch_core(watch: Watch) -> StepCore:
         config=watch.run_config,
         data_flow="forward",
         scheduler=watch.scheduler,
-        same_step=SameStepGate(tier, probes.device) if cfg.guard.enabled and tier.enabled else None,
+        same_step=SameStepGate(tier) if cfg.guard.enabled and tier.enabled else None,
         max_steps=cfg.max_steps,
     )
     _resume(watch, core, run_dir)

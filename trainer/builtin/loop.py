@@ -288,7 +288,7 @@ def build_trainer(
         callbacks=list(callbacks),
         config=cfg.to_dict,
         data_flow="rewind",
-        same_step=SameStepGate(tier, device) if cfg.guard.enabled and tier.enabled else None,
+        same_step=SameStepGate(tier) if cfg.guard.enabled and tier.enabled else None,
         max_steps=cfg.train.max_steps,
     )
     trainer = Trainer(cfg, core, model, build_sampler(cfg.data, cfg.train.seed), device)

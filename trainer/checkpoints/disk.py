@@ -8,7 +8,6 @@ in each checkpoint's meta.json, so they survive a restart.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -60,6 +59,11 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.cfg.interval is not None
 
+    @property
+    def in_background(self) -> bool:
+        """Saves are written by a background thread (`async_save`)."""
+        return self.cfg.async_save
+
     def open(self) -> None:
         """Clean half-written checkpoints of a killed process; load pins from disk."""
         ck.clean_temporaries(self.root)
@@ -105,8 +109,8 @@ class Checkpointer:
         pins = {s: set(p) for s, p in self.pins.items()}
         if self.cfg.async_save:
             snap = build(Live())
-            snap.json_files = copy.deepcopy(snap.json_files)  # small, and mutable in the loop
-            snap.meta = copy.deepcopy(snap.meta)
+            snap.json_files = ck.copied(snap.json_files)  # small, and mutable in the loop
+            snap.meta = ck.copied(snap.meta)
             self._copied = threading.Event()
             self._thread = threading.Thread(
                 target=self._stage_and_write, args=(snap, pins), name=f"ckpt-{step}"

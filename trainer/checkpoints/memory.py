@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from observatory.retention import keep
-from trainer.checkpoints.format import CheckpointError, Snapshot
+from trainer.checkpoints.format import CheckpointError, Snapshot, copied
 from trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
@@ -332,8 +332,8 @@ def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
 def _small(snap: Snapshot) -> dict[str, Any]:
     """The snapshot's JSON files, meta and small torch objects (RNG, scheduler), copied; a
     rank's `rng.rank<r>.pt` (torchrun) is unpacked as the sharded reader does."""
-    out: dict[str, Any] = {name: copy.deepcopy(obj) for name, obj in snap.json_files.items()}
-    out["meta"] = copy.deepcopy(snap.meta)
+    out: dict[str, Any] = copied(snap.json_files)
+    out["meta"] = copied(snap.meta)
     for name, obj in snap.torch_files.items():
         if name in _HEAVY:
             continue

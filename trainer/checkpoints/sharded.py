@@ -138,6 +138,10 @@ class ShardedCheckpointer(Checkpointer):
         due = super().due(step, seconds_per_step)
         return bool(self.world.agree(due)) if self.cfg.interval == "auto" else due
 
+    @property
+    def in_background(self) -> bool:
+        return False  # every rank writes its shard before the save returns
+
     def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
         t0 = time.perf_counter()
         pins = {s: set(p) for s, p in self.pins.items()}

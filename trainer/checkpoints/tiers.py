@@ -226,7 +226,8 @@ def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
     if tiers.disk.enabled:
         every = "at Young/Daly's interval" if cfg.interval == "auto" else f"every {cfg.interval}"
         n = count(cfg.interval, cfg.keep_last)
-        parts.append(f"disk {every} steps in {tiers.root}, ~{size} each, {n} kept")
+        how = ", written in the background" if tiers.disk.in_background else ""
+        parts.append(f"disk {every} steps in {tiers.root}{how}, ~{size} each, {n} kept")
     if not parts:
         return "no rollback checkpoints: spikes are recorded, never rolled back"
     return "rollback checkpoints: " + "; ".join(parts)

@@ -170,8 +170,6 @@ class StepCore:
             xfer.add(pending[1], pending[2], late=True)
         if t.stop is not None:
             xfer.add([_STOP], t.stop)
-        if self.same_step is not None:
-            self.same_step.ride(xfer, t.loss, t.grad_norm)
         metrics, late = xfer.fetch()  # the one device->host sync of the step
         if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
             self.stop_requested = True
