@@ -32,6 +32,7 @@ import logging
 import math
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -113,7 +114,11 @@ def loop_times(
 
 
 # -- Hugging Face ---------------------------------------------------------------------------
-def hf_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
+def hf_times(
+    args: argparse.Namespace, watched: bool, tmp: Path, baton: Baton | None = None
+) -> list[float]:
+    """A Trainer run's [start, step ends..., end]; with a `baton`, the step times (each from
+    the step's turn to its end) of a run taking turns with another."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from spikewatch.hf import SpikewatchCallback
@@ -122,16 +127,25 @@ def hf_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
         def __init__(self) -> None:
             self.t: list[float] = []
 
+        def on_train_begin(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+            if baton is not None:
+                baton.start(watched)
+
         def on_step_end(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-            self.t.append(time.perf_counter())
+            self.t.append(time.perf_counter() if baton is None else baton.turn(watched))
+
+        def on_train_end(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+            if baton is not None:
+                baton.finish(watched)
 
     batches = _batches(args)
     rows = [{"input_ids": r, "labels": r} for b in batches for r in b]
     start = time.perf_counter()
     clock = Clock()
-    callbacks: list = [clock]
+    callbacks: list = []
     if watched:
         callbacks.append(SpikewatchCallback(**_watch_kwargs(tmp)))
+    callbacks.append(clock)  # last: a turn ends after every other callback's step end
     targs = TrainingArguments(
         output_dir=str(tmp / f"hf-{watched}"),
         max_steps=args.steps,
@@ -150,11 +164,14 @@ def hf_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
         dataloader_num_workers=0,
     )
     Trainer(model=_model(args), args=targs, train_dataset=rows, callbacks=callbacks).train()
-    return [start, *clock.t, time.perf_counter()]
+    return clock.t if baton is not None else [start, *clock.t, time.perf_counter()]
 
 
 # -- Lightning ------------------------------------------------------------------------------
-def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[float]:
+def lightning_times(
+    args: argparse.Namespace, watched: bool, tmp: Path, baton: Baton | None = None
+) -> list[float]:
+    """As `hf_times`, for a Lightning run."""
     import lightning.pytorch as pl
 
     from spikewatch.lightning import SpikewatchCallback
@@ -176,14 +193,23 @@ def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[
         def __init__(self) -> None:
             self.t: list[float] = []
 
+        def on_train_start(self, *a) -> None:  # noqa: ANN002
+            if baton is not None:
+                baton.start(watched)
+
         def on_train_batch_end(self, *a) -> None:  # noqa: ANN002
-            self.t.append(time.perf_counter())
+            self.t.append(time.perf_counter() if baton is None else baton.turn(watched))
+
+        def on_train_end(self, *a) -> None:  # noqa: ANN002
+            if baton is not None:
+                baton.finish(watched)
 
     start = time.perf_counter()
     clock = Clock()
-    callbacks: list = [clock]
+    callbacks: list = []
     if watched:
         callbacks.append(SpikewatchCallback(**_watch_kwargs(tmp)))
+    callbacks.append(clock)  # last: a turn ends after every other callback's batch end
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -198,7 +224,64 @@ def lightning_times(args: argparse.Namespace, watched: bool, tmp: Path) -> list[
     )
     loader = torch.utils.data.DataLoader(_batches(args), batch_size=None)
     trainer.fit(Module(), train_dataloaders=loader)
-    return [start, *clock.t, time.perf_counter()]
+    return clock.t if baton is not None else [start, *clock.t, time.perf_counter()]
+
+
+class Baton:
+    """Two framework runs in two threads taking turns a step each (the watched one in the main
+    thread), so that both see the same machine at every moment, as `loop_interleaved`'s two
+    models do. `turn` ends a step: it returns the step's time (from the start of its turn)
+    and waits for the other run's step. A run that has finished no longer takes turns."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.holder: bool | None = None  # whose turn: True = the watched run
+        self.finished: set[bool] = set()
+        self.began: dict[bool, float] = {}
+
+    def _wait(self, me: bool) -> None:
+        with self.cv:
+            self.cv.wait_for(
+                lambda: self.holder is None or self.holder == me or (not me) in self.finished
+            )
+            self.holder = me
+        self.began[me] = time.perf_counter()
+
+    def start(self, me: bool) -> None:
+        self._wait(me)
+
+    def turn(self, me: bool) -> float:
+        took = time.perf_counter() - self.began[me]
+        with self.cv:
+            self.holder = not me
+            self.cv.notify_all()
+        self._wait(me)
+        return took
+
+    def finish(self, me: bool) -> None:
+        with self.cv:
+            self.finished.add(me)
+            self.holder = not me
+            self.cv.notify_all()
+
+
+def framework_interleaved(args: argparse.Namespace, tmp: Path, run: Callable) -> float:
+    """A framework's run without spikewatch (in a thread) and with it, taking turns a step
+    each: the median step time without over the median with."""
+    baton = Baton()
+    out: dict[bool, list[float]] = {}
+
+    def other() -> None:
+        out[False] = run(args, False, tmp, baton)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        out[True] = run(args, True, tmp, baton)
+    finally:
+        baton.finish(True)
+        thread.join()
+    return median(out[False][WARM:]) / median(out[True][WARM:])
 
 
 def loop_interleaved(args: argparse.Namespace, tmp: Path, part: str = "full") -> float:
@@ -248,7 +331,11 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="8,16", help="comma-separated: one shape each")
     ap.add_argument("--only", default="loop,hf,lightning")
     ap.add_argument("--breakdown", action="store_true", help="the plain loop, one part off")
-    ap.add_argument("--interleaved", action="store_true", help="only the interleaved loop")
+    ap.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="with and without in one process, taking turns a step each (the robust figures)",
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -263,11 +350,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for b in sizes:
                 shaped = argparse.Namespace(**{**vars(args), "batch_size": b})
-                for part in PARTS if args.breakdown else ["full"]:
-                    r = loop_interleaved(shaped, Path(tmp) / f"b{b}-{part}", part)
-                    key = "" if part == "full" else f"_{part}"
-                    out[f"loop_interleaved{key}_ratio_b{b}"] = round(r, 4)
-                    print(f"B={b} loop interleaved, {part}: ratio {r:.3f}")
+                for name, run in runners.items():
+                    for part in PARTS if args.breakdown and name == "loop" else ["full"]:
+                        where = Path(tmp) / f"b{b}-{name}-{part}"
+                        if name == "loop":
+                            r = loop_interleaved(shaped, where, part)
+                        else:
+                            r = framework_interleaved(shaped, where, run)
+                        key = "" if part == "full" else f"_{part}"
+                        out[f"{name}_interleaved{key}_ratio_b{b}"] = round(r, 4)
+                        print(f"B={b} {name} interleaved, {part}: ratio {r:.3f}", flush=True)
         print(json.dumps(out))
         return
     runs: dict[tuple, list[list[float]]] = {}
