@@ -28,6 +28,7 @@ probes, detection, policy, checkpoints and rollback:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -208,12 +209,27 @@ def _spare_updates(args: Any, state: Any, loader: Any) -> int | None:
     return max(0, epochs * per_epoch - state.max_steps)
 
 
+def _calling_trainer() -> Any:
+    """The Trainer whose `train()` is running this callback (callbacks are not given it)."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        frame = frame.f_back
+    return None
+
+
 class SpikewatchCallback(Adapter, TrainerCallback):
     """spikewatch for a Hugging Face Trainer; options as `Adapter`'s."""
 
     _hook: Any = None
     _clip: float | None = None
     _spare: int | None = None  # updates the Trainer's data holds beyond max_steps
+    _grad_norm: torch.Tensor | None = None  # what the Trainer logs as grad_norm (see below)
+    _trainer: Any = None
 
     # -- start and end ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):  # noqa: ANN001
@@ -234,6 +250,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps),
         )
         self._hook = model.register_forward_hook(self._loss_hook, with_kwargs=True)
+        self._share_grad_norm(model)
         if self.attn_max and watch.cfg.probes.attn_max:
             attach_attention(model, watch.attn)
         self._extend(state)
@@ -251,6 +268,9 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
         if self._hook is not None:
             self._hook.remove()
+        if self._trainer is not None:  # its own _get_grad_norm again
+            self._trainer.__dict__.pop("_get_grad_norm", None)
+            self._trainer = None
         args.max_grad_norm = self._clip  # the user's arguments are theirs again
         watch = self._w
         if watch.step_count < self._target and watch.halted is None and not watch.should_stop:
@@ -285,6 +305,12 @@ class SpikewatchCallback(Adapter, TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
         self._extend(state, upcoming=1)
+        if self._grad_norm is not None:  # the step's norm before clipping, for HF's log
+            norm = self._w.grad_norm  # None: a skipped batch, not measured
+            if norm is None:
+                self._grad_norm.fill_(math.nan)
+            else:
+                self._grad_norm.copy_(norm)
 
     def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
         args.max_grad_norm = self._clip  # checkpoints, logs and evals see the user's value
@@ -306,6 +332,31 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             tmp.replace(folder / STATE_FILE)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _share_grad_norm(self, model: torch.nn.Module) -> None:
+        """With `max_grad_norm` at 0 (the Watch clips, after measuring), the Trainer computes
+        the gradient norm once more for its log (`_get_grad_norm`: a norm and a multiply by 1
+        over every gradient, ~2% of a small model's step). The Trainer that called
+        `on_train_begin` gets, instead, the norm the Watch measured before clipping: a tensor
+        it logs as before, filled on device at `on_optimizer_step`, before the Trainer reads
+        it. A Trainer that cannot be found (or a subclass with its own `_get_grad_norm`)
+        keeps its own."""
+        trainer = _calling_trainer()
+        if trainer is None or "_get_grad_norm" in trainer.__dict__:
+            return
+        from transformers import Trainer
+
+        if type(trainer)._get_grad_norm is not Trainer._get_grad_norm:
+            return
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        shared = self._grad_norm = torch.full((), math.nan, device=device)
+
+        def get_grad_norm(model: Any, grad_norm: Any = None) -> Any:
+            return shared if grad_norm is None else grad_norm
+
+        trainer._get_grad_norm = get_grad_norm
+        self._trainer = trainer
+
     def _extend(self, state: Any, upcoming: int = 0) -> None:
         """The Trainer stops at `max_steps` global steps; the run's updates are the Watch's
         steps, which a rollback set back: add the lag (after this step, with `upcoming`)."""

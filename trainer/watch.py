@@ -123,6 +123,7 @@ class Watch:
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
         self._loss_share: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None  # the step's global norm before clipping
         self._lr_scale = 1.0  # the LR scale of the step being decided
         self._began = self._closed = False
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
@@ -256,6 +257,7 @@ class Watch:
         core.save_if_due()
         core.begin_step(core.index if index is None else index)
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
+        self.grad_norm = None
         self.attn.active = core.probes.wants_attn_max(core.step + 1)
         self._began = True
 
@@ -281,7 +283,9 @@ class Watch:
             return False
         self._lr_scale = core.run.lr_scale
         lr = float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale
-        return core.decide(core.measure(self._tensors(), lr=lr))
+        tensors = self._tensors()
+        self.grad_norm = tensors.grad_norm  # a replay's own norm never lands here
+        return core.decide(core.measure(tensors, lr=lr))
 
     def apply(self, optimizer_step: Callable[[], Any]) -> None:
         """Run the optimizer's step with the rollback LR scale (restored after it, so the

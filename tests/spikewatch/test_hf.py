@@ -137,3 +137,62 @@ def test_the_users_max_grad_norm_is_theirs_outside_the_step(tmp_path) -> None:
     assert trainer.args.max_grad_norm == 0.7 and seen == [0.7, 0.7]
     saved = torch.load(tmp_path / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
     assert saved.max_grad_norm == 0.7
+
+
+def test_the_trainer_logs_the_watchs_grad_norm_without_computing_it_again(
+    tmp_path, monkeypatch
+) -> None:
+    """The Watch clips (after measuring), so the Trainer runs with max_grad_norm 0, where it
+    would compute the norm once more for its log. It logs the Watch's pre-clip norm instead:
+    the same numbers as the Trainer's own run without spikewatch, and no second pass."""
+    from transformers import Trainer, TrainingArguments
+
+    from spikewatch.hf import SpikewatchCallback
+
+    x = torch.randint(0, 256, (48, 16), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "labels": r} for r in x]
+
+    def train(callbacks: list) -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            attn_implementation="sdpa",
+        )
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"out{len(callbacks)}"),
+            max_steps=6,
+            per_device_train_batch_size=8,
+            learning_rate=1e-2,
+            max_grad_norm=0.5,  # clips from the first step on: pre- and post-clip differ
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        calls = []
+        real = torch.nn.utils.clip_grad_norm_
+
+        def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            calls.append(1)
+            return real(*a, **k)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+            trainer = Trainer(
+                model=LlamaForCausalLM(cfg), args=args, train_dataset=rows, callbacks=callbacks
+            )
+            trainer.train()
+        norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+        assert "_get_grad_norm" not in trainer.__dict__  # the Trainer's own method again
+        return norms, len(calls)
+
+    plain, plain_calls = train([])
+    watched, watched_calls = train([SpikewatchCallback(db="none")])
+    assert plain_calls == 6 and len(plain) == 6 and max(plain) > 0.5
+    assert watched_calls == 0
+    assert watched == pytest.approx(plain, rel=1e-5)
