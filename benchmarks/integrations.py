@@ -236,6 +236,7 @@ class Baton:
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.holder: bool | None = None  # whose turn: True = the watched run
+        self.arrived: set[bool] = set()
         self.finished: set[bool] = set()
         self.began: dict[bool, float] = {}
 
@@ -247,7 +248,21 @@ class Baton:
             self.holder = me
         self.began[me] = time.perf_counter()
 
+    def arrive(self, me: bool) -> None:
+        with self.cv:
+            self.arrived.add(me)
+            self.cv.notify_all()
+
+    def wait_for(self, other: bool) -> None:
+        """Until `other` is set up (or gone): frameworks share process-wide state (accelerate's
+        AcceleratorState), which one run's set-up must not reset under the other's step."""
+        with self.cv:
+            self.cv.wait_for(lambda: other in self.arrived or other in self.finished)
+
     def start(self, me: bool) -> None:
+        """Set up: wait for the other run to be set up too, then for the turn."""
+        self.arrive(me)
+        self.wait_for(not me)
         self._wait(me)
 
     def turn(self, me: bool) -> float:
@@ -272,10 +287,14 @@ def framework_interleaved(args: argparse.Namespace, tmp: Path, run: Callable) ->
     out: dict[bool, list[float]] = {}
 
     def other() -> None:
-        out[False] = run(args, False, tmp, baton)
+        try:
+            out[False] = run(args, False, tmp, baton)
+        finally:
+            baton.finish(False)
 
     thread = threading.Thread(target=other)
     thread.start()
+    baton.wait_for(False)  # one set-up at a time
     try:
         out[True] = run(args, True, tmp, baton)
     finally:

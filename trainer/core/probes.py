@@ -259,11 +259,9 @@ class Probes:
                 n = torch.tensor([float(x.numel()) for x in v], device=v[0].device)
                 g.count = w.sum_shards(g.sum(n))
             m_norm = self._norm(g, m)
-            # sum(sqrt(v)) as the square root of v's 0.5-norm, max(sqrt(v)) as sqrt(max(v)):
-            # no sqrt(v) copy of the second moments (a quarter of these statistics' time)
-            sum_sqrt = _stack(torch._foreach_norm(v, 0.5)).sqrt()
-            mean = w.sum_shards(g.sum(sum_sqrt)) / g.count
-            vmax = w.max_shards(g.max(_stack(torch._foreach_max(v)).sqrt()))
+            sqrt_v = torch._foreach_sqrt(v)
+            mean = w.sum_shards(g.sum(_stack(torch._foreach_norm(sqrt_v, 1)))) / g.count
+            vmax = w.max_shards(g.max(_stack(torch._foreach_max(sqrt_v))))
             tiny = w.sum_shards(g.sum(_stack([_tiny_count(x) for x in v])))
             tiny = tiny / w.sum_shards(g.sample_count(v))
             for stat, val in (
