@@ -115,7 +115,11 @@ def loop_times(
 
 # -- Hugging Face ---------------------------------------------------------------------------
 def hf_times(
-    args: argparse.Namespace, watched: bool, tmp: Path, baton: Baton | None = None
+    args: argparse.Namespace,
+    watched: bool,
+    tmp: Path,
+    baton: Baton | None = None,
+    attach: bool | None = None,
 ) -> list[float]:
     """A Trainer run's [start, step ends..., end]; with a `baton`, the step times (each from
     the step's turn to its end) of a run taking turns with another."""
@@ -143,7 +147,7 @@ def hf_times(
     start = time.perf_counter()
     clock = Clock()
     callbacks: list = []
-    if watched:
+    if watched if attach is None else attach:
         callbacks.append(SpikewatchCallback(**_watch_kwargs(tmp)))
     callbacks.append(clock)  # last: a turn ends after every other callback's step end
     targs = TrainingArguments(
@@ -169,7 +173,11 @@ def hf_times(
 
 # -- Lightning ------------------------------------------------------------------------------
 def lightning_times(
-    args: argparse.Namespace, watched: bool, tmp: Path, baton: Baton | None = None
+    args: argparse.Namespace,
+    watched: bool,
+    tmp: Path,
+    baton: Baton | None = None,
+    attach: bool | None = None,
 ) -> list[float]:
     """As `hf_times`, for a Lightning run."""
     import lightning.pytorch as pl
@@ -207,7 +215,7 @@ def lightning_times(
     start = time.perf_counter()
     clock = Clock()
     callbacks: list = []
-    if watched:
+    if watched if attach is None else attach:
         callbacks.append(SpikewatchCallback(**_watch_kwargs(tmp)))
     callbacks.append(clock)  # last: a turn ends after every other callback's batch end
     trainer = pl.Trainer(
@@ -280,15 +288,20 @@ class Baton:
             self.cv.notify_all()
 
 
-def framework_interleaved(args: argparse.Namespace, tmp: Path, run: Callable) -> float:
+def framework_interleaved(
+    args: argparse.Namespace, tmp: Path, run: Callable, aa: bool = False
+) -> float:
     """A framework's run without spikewatch (in a thread) and with it, taking turns a step
-    each: the median step time without over the median with."""
+    each: the median step time without over the median with. `aa`: both without (the
+    harness's own noise: a thread's run against the main thread's, the same work)."""
     baton = Baton()
     out: dict[bool, list[float]] = {}
+    for side in ("a", "b"):
+        (tmp / side).mkdir(parents=True, exist_ok=True)
 
     def other() -> None:
         try:
-            out[False] = run(args, False, tmp, baton)
+            out[False] = run(args, False, tmp / "a", baton)
         finally:
             baton.finish(False)
 
@@ -296,7 +309,7 @@ def framework_interleaved(args: argparse.Namespace, tmp: Path, run: Callable) ->
     thread.start()
     baton.wait_for(False)  # one set-up at a time
     try:
-        out[True] = run(args, True, tmp, baton)
+        out[True] = run(args, True, tmp / "b", baton, False if aa else None)
     finally:
         baton.finish(True)
         thread.join()
@@ -355,6 +368,11 @@ def main() -> None:
         action="store_true",
         help="with and without in one process, taking turns a step each (the robust figures)",
     )
+    ap.add_argument(
+        "--aa",
+        action="store_true",
+        help="with --interleaved: HF and Lightning without spikewatch on both sides (noise)",
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -375,7 +393,7 @@ def main() -> None:
                         if name == "loop":
                             r = loop_interleaved(shaped, where, part)
                         else:
-                            r = framework_interleaved(shaped, where, run)
+                            r = framework_interleaved(shaped, where, run, args.aa)
                         key = "" if part == "full" else f"_{part}"
                         out[f"{name}_interleaved{key}_ratio_b{b}"] = round(r, 4)
                         print(f"B={b} {name} interleaved, {part}: ratio {r:.3f}", flush=True)
