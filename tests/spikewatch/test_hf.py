@@ -22,6 +22,19 @@ from .conftest import (  # noqa: E402
 )
 
 
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg)
+
+
 def test_gradient_accumulation(tmp_path) -> None:
     """Two micro-batches of 4 rows make the same step as one batch of 8: the same loss (HF
     divides each micro-batch's loss by the whole step's tokens, so the Watch adds the shares)."""
@@ -109,16 +122,7 @@ def test_the_users_max_grad_norm_is_theirs_outside_the_step(tmp_path) -> None:
             seen.append(args.max_grad_norm)
             return super().on_save(args, state, control, **kw)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        attn_implementation="sdpa",
-    )
-    x = torch.randint(0, 256, (32, 16))
+    x = torch.randint(0, 256, (32, 16), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": r, "labels": r} for r in x]
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -131,7 +135,7 @@ def test_the_users_max_grad_norm_is_theirs_outside_the_step(tmp_path) -> None:
         disable_tqdm=True,
     )
     trainer = Trainer(
-        model=LlamaForCausalLM(cfg), args=args, train_dataset=rows, callbacks=[Spy(db="none")]
+        model=_tiny_llama(), args=args, train_dataset=rows, callbacks=[Spy(db="none")]
     )
     trainer.train()
     assert trainer.args.max_grad_norm == 0.7 and seen == [0.7, 0.7]
@@ -153,15 +157,6 @@ def test_the_trainer_logs_the_watchs_grad_norm_without_computing_it_again(
     rows = [{"input_ids": r, "labels": r} for r in x]
 
     def train(callbacks: list) -> tuple[list[float], int]:
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            attn_implementation="sdpa",
-        )
         args = TrainingArguments(
             output_dir=str(tmp_path / f"out{len(callbacks)}"),
             max_steps=6,
@@ -184,7 +179,7 @@ def test_the_trainer_logs_the_watchs_grad_norm_without_computing_it_again(
         with monkeypatch.context() as m:
             m.setattr(torch.nn.utils, "clip_grad_norm_", counted)
             trainer = Trainer(
-                model=LlamaForCausalLM(cfg), args=args, train_dataset=rows, callbacks=callbacks
+                model=_tiny_llama(), args=args, train_dataset=rows, callbacks=callbacks
             )
             trainer.train()
         norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
