@@ -313,7 +313,15 @@ def framework_interleaved(
     finally:
         baton.finish(True)
         thread.join()
-    return median(out[False][WARM:]) / median(out[True][WARM:])
+    off, on = out[False][WARM:], out[True][WARM:]
+    pairs = [a / b for a, b in zip(off, on, strict=False)]  # adjacent steps, one of each
+    print(
+        f"  {run.__name__} B={args.batch_size}: median {1e3 * median(off):.1f} ms without, "
+        f"{1e3 * median(on):.1f} with; ratio of means {sum(off) / sum(on):.3f}, median of "
+        f"adjacent pairs {median(pairs):.3f}",
+        flush=True,
+    )
+    return median(off) / median(on)
 
 
 def loop_interleaved(args: argparse.Namespace, tmp: Path, part: str = "full") -> float:
