@@ -99,7 +99,12 @@ def test_sigkill_and_resume_store_every_row_exactly_once(tmp_path) -> None:
         run = tmp_path / f"t{trial}" / "run"
         run.parent.mkdir()
         proc = _train(run)
-        time.sleep(rng.uniform(0.4, 0.95) * lifetime)
+        kill_at = time.monotonic() + rng.uniform(0.4, 0.95) * lifetime
+        # never before the first checkpoint (a run under load can be slower than the reference
+        # was): a resume needs one, and the kill is for what happens after it
+        while not any((run / "checkpoints").glob("step*")) and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(max(0.0, kill_at - time.monotonic()))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         _finish(_train(run, resume=True))
