@@ -18,8 +18,17 @@ store, checkpoints, every probe), to show where the cost goes. Runs minutes apar
 few percent on a shared 2-core machine, so the plain loop is also measured **interleaved**:
 two identical models in one process, one watched, stepping alternately, so that both see the
 same machine at every moment (`loop_interleaved_ratio_b*`: the most robust figure here).
+`--interleaved` measures HF and Lightning the same way, two runs in two threads taking turns a
+step each, in both orientations (the watched run in the main thread, then in the worker).
+
+glibc's malloc is held still by default (`_common.steady_allocator`: it no longer trims its
+heap between steps): otherwise each step's activations are faulted in afresh, and how often
+depends on allocation order, which moved a step by +-5% in either direction (Lightning at
+B=16 looked 7% dearer with spikewatch, the plain loop 2% cheaper). `--glibc-default` leaves
+it as it is.
 
     python benchmarks/integrations.py [--reps 1] [--steps 1000] [--batch-sizes 8,16] [--breakdown]
+                                      [--interleaved [--aa]] [--glibc-default]
 
 Last line: {"loop_ratio_b8": r, "hf_ratio_b8": r, "lightning_ratio_b8": r, ..._b16, ...}.
 """
@@ -40,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine, median, plain_step  # noqa: E402
+from _common import machine, median, plain_step, steady_allocator  # noqa: E402
 
 WARM = 5
 
@@ -236,10 +245,11 @@ def lightning_times(
 
 
 class Baton:
-    """Two framework runs in two threads taking turns a step each (the watched one in the main
-    thread), so that both see the same machine at every moment, as `loop_interleaved`'s two
-    models do. `turn` ends a step: it returns the step's time (from the start of its turn)
-    and waits for the other run's step. A run that has finished no longer takes turns."""
+    """Two framework runs in two threads taking turns a step each (one in the main thread, the
+    other in a worker), so that both see the same machine at every moment, as
+    `loop_interleaved`'s two models do. `turn` ends a step: it returns the step's time (from
+    the start of its turn) and waits for the other run's step. A run that has finished no
+    longer takes turns."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
@@ -291,34 +301,49 @@ class Baton:
 def framework_interleaved(
     args: argparse.Namespace, tmp: Path, run: Callable, aa: bool = False
 ) -> float:
-    """A framework's run without spikewatch (in a thread) and with it, taking turns a step
-    each: the median step time without over the median with. `aa`: both without (the
-    harness's own noise: a thread's run against the main thread's, the same work)."""
+    """A framework's run without spikewatch and with it, taking turns a step each, twice: the
+    watched run in the main thread and the other in a worker thread, then the other way round
+    (a thread's run against the main thread's differs by 1-3% with spikewatch on neither side,
+    and in either direction: the two orientations cancel it). Each orientation's figure is
+    the median step time without over the median with; the result is their geometric mean.
+    `aa`: both without (the harness's own noise)."""
+    ratios = [
+        _one_orientation(args, tmp / side, run, aa, watched_in_main)
+        for side, watched_in_main in (("main", True), ("worker", False))
+    ]
+    return math.sqrt(ratios[0] * ratios[1])
+
+
+def _one_orientation(
+    args: argparse.Namespace, tmp: Path, run: Callable, aa: bool, watched_in_main: bool
+) -> float:
     baton = Baton()
     out: dict[bool, list[float]] = {}
     for side in ("a", "b"):
         (tmp / side).mkdir(parents=True, exist_ok=True)
 
-    def other() -> None:
+    def one(watched: bool) -> None:
+        where = tmp / ("b" if watched else "a")
         try:
-            out[False] = run(args, False, tmp / "a", baton)
+            out[watched] = run(args, watched, where, baton, False if aa and watched else None)
         finally:
-            baton.finish(False)
+            baton.finish(watched)
 
-    thread = threading.Thread(target=other)
+    in_thread = not watched_in_main
+    thread = threading.Thread(target=one, args=(in_thread,))
     thread.start()
-    baton.wait_for(False)  # one set-up at a time
+    baton.wait_for(in_thread)  # one set-up at a time
     try:
-        out[True] = run(args, True, tmp / "b", baton, False if aa else None)
+        one(not in_thread)
     finally:
-        baton.finish(True)
         thread.join()
     off, on = out[False][WARM:], out[True][WARM:]
     pairs = [a / b for a, b in zip(off, on, strict=False)]  # adjacent steps, one of each
     print(
-        f"  {run.__name__} B={args.batch_size}: median {1e3 * median(off):.1f} ms without, "
-        f"{1e3 * median(on):.1f} with; ratio of means {sum(off) / sum(on):.3f}, median of "
-        f"adjacent pairs {median(pairs):.3f}",
+        f"  {run.__name__} B={args.batch_size}, watched run in the "
+        f"{'main' if watched_in_main else 'worker'} thread: median {1e3 * median(off):.1f} ms "
+        f"without, {1e3 * median(on):.1f} with (ratio {median(off) / median(on):.3f}); ratio "
+        f"of means {sum(off) / sum(on):.3f}, median of adjacent pairs {median(pairs):.3f}",
         flush=True,
     )
     return median(off) / median(on)
@@ -381,7 +406,14 @@ def main() -> None:
         action="store_true",
         help="with --interleaved: HF and Lightning without spikewatch on both sides (noise)",
     )
+    ap.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's malloc trimming between steps (page faults move a CPU step +-5%%)",
+    )
     args = ap.parse_args()
+    if not args.glibc_default:
+        steady_allocator()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine  # noqa: E402
+from _common import machine, steady_allocator  # noqa: E402
 from integrations import _batches, _cosine, _model  # noqa: E402
 
 SKIP = 20  # warm-up steps left out
@@ -51,7 +51,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's malloc trimming between steps (see _common.steady_allocator)",
+    )
     args = ap.parse_args()
+    if not args.glibc_default:
+        steady_allocator()
     args.d_model, args.layers, args.seq_len = 128, 2, 128
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
