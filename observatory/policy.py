@@ -234,8 +234,8 @@ class Policy:
         }
         if len(recent) >= most:
             advice = (
-                "the replay found them in the optimizer state, not the data: lower Adam's "
-                "beta2 (0.95) or the learning rate"
+                "the replay found them in the optimizer state, not the data: lower the "
+                "learning rate, or an Adam-type optimizer's beta2"
                 if state
                 else f"check the data near batch {batch_of.get(onset, '?')} or lower the "
                 "learning rate"
