@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
+import logging
 import os
 import platform
 import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -54,6 +61,43 @@ def steady_allocator() -> bool:
     if ok:
         ALLOCATOR["malloc"] = "glibc, trim 1 GiB and mmap 32 MiB thresholds fixed"
     return ok
+
+
+def allocator_flag(ap: argparse.ArgumentParser) -> None:
+    """`--glibc-default`, read by `quiet_one_thread`."""
+    ap.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's malloc trimming its heap between steps (see steady_allocator)",
+    )
+
+
+def quiet_one_thread(args: argparse.Namespace) -> None:
+    """A timing script's set-up: the allocator held still (unless `--glibc-default`), one
+    thread, no log lines or warnings between the steps; then the machine banner."""
+    if not getattr(args, "glibc_default", False):
+        steady_allocator()
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import json
+
+    print("machine:", json.dumps(machine()))
+
+
+def clocked(obj: Any, name: str, label: str, into: Callable[[], Counter]) -> None:
+    """Wrap `obj.name` with a clock adding its seconds to `into()[label]` (`into` picks the
+    counter at each call: per thread, say)."""
+    inner = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            into()[label] += time.perf_counter() - t0
+
+    setattr(obj, name, timed)
 
 
 def median(xs: list[float]) -> float:

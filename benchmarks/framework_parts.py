@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 import threading
-import time
-import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import integrations  # noqa: E402
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine, steady_allocator  # noqa: E402
+from _common import allocator_flag, clocked, quiet_one_thread  # noqa: E402
 
 
 def main() -> None:
@@ -37,14 +34,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--run", default="lightning", choices=["lightning", "hf"])
-    ap.add_argument("--glibc-default", action="store_true")
+    allocator_flag(ap)
     args = ap.parse_args()
-    if not args.glibc_default:
-        steady_allocator()
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    print("machine:", json.dumps(machine()))
+    quiet_one_thread(args)
     from transformers import LlamaForCausalLM
 
     import trainer.watch as watch_mod
@@ -52,24 +44,15 @@ def main() -> None:
     spent: dict[bool, Counter] = {True: Counter(), False: Counter()}
     watched_thread: list[int] = []
 
-    def clocked(obj: Any, name: str, label: str) -> None:
-        inner = getattr(obj, name)
+    def mine() -> Counter:
+        return spent[threading.get_ident() in watched_thread]
 
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                spent[threading.get_ident() in watched_thread][label] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)
-
-    clocked(LlamaForCausalLM, "forward", "forward")
-    clocked(torch.autograd, "backward", "backward")
-    clocked(torch.optim.AdamW, "step", "optimizer")
-    clocked(torch.nn.utils, "clip_grad_norm_", "clip")
+    clocked(LlamaForCausalLM, "forward", "forward", mine)
+    clocked(torch.autograd, "backward", "backward", mine)
+    clocked(torch.optim.AdamW, "step", "optimizer", mine)
+    clocked(torch.nn.utils, "clip_grad_norm_", "clip", mine)
     for name in ("begin_step", "decide", "apply", "conclude"):
-        clocked(watch_mod.Watch, name, f"watch.{name}")
+        clocked(watch_mod.Watch, name, f"watch.{name}", mine)
     run = {"lightning": integrations.lightning_times, "hf": integrations.hf_times}[args.run]
 
     def marked(a: argparse.Namespace, watched: bool, *rest: Any) -> list[float]:

@@ -37,19 +37,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine, median, plain_step, steady_allocator  # noqa: E402
+from _common import allocator_flag, median, plain_step, quiet_one_thread  # noqa: E402
 
 WARM = 5
 
@@ -406,18 +404,9 @@ def main() -> None:
         action="store_true",
         help="with --interleaved: HF and Lightning without spikewatch on both sides (noise)",
     )
-    ap.add_argument(
-        "--glibc-default",
-        action="store_true",
-        help="leave glibc's malloc trimming between steps (page faults move a CPU step +-5%%)",
-    )
+    allocator_flag(ap)
     args = ap.parse_args()
-    if not args.glibc_default:
-        steady_allocator()
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    print("machine:", json.dumps(machine()))
+    quiet_one_thread(args)
     print(f"shape: d={args.d_model}, {args.layers} layers, T={args.seq_len}, {args.steps} steps")
     everything = {"loop": loop_times, "hf": hf_times, "lightning": lightning_times}
     runners = {k: everything[k] for k in args.only.split(",")}

@@ -17,53 +17,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import machine, steady_allocator  # noqa: E402
+from _common import allocator_flag, clocked, quiet_one_thread  # noqa: E402
 from integrations import _batches, _cosine, _model  # noqa: E402
 
 SKIP = 20  # warm-up steps left out
-
-
-def _clocked(spent: Counter, obj: Any, name: str, label: str) -> None:
-    inner = getattr(obj, name)
-
-    def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            spent[label] += time.perf_counter() - t0
-
-    setattr(obj, name, timed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument(
-        "--glibc-default",
-        action="store_true",
-        help="leave glibc's malloc trimming between steps (see _common.steady_allocator)",
-    )
+    allocator_flag(ap)
     args = ap.parse_args()
-    if not args.glibc_default:
-        steady_allocator()
     args.d_model, args.layers, args.seq_len = 128, 2, 128
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    print("machine:", json.dumps(machine()))
+    quiet_one_thread(args)
 
     import spikewatch.hf as hf
     import trainer.checkpoints.disk as disk
@@ -90,7 +65,7 @@ def main() -> None:
         (disk.Checkpointer, "save", "disk_save"),
         (torch.nn.utils, "clip_grad_norm_", "plain_clip"),
     ]:
-        _clocked(spent, obj, name, label)
+        clocked(obj, name, label, lambda: spent)
 
     batches = _batches(args)
 
