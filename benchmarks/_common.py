@@ -45,8 +45,9 @@ def steady_allocator() -> bool:
     many depends on which allocation happens to sit at the heap's top when the backward frees
     the activations, so any change to a step's allocations (spikewatch's, or a framework's
     order of hooks) moves a CPU step by +-5% through page faults alone: the plain loop
-    faulted less with spikewatch than without it, Lightning more (page_faults.py). Measuring spikewatch's cost means holding that still on both sides. CUDA tensors do
-    not come from malloc (PyTorch's caching allocator keeps them), so GPU runs do not see it.
+    faulted less with spikewatch than without it, Lightning more (page_faults.py).
+    Measuring spikewatch's cost means holding that still on both sides. CUDA tensors do not
+    come from malloc (PyTorch's caching allocator keeps them), so GPU runs do not see it.
     Returns whether glibc took both settings (False off glibc)."""
     name = ctypes.util.find_library("c")
     if name is None:
