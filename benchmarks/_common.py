@@ -113,7 +113,12 @@ def plain_step(model, opt, sched, watch, x: torch.Tensor, i: int) -> None:  # no
     if watch is not None:
         watch.step(loss)
     else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        plain_update(model, opt, sched)
+
+
+def plain_update(model, opt, sched) -> None:  # noqa: ANN001
+    """The plain loop's update after backward: clip at 1.0, step, schedule, zero."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)

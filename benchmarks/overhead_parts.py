@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402  (after _common set the thread environment)
-from _common import allocator_flag, clocked, quiet_one_thread  # noqa: E402
+from _common import allocator_flag, clocked, plain_update, quiet_one_thread  # noqa: E402
 from integrations import _batches, _cosine, _model  # noqa: E402
 
 SKIP = 20  # warm-up steps left out
@@ -96,10 +96,7 @@ def main() -> None:
                 if which:
                     w.step(loss)
                 else:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad(set_to_none=True)
+                    plain_update(model, opt, sched)
                 t4 = time.perf_counter()
                 if i >= SKIP:
                     total[f"step{which}"] += t4 - t0
