@@ -73,7 +73,7 @@ def main() -> None:
         # mapped by an earlier save); after save() the loop runs the next forward and backward,
         # then must wait (before_mutation) if the tensors are still being copied.
         async_cp = _checkpointer(tr, root / "async", "async")
-        async_cp.save(tr.step, tr.core.snapshot)
+        async_cp.save(tr.step_count, tr.core.snapshot)
         async_cp.wait()
         x, y = tr.sampler.batch(0, 1)
         for rep in range(args.reps):
@@ -82,7 +82,7 @@ def main() -> None:
                 _measure(kind, tr, root / f"{kind}-{rep}", times)
             os.sync()
             t0 = time.perf_counter()
-            stall = async_cp.save(tr.step, tr.core.snapshot)
+            stall = async_cp.save(tr.step_count, tr.core.snapshot)
             tr.model(x, y).loss.backward()  # the loop's next step, up to its update
             stall += async_cp.before_mutation()
             tr.optimizer.zero_grad(set_to_none=True)
@@ -133,7 +133,7 @@ def _measure(kind: str, tr, where: Path, times: dict[str, list[float]]) -> None:
         return
     cp = _checkpointer(tr, where, kind)
     t0 = time.perf_counter()
-    cp.save(tr.step, tr.core.snapshot)
+    cp.save(tr.step_count, tr.core.snapshot)
     cp.wait()
     times[kind].append(time.perf_counter() - t0)
 

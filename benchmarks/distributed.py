@@ -79,7 +79,7 @@ def _throughput(cfg: TrainConfig, run_dir: Path) -> float:
 
 def _save_seconds(tr: Trainer) -> float:
     t0 = time.perf_counter()
-    tr.core.checkpointer.save(tr.step, tr.core.snapshot)
+    tr.core.checkpointer.save(tr.step_count, tr.core.snapshot)
     tr.core.checkpointer.wait()
     return time.perf_counter() - t0
 

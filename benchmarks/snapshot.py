@@ -84,7 +84,7 @@ def main() -> None:
     step = median(plain)
     core.save([MEMORY, DISK])
     tiers.wait()
-    saved = core.step
+    saved = core.step_count
     mem_s, disk_s = [], []
     for _ in range(args.reps):
         t0 = time.perf_counter()

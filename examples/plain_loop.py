@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         fully_shard(gpt)
     elif world > 1:
         model = DDP(gpt)
+    if args.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))

@@ -105,7 +105,7 @@ class Policy:
         # ends at, the spike's loss level, and how many rollbacks in a row met that level
         self.shift: dict[str, Any] | None = None
 
-    def decide(
+    def plan(
         self,
         verdict: Verdict,
         *,

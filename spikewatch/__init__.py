@@ -1,8 +1,9 @@
 """spikewatch in your own training: `Watch` for any PyTorch loop; `spikewatch.hf` and
 `spikewatch.lightning` for Hugging Face's Trainer and PyTorch Lightning.
 
-    from spikewatch import Watch
+    from spikewatch import AdamW, Watch
 
+    optimizer = AdamW(model.parameters(), lr=3e-4)  # torch's AdamW, refusable on the GPU
     watch = Watch(model, optimizer, scheduler, max_steps=1000, grad_clip=1.0)
     for x, y in watch.batches(get_batch):   # get_batch(index) -> a batch
         loss = model(x, y)
@@ -16,6 +17,7 @@ probes, guard and checkpoints) and `observatory/` (detector, policy, store).
 
 from trainer.config import WatchSettings
 from trainer.model.attention import AttnMax, max_logits
+from trainer.model.optim.factor import AdamW
 from trainer.watch import Watch
 
-__all__ = ["AttnMax", "Watch", "WatchSettings", "max_logits"]
+__all__ = ["AdamW", "AttnMax", "Watch", "WatchSettings", "max_logits"]

@@ -88,7 +88,7 @@ class Adapter:
             **kwargs,
         )
         self.watch.open()
-        self.watch.gate(optimizer, scheduler)
+        self.watch.route(optimizer, scheduler)
         return self.watch
 
     def _close(self) -> None:

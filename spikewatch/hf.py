@@ -8,7 +8,7 @@
 The callback only translates Trainer events into the `Watch` (trainer/watch.py), which owns
 probes, detection, policy, checkpoints and rollback:
 - on_train_begin builds the Watch around the Trainer's model, optimizer and scheduler and
-  routes their `step()` through it (`Watch.gate`): a callback cannot refuse an update, so this
+  routes their `step()` through it (`Watch.route`): a callback cannot refuse an update, so this
   is the one hook into the Trainer. The Watch also takes over `max_grad_norm` clipping (the
   same arithmetic) because the Trainer clips before any callback sees the gradients, and a
   clipped norm hides the spike.

@@ -6,7 +6,7 @@
 
 The callback only translates Lightning hooks into the `Watch` (trainer/watch.py):
 - on_fit_start builds the Watch around the module, its (first) optimizer and LR scheduler
-  and routes their `step()` through it (`Watch.gate`; Lightning calls the optimizer with a
+  and routes their `step()` through it (`Watch.route`; Lightning calls the optimizer with a
   closure, which the gate runs first). It takes over `gradient_clip_val` (norm clipping, the
   same arithmetic) so that it measures the norm before clipping.
 - on_before_backward gives the loss; on_train_batch_start the batch's global index: the index

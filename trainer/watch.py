@@ -3,7 +3,7 @@ client of the step core (trainer/core/step_core.py), which owns the step, rollba
 checkpoints and resume. The Watch brings only what differs:
 
 - the user's objects: model, optimizer and LR scheduler (their `step()` may be routed through
-  the Watch by `gate`, so a framework's own `optimizer.step()` asks first);
+  the Watch by `route`, so a framework's own `optimizer.step()` goes through the gate);
 - the loss, observed from the forward (`observe_loss`), and the clipping (the Watch measures
   the gradient norm before it clips);
 - forward-flowing data: the user's (or the framework's) data position keeps going after a
@@ -15,9 +15,13 @@ checkpoints and resume. The Watch brings only what differs:
 One step, whoever runs the loop:
   begin_step(index)  the batch's global index; a due checkpoint of the previous step is saved
   observe_loss(loss) once per forward (micro-batch), on device
-  decide()           after backward, before optimizer.step: clip (measuring the norm first),
-                     one host transfer, the agreed decision; True = apply the update
-  conclude()         record the step; carry out a rollback (in-process restore) or a halt
+  gate()             after backward, before optimizer.step: clip (measuring the norm first),
+                     the device step factor, the copy of the values to the host enqueued;
+                     `.open` = call the optimizer (with spikewatch's AdamW, always: a refused
+                     update is a factor of 0 on the device, and nothing is read on the host)
+  apply(step)        the optimizer's step, with the rollback LR scale
+  conclude()         the step's one host read, the agreed action, the record; a rollback
+                     (in-process restore) or a halt
 A plain loop calls `step(loss)`, which does the last three.
 
 Lifetime: `Watch(...)` only assigns; `open()` (or `with Watch(...) as watch:`) opens the store,
@@ -58,6 +62,7 @@ from trainer.core.step_core import (
     REFUSED,
     ROLLED_BACK,
     SKIPPED_BATCH,
+    Gate,
     StepCore,
 )
 from trainer.core.transfer import StepTensors, clip_by_global_norm
@@ -155,7 +160,7 @@ class Watch:
     @property
     def step_count(self) -> int:
         """Updates on the live branch."""
-        return self._c.step
+        return self._c.step_count
 
     @property
     def index(self) -> int:
@@ -201,7 +206,7 @@ class Watch:
     def should_stop(self) -> bool:
         core = self._c
         return core.stop_requested or (
-            self.cfg.max_steps is not None and core.step >= self.cfg.max_steps
+            self.cfg.max_steps is not None and core.step_count >= self.cfg.max_steps
         )
 
     # -- the user's loop ------------------------------------------------------------------
@@ -233,7 +238,7 @@ class Watch:
         'skipped_batch'."""
         if loss is not None:
             self.observe_loss(loss)
-        if self.decide():
+        if self.gate().open:
             self.apply(self._inner_step or self.optimizer.step)
         outcome = self.conclude()
         if self.scheduler is not None and outcome in (APPLIED, REFUSED):
@@ -258,7 +263,7 @@ class Watch:
         core.begin_step(core.index if index is None else index)
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
         self.grad_norm = None
-        self.attn.active = core.probes.wants_attn_max(core.step + 1)
+        self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True
 
     def observe_loss(self, loss: torch.Tensor, *, share: bool = False) -> None:
@@ -272,20 +277,21 @@ class Watch:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_n += 1
 
-    def decide(self) -> bool:
-        """After backward, before the optimizer step. True = apply the update."""
+    def gate(self) -> Gate:
+        """After backward, before the optimizer step: `.open` = apply the update (its step
+        factor, if the optimizer takes one, is set on it already)."""
         core = self._c
         if not self._began:
             self.begin_step(core.take_index())
         self._began = False
         if core.refuse_skipped():  # drawn before the rollback that skips it
             self.attn.take()
-            return False
+            return Gate(False)
         self._lr_scale = core.run.lr_scale
         lr = float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale
         tensors = self._tensors()
         self.grad_norm = tensors.grad_norm  # a replay's own norm never lands here
-        return core.decide(core.measure(tensors, lr=lr))
+        return core.gate(tensors, lr=lr)
 
     def apply(self, optimizer_step: Callable[[], Any]) -> None:
         """Run the optimizer's step with the rollback LR scale (restored after it, so the
@@ -307,25 +313,25 @@ class Watch:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
         return self._c.conclude()
 
-    def gate(self, optimizer: Any, scheduler: Any = None) -> None:
+    def route(self, optimizer: Any, scheduler: Any = None) -> None:
         """Route a framework's `optimizer.step()` (with or without a closure, as Lightning
-        calls it) and `scheduler.step()` through the Watch: the update happens only if the
-        Watch decides so, and the scheduler follows the Watch's steps."""
+        calls it) and `scheduler.step()` through the Watch: the update goes through the gate,
+        and the scheduler follows the Watch's steps."""
         inner = self._inner_step = optimizer.step
 
-        def step(closure: Callable[[], Any] | None = None) -> Any:
+        def gated_step(closure: Callable[[], Any] | None = None) -> Any:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            if self.decide():
+            if self.gate().open:
                 self.apply(inner)
             self.conclude()
             return loss
 
         if hasattr(inner, "_wrapped_by_lr_sched"):  # torch's scheduler checks its own wrapper
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = step
+            gated_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = gated_step
         if scheduler is not None:  # a subclass, not an instance attribute: state_dict() is
             watch = self  # the instance's __dict__, and frameworks save it with torch.save
 
@@ -580,7 +586,7 @@ def _resume(watch: Watch, core: StepCore, run_dir: Path) -> None:
         core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
     elif watch.saved is not None:
         core.load_state_dict(watch.saved)
-        core.checkpointer.drop_after(core.step)  # the future of an abandoned timeline
+        core.checkpointer.drop_after(core.step_count)  # the future of an abandoned timeline
     elif ck_list(core.checkpointer.root):
         raise ConfigError(
             f"{run_dir} already holds checkpoints of a run: resume it (resume=True, or "

@@ -39,8 +39,10 @@ def runs(tmp_path_factory):
         weights_after.update({k: v.clone() for k, v in guarded.model.state_dict().items()})
 
     def capture(*args):
-        if guarded.step not in first_pass:
-            first_pass[guarded.step] = {k: v.clone() for k, v in guarded.model.state_dict().items()}
+        if guarded.step_count not in first_pass:
+            first_pass[guarded.step_count] = {
+                k: v.clone() for k, v in guarded.model.state_dict().items()
+            }
         orig_save(*args)
 
     guarded.core.rollback, guarded.core.save = spy, capture  # type: ignore[method-assign]

@@ -58,7 +58,7 @@ def _nan_grad_at(trainer, step: int) -> None:
     """Make every gradient of one parameter NaN on the given step (a hardware-fault stand-in)."""
 
     def hook(g):
-        return g * float("nan") if trainer.step + 1 == step else g
+        return g * float("nan") if trainer.step_count + 1 == step else g
 
     trainer.model.blocks[0].mlp.up_proj.weight.register_hook(hook)
 

@@ -45,7 +45,7 @@ def test_a_snapshot_holds_the_weights_of_its_step(tmp_path) -> None:
         assert torch.equal(v, want[k]), k
     for k, v in tr.optimizer.state_dict()["state"].items():
         assert torch.equal(v["exp_avg"], want_m[k])
-    assert core.step == 5
+    assert core.step_count == 5
 
 
 def test_the_budget_bounds_the_snapshots_and_pins_stay_longest(tmp_path) -> None:

@@ -63,7 +63,7 @@ def test_killed_after_the_target_was_rewritten(reference, tmp_path, monkeypatch)
     weights, rollback = reference
     _crash_in_rollback(monkeypatch, tmp_path, "drop")
     tr = build_trainer(load_config("tiny_cpu", BASE), run_dir=tmp_path, resume=True)
-    assert tr.step == rollback["to_step"]  # not the newest step: that branch was abandoned
+    assert tr.step_count == rollback["to_step"]  # not the newest step: that branch was abandoned
     assert [list(r) for r in tr.core.run.data.skip_ranges] == rollback["skip_ranges"]
     assert [i["kind"] for i in tr.core.run.interventions] == ["rollback"]
     result = tr.fit()
@@ -77,7 +77,7 @@ def test_killed_before_the_target_was_rewritten(reference, tmp_path, monkeypatch
     weights, rollback = reference
     _crash_in_rollback(monkeypatch, tmp_path, "save")
     tr = build_trainer(load_config("tiny_cpu", BASE), run_dir=tmp_path, resume=True)
-    assert tr.step > rollback["to_step"] and not tr.core.run.interventions
+    assert tr.step_count > rollback["to_step"] and not tr.core.run.interventions
     result = tr.fit()
     assert [(i["kind"], i["to_step"]) for i in result.interventions] == [
         ("rollback", rollback["to_step"])

@@ -125,9 +125,9 @@ class Trainer:
         self.optimizer, self.world = core.optimizer, core.world  # the core's, for short
 
     @property
-    def step(self) -> int:
+    def step_count(self) -> int:
         """Updates on the live branch (the core's counter)."""
-        return self.core.step
+        return self.core.step_count
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -137,15 +137,17 @@ class Trainer:
         with stop_on_signals(core):
             try:
                 core.start()
-                while core.step < last and not core.stop_requested:
+                while core.step_count < last and not core.stop_requested:
                     if self._train_step() == ROLLED_BACK:  # evaluated and saved: a restored step
                         continue
                     if self._eval_due(last):
                         self._evaluate()
                     core.save_if_due()
                 if core.stop_requested:
-                    log.warning("stopping at step %d: %s", core.step, core.halted or "on request")
-                    if not core.run.val_losses or core.run.val_losses[-1][0] != core.step:
+                    log.warning(
+                        "stopping at step %d: %s", core.step_count, core.halted or "on request"
+                    )
+                    if not core.run.val_losses or core.run.val_losses[-1][0] != core.step_count:
                         self._evaluate()
                 core.finish(core.status())
             finally:
@@ -192,13 +194,12 @@ class Trainer:
         core = self.core
         index = core.take_index()
         core.begin_step(index)
-        step = core.step + 1
+        step = core.step_count + 1
         t, lr_mult, ntok = self._compute(step, index, probing=True)
-        state = core.measure(t, lr=self.cfg.optim.lr * lr_mult, ntok=ntok)
-        if core.decide(state):
-            apply_update(
-                self.model, self.optimizer, lr_mult, t.attn_max, self.cfg.optim.qk_clip_tau
-            )
+        gate = core.gate(t, lr=self.cfg.optim.lr * lr_mult, ntok=ntok)
+        if gate.open:
+            tau = self.cfg.optim.qk_clip_tau
+            apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau, gate.factor)
         return core.conclude()
 
     def replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
@@ -210,7 +211,7 @@ class Trainer:
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
         every = self.cfg.eval.interval
-        return self.step == last or (every is not None and self.step % every == 0)
+        return self.step_count == last or (every is not None and self.step_count % every == 0)
 
     @torch.no_grad()
     def _evaluate(self) -> float:
@@ -223,7 +224,7 @@ class Trainer:
             total += self.model(x.to(self.device), y.to(self.device)).ce
         self.model.train()
         val = self.world.mean(total / cfg.eval.batches).item()
-        log.info("step %d: val loss %.4f", self.step, val)
+        log.info("step %d: val loss %.4f", self.step_count, val)
         self.core.record_eval(val)
         return val
 

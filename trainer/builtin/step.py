@@ -85,10 +85,12 @@ def apply_update(
     lr_mult: float,
     attn_max: torch.Tensor | None,
     qk_clip_tau: float | None,
+    factor: torch.Tensor | None = None,
 ) -> None:
-    """Set this step's LR on every group, step the optimizer, then QK-Clip if asked."""
+    """Set this step's LR on every group, step the optimizer (which folds in the step factor
+    the core gave it, if any), then QK-Clip if asked (not on a refused step)."""
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"] * lr_mult
     optimizer.step()
     if qk_clip_tau is not None and attn_max is not None:
-        qk_clip(model.attention_modules(), attn_max, qk_clip_tau)
+        qk_clip(model.attention_modules(), attn_max, qk_clip_tau, factor)

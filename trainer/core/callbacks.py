@@ -1,8 +1,16 @@
 """Callbacks: the loop's extension point (OLMo-core's hooks, with typed return actions).
 
-Hooks see frozen snapshots, never trainer internals. `pre_update` runs after the backward pass,
-when loss and gradient norm are known and before the optimizer step, and returns an `Action`
-that the loop carries out. Callback state goes into every checkpoint via `state_dict`.
+Hooks see frozen snapshots, never trainer internals. `on_step` runs once the step's values
+reach the host, which is after its update has been enqueued (the GPU never waits for the host
+between backward and the update, ARCHITECTURE.md), and returns an `Action` that the loop carries
+out at the step's end: Continue, Rollback (to a checkpoint from before the step: the applied
+update is discarded with the rest) or Halt. A refused update (non-finite values, the same-step
+tier) was decided on the device already and arrives as `StepState.refused_by` / `nonfinite`.
+
+A callback that must see a step *before* its update, to refuse it itself (`SkipUpdate`), or to
+read the gradients, overrides `pre_update` instead: the loop then reads the step's values before
+every update (the host path), which on a GPU drains the launch queue each step. Callback state
+goes into every checkpoint via `state_dict`.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import Any
 
 from trainer.core.actions import Action, Continue, Note
 
-__all__ = ["Callback", "EvalState", "FitState", "StepState"]
+__all__ = ["Callback", "EvalState", "FitState", "StepState", "decides_before_update"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +35,8 @@ class StepState:
     lr: float  # peak-group LR this step
     tokens: int  # tokens seen including this step
     nonfinite: bool  # loss or gradient not finite: the update is refused
-    refused_by: str = ""  # the same-step tier refuses this update: why (trainer/core/same_step.py)
-    applied: bool = False  # set for post_step: whether the update was applied
+    refused_by: str = ""  # the same-step tier refused this update: why (trainer/core/same_step.py)
+    applied: bool = False  # set for post_step: whether the update was applied and kept
     action: str = "continue"
     reason: str = ""  # why, when the action is not "continue"
     metrics: Mapping[str, float] = field(default_factory=dict)
@@ -58,8 +66,15 @@ class Callback:
     def on_fit_start(self, state: FitState) -> None:
         """Before the first step (also after a resume)."""
 
+    def on_step(self, state: StepState) -> Action:
+        """The step's values, once they reach the host (its update is enqueued by then):
+        Continue, Rollback or Halt, carried out at the step's end. The default asks
+        `pre_update`, so that a callback written for it is heard either way."""
+        return self.pre_update(state)
+
     def pre_update(self, state: StepState) -> Action:
-        """After backward, before the update: Continue, SkipUpdate or Rollback."""
+        """Before the update: Continue, SkipUpdate, Rollback or Halt. Overriding it puts the
+        run on the host path (the step's values are read before every update)."""
         return Continue()
 
     def post_step(self, state: StepState) -> None:
@@ -106,3 +121,8 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+
+def decides_before_update(cb: Callback) -> bool:
+    """The callback overrides `pre_update`: it must be heard before the update is applied."""
+    return type(cb).pre_update is not Callback.pre_update

@@ -1,7 +1,8 @@
 """The step's decision, shared by the built-in loop and `Watch`: one rule for every way in.
 
-The callbacks (recorder, spike guard, the user's) each propose an action for the step before
-its update; a non-finite loss or gradient is always refused; the strongest proposal wins
+`decide` is the one place a step's action is chosen: the callbacks (recorder, spike guard, the
+user's) each propose one from the step's values; a refused update (non-finite values, the
+same-step tier: decided on the device) is a `SkipUpdate`; the strongest proposal wins
 (`actions.strongest`). A non-Continue outcome becomes an intervention record for the summary
 and the store.
 """
@@ -15,7 +16,7 @@ from typing import Any
 from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from trainer.core.callbacks import Callback, StepState
 
-__all__ = ["action_name", "deliver_notes", "intervention", "propose", "rescale"]
+__all__ = ["action_name", "decide", "deliver_notes", "intervention", "rescale"]
 
 NONFINITE = "non-finite loss or gradient"
 
@@ -26,7 +27,7 @@ def action_name(action: Action) -> str:
     ]
 
 
-def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, list[str]]:
+def decide(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, list[str]]:
     """(the action for the step, pin reasons asked for by the callbacks that continue). A
     Continue carries the product of every Continue's `lr_scale`."""
     proposed: list[Action] = []
@@ -34,7 +35,7 @@ def propose(state: StepState, callbacks: Iterable[Callback]) -> tuple[Action, li
         proposed.append(SkipUpdate(reason=NONFINITE))
     elif state.refused_by:
         proposed.append(SkipUpdate(reason=state.refused_by))
-    proposed += [cb.pre_update(state) for cb in callbacks]
+    proposed += [cb.on_step(state) for cb in callbacks]
     goes_on = [a for a in proposed if isinstance(a, Continue)]
     pins = [a.pin for a in goes_on if a.pin is not None]
     action = strongest(proposed)

@@ -1,6 +1,6 @@
 """The trainer's side of the observatory: the one callback that detects spikes and acts.
 
-Every step, before the update, it feeds the detector (loss, grad norm, probes' leading
+Every step, once its values reach the host, it feeds the detector (loss, grad norm, probes' leading
 signals) and turns a verdict into an action through the policy: `Rollback` to a retained
 checkpoint from before the onset with the offending batches skipped, `Halt` when spikes keep
 coming back, `Continue(pin=...)` to keep a pre-spike anchor when a leading signal warns. It
@@ -84,7 +84,7 @@ class SpikeGuard(Callback):
             can_roll_back=cfg.checkpoint.any_tier,
         )
 
-    def pre_update(self, state: StepState) -> Action:
+    def on_step(self, state: StepState) -> Action:
         if state.step in self.regimes:
             self.detector.rebase(state.step)
         self.batch_of[state.step] = state.batch_index
@@ -139,7 +139,7 @@ class SpikeGuard(Callback):
         return False
 
     def _act(self, v: Verdict, level: float | None) -> Action:
-        plan = self.policy.decide(
+        plan = self.policy.plan(
             v,
             checkpoints=self.retained(),
             batch_of=self.batch_of,

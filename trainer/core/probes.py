@@ -16,10 +16,10 @@ and whole parameters, so every probe is computed as in one process. With FSDP2 e
 shards: sums over a layer (squared norms, L1 sums, element counts) are summed over the ranks
 before any root or ratio, maxima are maxed, and the grad norms come from the sharded clipping.
 
-The update statistics only exist after the optimizer step, while the step's single host
-transfer must happen before it (the callbacks decide from it whether to apply the update). So
-they ride the *next* step's transfer and reach callbacks through `on_update_metrics` one step
-late, tagged with their own step; the last ones are flushed when the fit ends.
+The update statistics only exist after the optimizer step, and the step's copy to the host is
+enqueued before it (on the host path it is even read before it). So they ride the *next* step's
+transfer and reach callbacks through `on_update_metrics` one step late, tagged with their own
+step; the last ones are flushed when the fit ends.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class Recorder(Callback):
             self.poller.seen.update(self.handled)
             self.poller.start()
 
-    def pre_update(self, state: StepState) -> Action:
+    def on_step(self, state: StepState) -> Action:
         """A request from the dashboard becomes the step's action (taken without waiting)."""
         for req in self.poller.take() if self.poller is not None else []:
             self.handled.append(req["uid"])

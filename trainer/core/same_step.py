@@ -3,14 +3,20 @@
 OLMo-core's answer to a one-batch blow-up (its skip-step optimizers): compare the step's loss
 and gradient norm with their rolling mean and standard deviation over the last `window`
 accepted steps, and refuse the update when either lies more than `sigma` deviations above
-(log-space, like the detector, so the multiplicative noise of a loss is one scale). The loop
-refuses the update (a `SkipUpdate`, recorded as a skip) before `optimizer.step`.
+(log-space, like the detector, so the multiplicative noise of a loss is one scale). The update
+is refused (recorded as a skip) without the host reading anything before `optimizer.step`:
 
-It is decided on the host, from the loss and gradient norm that the step's one host transfer
-brings anyway (after the ranks' all-reduce, so every rank decides alike): no device work and
-no synchronisation of its own. An earlier version kept the window in device tensors and rode
-the transfer with a device verdict; the decision was needed on the host all the same, and its
-~55 small tensor ops cost a CPU step about 0.5 ms, against ~20 us for this arithmetic.
+- before the step, the host turns the window into two thresholds (`limits`: the log-values
+  above which the loss or the gradient norm is refused), host numbers it already has;
+- after backward, `step_factor` compares the step's (all-reduced) loss and norm with them on
+  the device, with the non-finite check: 1.0 applies the update, 0.0 refuses it, and the
+  optimizer folds it in (trainer/model/optim/factor.py);
+- the factor rides the step's one host read, after the update; `observe` then updates the
+  window from what the device decided, so host and device never disagree.
+
+Every rank computes the same factor from the same reduced values and the same window. An
+earlier version kept the window itself in device tensors (~55 small ops, ~0.5 ms of a CPU
+step); the thresholds need ~12 scalar ops on the device and ~20 us of host arithmetic.
 
 The spike guard's rollback stays the tier for what persists: after `max_refusals` refusals in a
 row the tier lets the next extreme update through (and learns from it), so a spike that keeps
@@ -24,11 +30,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from observatory import metric_names as M
-
-__all__ = ["SameStepConfig", "SameStepGate"]
+__all__ = ["SameStepConfig", "SameStepGate", "step_factor"]
 
 
 class SameStepConfig(BaseModel):
@@ -49,8 +54,8 @@ class SameStepConfig(BaseModel):
 
 
 class SameStepGate:
-    """Per step: `check(loss, grad_norm)` -> (refuse, z of the loss, z of the grad norm), the
-    rolling window updated in the same call (host floats)."""
+    """Per step: `limits()` before it, `observe(loss, grad_norm, refused)` after its read (host
+    floats); `check` does both from host values (the same rule, for tests and replays)."""
 
     def __init__(self, cfg: SameStepConfig) -> None:
         self.cfg = cfg
@@ -59,32 +64,61 @@ class SameStepGate:
         self.pos = 0  # the slot the next accepted value goes to
         self.refused = 0  # refusals in a row
 
-    def check(self, loss: float, grad_norm: float) -> tuple[bool, float, float]:
+    def limits(self) -> tuple[float, float] | None:
+        """The log-values above which the next step's loss or gradient norm is refused; None
+        while the tier is not armed (too little history, or `max_refusals` in a row)."""
         cfg = self.cfg
+        if self.count < max(cfg.min_history, 2) or self.refused >= cfg.max_refusals:
+            return None
+        out = []
+        for series in self.values:  # the mean and sample deviation of the filled slots
+            held = series[: self.count]
+            mean = math.fsum(held) / self.count
+            var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
+            out.append(mean + cfg.sigma * max(math.sqrt(var), cfg.floor))
+        return out[0], out[1]
+
+    def z(self, loss: float, grad_norm: float) -> tuple[float, float]:
+        """Deviations of the two log-values above their rolling means (0 without history)."""
         x = [_log(loss), _log(grad_norm)]
-        finite = all(math.isfinite(v) for v in x)
-        z = [0.0, 0.0]
-        if finite and self.count >= 2:  # the mean and sample deviation of the filled slots
-            for i, series in enumerate(self.values):
-                held = series[: self.count]
-                mean = math.fsum(held) / self.count
-                var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-                z[i] = (x[i] - mean) / max(math.sqrt(var), cfg.floor)
-        armed = self.count >= cfg.min_history and self.refused < cfg.max_refusals
-        refuse = finite and armed and max(z) > cfg.sigma
-        if finite and not refuse:  # a normal value, or an extreme one let through
+        if self.count < 2 or not all(math.isfinite(v) for v in x):
+            return 0.0, 0.0
+        z = []
+        for i, series in enumerate(self.values):
+            held = series[: self.count]
+            mean = math.fsum(held) / self.count
+            var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
+            z.append((x[i] - mean) / max(math.sqrt(var), self.cfg.floor))
+        return z[0], z[1]
+
+    def observe(self, loss: float, grad_norm: float, refused: bool) -> str:
+        """After the step's read: `refused` is what the device decided for a finite step. The
+        window learns a normal value or one let through; returns the refusal's reason."""
+        reason = ""
+        if refused:
+            z_loss, z_grad = self.z(loss, grad_norm)
+            reason = self.reason(z_loss, z_grad, self.cfg.sigma)
+        x = [_log(loss), _log(grad_norm)]
+        if all(math.isfinite(v) for v in x) and not refused:
             for series, v in zip(self.values, x, strict=True):
                 series[self.pos] = v
-            self.pos = (self.pos + 1) % cfg.window
-            self.count = min(self.count + 1, cfg.window)
-        self.refused = self.refused + 1 if refuse else 0
-        return refuse, z[0], z[1]
+            self.pos = (self.pos + 1) % self.cfg.window
+            self.count = min(self.count + 1, self.cfg.window)
+        self.refused = self.refused + 1 if refused else 0
+        return reason
 
-    def verdict(self, metrics: dict[str, float]) -> str:
-        """After the step's transfer: the reason of a refusal, or "" for an update that may go
-        on (from the step's loss and gradient norm in `metrics`)."""
-        refuse, z_loss, z_grad = self.check(metrics[M.LOSS], metrics[M.GRAD_NORM])
-        return self.reason(z_loss, z_grad, self.cfg.sigma) if refuse else ""
+    def check(self, loss: float, grad_norm: float) -> tuple[bool, float, float]:
+        """The whole rule on host values: (refuse, z of the loss, z of the grad norm)."""
+        limits = self.limits()
+        z_loss, z_grad = self.z(loss, grad_norm)
+        x = [_log(loss), _log(grad_norm)]
+        refuse = (
+            limits is not None
+            and all(math.isfinite(v) for v in x)
+            and (x[0] > limits[0] or x[1] > limits[1])
+        )
+        self.observe(loss, grad_norm, refuse)
+        return refuse, z_loss, z_grad
 
     def reset(self) -> None:
         """Forget the history (the loss moved to a new level on purpose, or was accepted as
@@ -97,7 +131,7 @@ class SameStepGate:
             f"{name} {z:.1f} deviations above its rolling mean"
             for name, z in (("loss", z_loss), ("grad norm", z_grad))
             if z > sigma
-        ]
+        ] or [f"loss {z_loss:.1f} / grad norm {z_grad:.1f} deviations at the threshold"]
         return f"same-step tier: {' and '.join(what)}: update refused"
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,6 +152,20 @@ class SameStepGate:
         self.count = int(state["count"])
         self.pos = int(state["pos"])
         self.refused = int(state["refused"])
+
+
+def step_factor(
+    loss: torch.Tensor, grad_norm: torch.Tensor, limits: tuple[float, float] | None
+) -> torch.Tensor:
+    """() float on the device: 1.0 = apply the update, 0.0 = refuse it (a non-finite loss or
+    norm, or one above the same-step `limits`). No host read: the limits are host numbers."""
+    x = torch.stack([loss.detach().float(), grad_norm.detach().float()]).double()  # (2,)
+    ok = torch.isfinite(x).all()
+    if limits is not None:  # as _log: a value <= 0 has no log, and is never refused
+        lx = x.log()
+        over = (lx[0] > limits[0]) | (lx[1] > limits[1])
+        ok = ok & ~(over & (x > 0).all())
+    return ok.float()
 
 
 def _log(v: float) -> float:

@@ -5,10 +5,18 @@ faults, forward/backward and evaluation, and the `Watch` (trainer/watch.py), whi
 user's model and the framework's gates. Per step, each client calls
 
     begin_step(index)   the batch's global index (the data position)
-    measure(tensors)    after backward: reduce over ranks, the one host transfer -> StepState
-    decide(state)       the callbacks' verdict, agreed by every rank; True = apply the update
-    (the client applies the update, or not)
-    conclude()          record the step, then carry out a rollback or a halt
+    gate(tensors)       after backward: reduce over ranks, the device step factor, the copy of
+                        the step's values to the host enqueued -> a `Gate`
+    (the client applies the update when the gate is open, with its factor)
+    conclude()          the step's one host read, the callbacks' action (core/decide.py)
+                        agreed by every rank, the record, then a rollback or a halt
+
+With an optimizer that takes a step factor (trainer/model/optim/factor.py: spikewatch's AdamW,
+the built-in Muon) the host reads nothing between backward and the update: a refused update is
+applied as a factor of 0 on the device, and a rollback decided from the step's values happens
+at its end, after the update (discarded with the rest by the restore). Otherwise, and when a
+callback overrides `pre_update`, the core takes the host path: it reads the values in `gate`
+and the callbacks decide before the update, which is then applied only if they let it.
 
 and the core owns everything else: counters and the `DataState` with its skips, callbacks by
 priority, rollback and restore, the checkpoint schedule, the one snapshot schema
@@ -38,13 +46,19 @@ from observatory import metric_names as M
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
 from trainer.checkpoints.tiers import DISK, Tiers
-from trainer.core.actions import Action, Continue, Halt, Rollback
-from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
+from trainer.core.callbacks import (
+    Callback,
+    EvalState,
+    FitState,
+    StepState,
+    decides_before_update,
+)
 from trainer.core.cause import cause_of
 from trainer.core.data_state import DataState
-from trainer.core.decide import action_name, deliver_notes, intervention, propose, rescale
+from trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
 from trainer.core.probes import Probes
-from trainer.core.same_step import SameStepGate
+from trainer.core.same_step import SameStepGate, step_factor
 from trainer.core.state import (
     RunState,
     callback_keys,
@@ -55,6 +69,7 @@ from trainer.core.state import (
 )
 from trainer.core.transfer import HostTransfer, StepTensors
 from trainer.core.world import World
+from trainer.model.optim.factor import FactorStep, factor_optimizer
 
 __all__ = [
     "APPLIED",
@@ -62,6 +77,7 @@ __all__ = [
     "REFUSED",
     "ROLLED_BACK",
     "SKIPPED_BATCH",
+    "Gate",
     "Replay",
     "StepCore",
 ]
@@ -73,10 +89,30 @@ APPLIED, REFUSED, ROLLED_BACK, HALTED = "applied", "refused", "rolled_back", "ha
 SKIPPED_BATCH = "skipped_batch"
 
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
+_FACTOR = "_factor"  # the step factor the device applied (1 applied, 0 refused); never a metric
 
 # Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
 # backward, and the function that applies its update. None: the client cannot draw it again.
 Replay = Callable[[int, int], tuple[StepTensors, Callable[[], None]]]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the client does with a step's update: `open` = call the optimizer; `factor` = the
+    device step factor its step folds in (None: the host has decided, on the host path)."""
+
+    open: bool
+    factor: torch.Tensor | None = None
+
+
+@dataclass
+class _Read:
+    """A step's values on their way to the host, and what its StepState needs besides."""
+
+    transfer: HostTransfer
+    late_step: int | None  # the step of the update statistics riding along
+    lr: float
+    ntok: int
 
 
 @dataclass
@@ -102,6 +138,10 @@ class StepCore:
     outcome: str = APPLIED
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
+    host_path: bool = False  # read before the update (set from optimizer and callbacks)
+    _stepper: FactorStep | None = None  # the optimizer that takes a step factor, if it does
+    _read: _Read | None = None
+    _applied: bool = False  # what the device did with the step's update
     _state: StepState | None = None
     _action: Action = field(default_factory=Continue)
     _last_step_end: float | None = None
@@ -111,10 +151,25 @@ class StepCore:
 
     def __post_init__(self) -> None:
         self.callbacks = sorted(self.callbacks, key=lambda c: -c.priority)
+        self._stepper = factor_optimizer(self.optimizer)
+        before = [type(cb).__name__ for cb in self.callbacks if decides_before_update(cb)]
+        self.host_path = self._stepper is None or bool(before)
+        if self.host_path:
+            why = (
+                f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW does)"
+                if self._stepper is None
+                else f"callbacks {', '.join(before)} decide before the update (pre_update)"
+            )
+            log.log(
+                logging.WARNING if self.probes.device.type == "cuda" else logging.INFO,
+                "the step's values are read before each update (%s): on a GPU the host "
+                "waits for the backward every step",
+                why,
+            )
 
     # -- counters the clients read ------------------------------------------------------------
     @property
-    def step(self) -> int:
+    def step_count(self) -> int:
         """Updates on the live branch (the step a checkpoint of now would carry)."""
         return self.run.step
 
@@ -141,7 +196,7 @@ class StepCore:
             cb.on_fit_start(self.fit_state())
         if self.config_changes:
             for cb in self.callbacks:
-                cb.on_config_change(self.step, self.config_changes)
+                cb.on_config_change(self.step_count, self.config_changes)
             self.config_changes = {}
         if self.checkpointer.enabled and self.checkpointer.latest() is None:
             self.save()
@@ -156,13 +211,19 @@ class StepCore:
         if self.data_flow == "forward":
             self.run.data.batch_index = max(self.run.data.batch_index, index + 1)
 
-    def measure(self, t: StepTensors, *, lr: float, ntok: int = 0) -> StepState:
-        """After backward: reduce over ranks, then the step's one host transfer, with the
-        previous step's update statistics, which only existed after that step's update."""
-        step = self.step + 1
+    def gate(self, t: StepTensors, *, lr: float, ntok: int = 0) -> Gate:
+        """After backward, before the update: reduce over ranks, the device step factor
+        (non-finite values, the same-step tier), and the copy of the step's values to the host,
+        enqueued. With a `FactorStep` optimizer nothing is read here: the update goes ahead
+        with the factor folded in, and the values are read in `conclude`. Otherwise (the host
+        path) they are read now and the callbacks decide before the update."""
+        step = self.step_count + 1
         t = self.world.reduce(t, stop=self.stop_asked)
+        limits = self.same_step.limits() if self.same_step is not None else None
+        factor = step_factor(t.loss, t.grad_norm, limits)
         xfer = HostTransfer()
         xfer.add_step(t)
+        xfer.add([_FACTOR], factor)
         if self.probes.active(step):
             xfer.add(*self.probes.grad_norms(t.grad_norms))
         pending = self.probes.take_pending()
@@ -170,29 +231,54 @@ class StepCore:
             xfer.add(pending[1], pending[2], late=True)
         if t.stop is not None:
             xfer.add([_STOP], t.stop)
-        metrics, late = xfer.fetch()  # the one device->host sync of the step
+        xfer.start()
+        self._read = _Read(xfer, None if pending is None else pending[0], lr, ntok)
+        if self.host_path:
+            self._agree(self._take_read())
+            if self.outcome != APPLIED:
+                return Gate(False)
+            self._before_update(step)
+            return Gate(True)
+        self._before_update(step)
+        assert self._stepper is not None
+        self._stepper.set_step_factor(factor)
+        return Gate(True, factor)
+
+    def _before_update(self, step: int) -> None:
+        self.checkpointer.before_mutation()  # an async save may still be copying weights
+        self.probes.before_update(step)
+
+    def _take_read(self) -> StepState:
+        """The step's one host read (its copy was enqueued in `gate`) -> StepState."""
+        read, self._read = self._read, None
+        assert read is not None, "gate() was not called this step"
+        metrics, late = read.transfer.fetch()
         if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
             self.stop_requested = True
-        refused_by = self.same_step.verdict(metrics) if self.same_step is not None else ""
-        if pending is not None:
-            self._emit_update_metrics(pending[0], late)
-        metrics[M.LR] = lr
+        refused = metrics.pop(_FACTOR) == 0.0
+        loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
+        nonfinite = not (math.isfinite(loss) and math.isfinite(gnorm))
+        refused_by = ""
+        if self.same_step is not None:
+            refused_by = self.same_step.observe(loss, gnorm, refused and not nonfinite)
+        if read.late_step is not None:
+            self._emit_update_metrics(read.late_step, late)
+        metrics[M.LR] = read.lr
         now = time.perf_counter()
-        if ntok and self._last_step_end is not None:
-            metrics[M.TOKENS_PER_S] = ntok / max(now - self._last_step_end, 1e-9)
+        if read.ntok and self._last_step_end is not None:
+            metrics[M.TOKENS_PER_S] = read.ntok / max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
         self.metric_names.update(metrics)
-        loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
         return StepState(
-            step=step,
+            step=self.step_count + 1,
             batch_index=self.run.index,
             loss=loss,
             ce=metrics.get(M.CE, loss),
             grad_norm=gnorm,
             clip_factor=metrics[M.CLIP_FACTOR],
-            lr=lr,
-            tokens=self.run.tokens + ntok,
-            nonfinite=not (math.isfinite(loss) and math.isfinite(gnorm)),
+            lr=read.lr,
+            tokens=self.run.tokens + read.ntok,
+            nonfinite=nonfinite,
             refused_by=refused_by,
             metrics=metrics,
         )
@@ -206,12 +292,21 @@ class StepCore:
             return True
         return False
 
-    def decide(self, state: StepState) -> bool:
-        """Rank 0's callbacks decide; every rank carries out that one action (with the pins it
-        asked for). True = apply the update now."""
+    def _agree(self, state: StepState) -> None:
+        """Rank 0's callbacks decide (core/decide.py); every rank carries out that one action,
+        with the pins it asked for."""
         self._state = state
-        proposal = propose(state, self.callbacks) if self.world.is_main else None
+        proposal = decide(state, self.callbacks) if self.world.is_main else None
         action, pins = self.world.agree(proposal)
+        refused = state.nonfinite or bool(state.refused_by)
+        if isinstance(action, SkipUpdate) and not refused and not self.host_path:
+            log.warning(
+                "step %d: a callback asked to refuse an update that was already applied (%s); "
+                "to refuse updates, override Callback.pre_update (the host path)",
+                state.step,
+                action.reason,
+            )
+            action = Continue()
         for reason in pins:
             self.pin_newest(reason)
         if isinstance(action, Continue):
@@ -223,20 +318,24 @@ class StepCore:
                 self.stop_requested = True
                 self.run.halted = action.reason
         self._action = action
+        # the host path applies only what continues; the device applied what it did not refuse
+        self._applied = isinstance(action, Continue) if self.host_path else not refused
         self.outcome = APPLIED if isinstance(action, Continue) else REFUSED
-        if self.outcome == APPLIED:
-            self.checkpointer.before_mutation()  # an async save may still be copying weights
-            self.probes.before_update(state.step)
-        return self.outcome == APPLIED
 
     def conclude(self) -> str:
-        """After the update (or its refusal): record the step, deliver the callbacks' notes
-        (off the path between decision and update), then roll back or halt. Returns what the
-        step came to."""
+        """After the update (or its refusal): the step's values are read (unless the host path
+        read them before the update), the callbacks decide, the step is recorded and their
+        notes delivered, then a rollback or a halt is carried out. Returns what the step came
+        to."""
+        if self._read is not None:
+            self._agree(self._take_read())
         state, action, self._state = self._state, self._action, None
         if state is None or self.outcome == SKIPPED_BATCH:
             return self.outcome
-        applied = self.outcome == APPLIED
+        if not self.host_path:
+            assert self._stepper is not None
+            self._stepper.settle(self._applied)  # what the device did, whatever comes next
+        applied = self._applied and not isinstance(action, Rollback)
         self.probes.after_update(state.step, applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.run.step, self.run.tokens = state.step, state.tokens
@@ -263,10 +362,10 @@ class StepCore:
 
     def record_eval(self, val_loss: float) -> None:
         """A validation loss of the current step."""
-        self.run.val_losses.append((self.step, val_loss))
+        self.run.val_losses.append((self.step_count, val_loss))
         self.metric_names.add(M.VAL_LOSS)
         for cb in self.callbacks:
-            cb.on_eval(EvalState(step=self.step, val_loss=val_loss))
+            cb.on_eval(EvalState(step=self.step_count, val_loss=val_loss))
 
     def _emit_update_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.metric_names.update(metrics)
@@ -288,7 +387,7 @@ class StepCore:
     def save_if_due(self) -> bool:
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
-        due = ck.due(self.step, self.seconds_per_step) if ck.enabled else []
+        due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
         if due:
             self.save(due)
             return True
@@ -301,16 +400,16 @@ class StepCore:
         checkpoint never recomputes them. What each tier cost the loop goes to the record."""
         self.flush_probes()
         ck = self.checkpointer
-        stalls = ck.save(self.step, self.snapshot, tiers)
-        log.debug("checkpoint at step %d (loop blocked %s)", self.step, stalls)
+        stalls = ck.save(self.step_count, self.snapshot, tiers)
+        log.debug("checkpoint at step %d (loop blocked %s)", self.step_count, stalls)
         if DISK in stalls:
-            path = ck.path_of(self.step, DISK)
+            path = ck.path_of(self.step_count, DISK)
             for cb in self.callbacks:
-                cb.on_checkpoint(self.step, path, self.step in ck.pins)
+                cb.on_checkpoint(self.step_count, path, self.step_count in ck.pins)
         stats = {M.checkpoint_stall(tier): s for tier, s in stalls.items()}
         if ck.memory is not None:
             stats[M.CKPT_MEMORY_BYTES] = float(ck.memory.bytes_held)
-        self._emit_update_metrics(self.step, stats)
+        self._emit_update_metrics(self.step_count, stats)
         ck.report(self.callbacks)
 
     def pin_newest(self, reason: str) -> None:
@@ -323,7 +422,7 @@ class StepCore:
         the cause of a spike is told by replaying it first where the client can."""
         ck = self.checkpointer
         step, where, abandoned = ck.rollback_point(action.to_step)
-        from_step, t0 = self.step, time.perf_counter()
+        from_step, t0 = self.step_count, time.perf_counter()
         self.restore(ck.read(where, self.probes.device), resume=False)
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
@@ -512,7 +611,7 @@ class StepCore:
         try:
             self.flush_probes()
             disk = self.checkpointer.disk
-            if disk.enabled and disk.last_saved != self.step:
+            if disk.enabled and disk.last_saved != self.step_count:
                 self.save([DISK])
         finally:
             self.settle()
@@ -535,7 +634,7 @@ class StepCore:
         return FitState(
             run_id=self.run.run_id,
             run_dir=str(self.run.run_dir),
-            step=self.step,
+            step=self.step_count,
             max_steps=self.max_steps or 0,
             config=self.config(),
             status=status,
@@ -547,7 +646,7 @@ class StepCore:
         return {
             "run_id": run.run_id,
             "run_dir": str(run.run_dir),
-            "steps": self.step,
+            "steps": self.step_count,
             "final_train_loss": run.history[-1][1] if run.history else run.resumed_loss,
             "final_val_loss": run.val_losses[-1][1] if run.val_losses else math.nan,
             "tokens": run.tokens,

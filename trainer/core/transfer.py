@@ -1,8 +1,10 @@
 """A step's device tensors and their one host transfer, for every client of the step core.
 
 The client (the built-in trainer, the Watch) hands the core a `StepTensors` after backward; the
-core reduces it over ranks (core/world.py), adds the probes' values and reads everything in one
-`HostTransfer`: the loop's single device-to-host synchronisation per step.
+core reduces it over ranks (core/world.py), adds the probes' values and the step factor, and
+reads everything in one `HostTransfer`: `start()` enqueues one non-blocking copy into pinned
+host memory (on CUDA) before the update, `fetch()` waits for that copy alone, after the update
+has been enqueued. Nothing between backward and the update makes the host wait.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class HostTransfer:
         self.names: list[str] = []
         self.late: list[bool] = []
         self.parts: list[torch.Tensor] = []
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
 
     def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
         if names:
@@ -93,8 +97,27 @@ class HostTransfer:
         if t.rank_losses is not None:
             self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
 
+    def start(self) -> None:
+        """Enqueue the copy to the host (no wait): one pinned buffer and an event on CUDA; on
+        a CPU the values are host memory already."""
+        flat = torch.cat(self.parts)
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = flat
+
     def fetch(self) -> tuple[dict[str, float], dict[str, float]]:
-        values = torch.cat(self.parts).tolist()
+        """The values by name, (now, late): waits for the copy `start` enqueued (started here
+        if it was not), and for nothing else."""
+        if self._host is None:
+            self.start()
+        if self._copied is not None:
+            self._copied.synchronize()
+        assert self._host is not None
+        values = self._host.tolist()
         now: dict[str, float] = {}
         late: dict[str, float] = {}
         for name, is_late, v in zip(self.names, self.late, values, strict=True):

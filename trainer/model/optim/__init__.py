@@ -1,4 +1,5 @@
-"""Optimizers: AdamW, Muon (Moonlight form) and MuonClip (Muon + per-head QK-Clip).
+"""Optimizers: AdamW, Muon (Moonlight form) and MuonClip (Muon + per-head QK-Clip), each
+taking a device step factor (optim/factor.py), so that a refused update needs no host read.
 
 No weight decay on embeddings, norms or gains. Under Muon, 2-D hidden weights take the Muon
 update and the embedding, the output head and the gains take AdamW.
@@ -12,10 +13,11 @@ import torch
 
 from trainer.config import OptimConfig
 from trainer.model.gpt import GPT, param_kind
+from trainer.model.optim.factor import AdamW
 from trainer.model.optim.muon import Muon, newton_schulz
 from trainer.model.optim.qk_clip import qk_clip
 
-__all__ = ["Muon", "build_optimizer", "newton_schulz", "param_groups", "qk_clip"]
+__all__ = ["AdamW", "Muon", "build_optimizer", "newton_schulz", "param_groups", "qk_clip"]
 
 
 def param_groups(model: GPT, cfg: OptimConfig) -> list[dict[str, Any]]:
@@ -43,10 +45,8 @@ def param_groups(model: GPT, cfg: OptimConfig) -> list[dict[str, Any]]:
 
 def build_optimizer(model: GPT, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
+    if cfg.name == "adamw":  # torch's arithmetic, refusable on the device (optim/factor.py)
+        return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return Muon(
         groups,
         lr=cfg.lr,

@@ -4,7 +4,9 @@ Moonlight (Liu et al. 2025): Nesterov momentum 0.95, 5 Newton-Schulz steps with 
 coefficients (3.4445, -4.7750, 2.0315), the orthogonalised update scaled by 0.2*sqrt(max(A, B))
 so its RMS matches AdamW's and one learning rate serves both, and decoupled weight decay.
 One optimizer object holds both kinds of group (`use_muon`), so the loop, the schedule and the
-checkpoint see a single `torch.optim.Optimizer`.
+checkpoint see a single `torch.optim.Optimizer`. It takes a device step factor
+(trainer/model/optim/factor.py): a refused step leaves weights, momenta, moments and counts as
+they were, with no host read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 from typing import Any
 
 import torch
+
+from trainer.model.optim.factor import FactorStep, adamw_group, masked_grads, pick
 
 __all__ = ["Muon", "newton_schulz"]
 
@@ -36,7 +40,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     return x.to(g.dtype)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(FactorStep, torch.optim.Optimizer):
     """Groups with `use_muon=True` take the Muon update; the others take AdamW (torch's math)."""
 
     def __init__(
@@ -69,44 +73,33 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        factor = self._take_factor()
+        stepped: list[torch.Tensor] = []
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             if group["use_muon"]:
-                self._muon_group(group)
+                self._muon_group(group, params, factor)
             else:
-                self._adamw_group(group)
+                adamw_group(self.state, group, params, factor)
+                stepped += params
+        self._stepped(factor, stepped)  # Adam's bias corrections count steps; Muon's do not
         return loss
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
+    def _muon_group(
+        self, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
+    ) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        decay, keep = pick(factor, 1 - lr * wd, 1.0), pick(factor, mu, 1.0)
+        for p, g in zip(params, masked_grads(params, factor), strict=True):
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            g = p.grad.add(buf, alpha=mu)  # Nesterov
-            u = newton_schulz(g, group["ns_steps"])
-            p.mul_(1 - lr * wd)
+            buf.mul_(keep).add_(g)  # refused: g is 0 and the buffer is kept
+            u = newton_schulz(g.add(buf, alpha=mu), group["ns_steps"])  # Nesterov
+            if factor is not None:
+                u.mul_(factor)
+            p.mul_(decay)
             p.add_(u, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
-
-    def _adamw_group(self, group: dict[str, Any]) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        b1, b2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = 0  # a Python int: no device sync to read it
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            t = state["step"]
-            m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - b1**t))

@@ -19,9 +19,18 @@ __all__ = ["qk_clip"]
 
 
 @torch.no_grad()
-def qk_clip(attn: Sequence[Attention], attn_max: torch.Tensor, tau: float) -> torch.Tensor:
-    """attn_max: (L, nh) max logits. Returns the (L, nh) logit scale applied (1 = untouched)."""
-    gamma = torch.where(attn_max > tau, tau / attn_max, torch.ones_like(attn_max))  # (L, nh)
+def qk_clip(
+    attn: Sequence[Attention],
+    attn_max: torch.Tensor,
+    tau: float,
+    factor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """attn_max: (L, nh) max logits; `factor` the step factor (0: a refused step, left alone).
+    Returns the (L, nh) logit scale applied (1 = untouched)."""
+    over = attn_max > tau
+    if factor is not None:
+        over = over & (factor > 0)
+    gamma = torch.where(over, tau / attn_max, torch.ones_like(attn_max))  # (L, nh)
     for layer, mod in enumerate(attn):
         rows = gamma[layer].sqrt().repeat_interleave(mod.head_dim)[:, None]  # (d, 1)
         mod.q_proj.weight.mul_(rows.to(mod.q_proj.weight.dtype))

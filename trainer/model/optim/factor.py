@@ -1,0 +1,186 @@
+"""Optimizers that can refuse a step without the host: a step factor folded into the update.
+
+On a GPU the host must not read a value between backward and the update (ARCHITECTURE.md, "the
+GPU never waits for the host"): the decision to refuse an update (non-finite values, the
+same-step tier) is a device tensor, `factor` (1.0 = apply, 0.0 = refuse), that the optimizer
+folds into its arithmetic, as OLMo-core's skip-step optimizers do. Unlike theirs, a refused
+step here leaves parameters, moments and the step count *exactly* as they were, non-finite
+gradients included (0 * nan is nan, so the gradients are masked first, and the update is
+divided by an infinite denominator rather than multiplied by 0).
+
+The step count lives on the host (a Python int per parameter, as the bias corrections need it
+as a number): the loop learns the factor from its one host read after the update and tells the
+optimizer (`settle`), so the count of the next step is known before it starts.
+
+`FactorStep` is the protocol the step core looks for (trainer/core/step_core.py); optimizers
+without it keep the host path (the step's values are read before the update).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["AdamW", "FactorStep", "factor_optimizer", "masked_grads"]
+
+log = logging.getLogger(__name__)
+
+
+class FactorStep:
+    """Mixin for an optimizer whose next `step()` takes a device step factor.
+
+    `set_step_factor(f)` before `step()` (f: a 0-dim float tensor on the parameters' device,
+    1.0 or 0.0; None = a plain step), `settle(applied)` once the host knows whether it was
+    applied (the step count moves only then)."""
+
+    _factor: torch.Tensor | None = None
+    _unsettled: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (factor, params)
+
+    def set_step_factor(self, factor: torch.Tensor | None) -> None:
+        self._factor = factor
+
+    def _take_factor(self) -> torch.Tensor | None:
+        """The factor of this step (consumed); an unsettled earlier one is settled first."""
+        if self._unsettled is not None:  # the loop did not say: read it (one sync, logged)
+            log.debug("%s: a step factor was not settled; reading it", type(self).__name__)
+            self.settle(bool(self._unsettled[0]))
+        factor, self._factor = self._factor, None
+        return factor
+
+    def _stepped(self, factor: torch.Tensor | None, params: list[torch.Tensor]) -> None:
+        """After the update of `params`: count it now (no factor), or when settled."""
+        if factor is None:
+            self._count(params)
+        else:
+            self._unsettled = (factor, params)
+
+    def settle(self, applied: bool) -> None:
+        """The host's word on the last factor step: count it if it was applied."""
+        pending, self._unsettled = self._unsettled, None
+        if pending is not None and applied:
+            self._count(pending[1])
+
+    def _count(self, params: Iterable[torch.Tensor]) -> None:
+        state = self.state  # type: ignore[attr-defined]
+        for p in params:
+            state[p]["step"] = state[p]["step"] + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._unsettled is not None:  # the count must be right in a checkpoint
+            self.settle(bool(self._unsettled[0]))
+        return super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also torch.optim.AdamW's state (its step counts are CPU tensors: read once here)."""
+        self._unsettled = None
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        for s in self.state.values():  # type: ignore[attr-defined]
+            if torch.is_tensor(s.get("step")):
+                s["step"] = int(s["step"].item())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor: the update is elementwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def factor_optimizer(optimizer: Any) -> FactorStep | None:
+    """The `FactorStep` optimizer inside framework wrappers (accelerate's, Lightning's), or None."""
+    for _ in range(4):
+        if isinstance(optimizer, FactorStep):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            return None
+    return None
+
+
+def masked_grads(params: Sequence[torch.Tensor], factor: torch.Tensor | None) -> list[torch.Tensor]:
+    """The gradients (local shards) of `params`; zeroed in place where the step is refused,
+    so that a non-finite gradient cannot reach the moments (0 * nan is nan)."""
+    grads = [local(p.grad) for p in params]  # type: ignore[arg-type]
+    if factor is not None:
+        refused = factor == 0
+        for g in grads:
+            g.masked_fill_(refused, 0.0)
+    return grads
+
+
+def pick(factor: torch.Tensor | None, applied: float, refused: float) -> float | torch.Tensor:
+    """`applied` as a number when there is no factor; else a 0-dim device tensor holding
+    `applied` (as the float32 the kernels would use) or `refused`."""
+    if factor is None:
+        return applied
+    return torch.where(factor > 0, applied, refused).to(factor.dtype)
+
+
+class AdamW(FactorStep, torch.optim.Optimizer):
+    """torch.optim.AdamW's arithmetic (decoupled weight decay, its single-tensor code path: the
+    same numbers to the bit), refusable on the device by a step factor.
+
+    With factor 1 each line is torch's; with factor 0: the decay multiplies by 1, the moments'
+    weights are 0 on a masked (zero) gradient, and the update's denominator is +inf, so the
+    parameter gains exactly 0."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        factor = self._take_factor()
+        stepped: list[torch.Tensor] = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                adamw_group(self.state, group, params, factor)
+                stepped += params
+        self._stepped(factor, stepped)
+        return loss
+
+
+def adamw_group(
+    state: Any, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
+) -> None:
+    """One group's AdamW update (torch's single-tensor path), the factor folded in."""
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    b1, b2 = group["betas"]
+    decay = pick(factor, 1 - lr * wd, 1.0)
+    w1, w2 = pick(factor, 1 - b1, 0.0), pick(factor, b2, 1.0)
+    eps_t = pick(factor, eps, math.inf)  # refused: an infinite denominator, an update of 0
+    for p, g in zip(params, masked_grads(params, factor), strict=True):
+        s = state[p]
+        if not s:
+            s["step"] = 0  # a host number: the bias corrections need no device read
+            s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        t = s["step"] + 1
+        x, m, v = local(p), local(s["exp_avg"]), local(s["exp_avg_sq"])
+        x.mul_(decay)
+        m.lerp_(g, as_dtype(w1, m.dtype))
+        v.mul_(w2).addcmul_(g, g, value=1 - b2)  # refused: g is 0, so nothing is added
+        denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps_t)
+        x.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+
+
+def as_dtype(w: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    """lerp's tensor weight must share the tensor's dtype (bf16 moments)."""
+    return w if isinstance(w, float) or w.dtype == dtype else w.to(dtype)
