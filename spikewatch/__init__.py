@@ -16,7 +16,8 @@ probes, guard and checkpoints) and `observatory/` (detector, policy, store).
 """
 
 from trainer.config import WatchSettings
-from trainer.model.attention import AttnMax, max_logits
+from trainer.model.attention import max_logits
+from trainer.model.attn_max import AttnMax
 from trainer.model.optim.factor import AdamW
 from trainer.watch import Watch
 

@@ -19,11 +19,12 @@ def text_corpus(val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
 def windows(
     data: torch.Tensor, index: int, batch_size: int, seq_len: int, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch `index`: (x, y) of shape (batch_size, seq_len), a pure function of (seed, index)."""
+    """Batch `index`: (x, y) of shape (batch_size, seq_len), a pure function of (seed, index).
+    Both contiguous, like any batch a loader makes: a compiled model guards on strides."""
     rng = np.random.default_rng([seed, index])
     starts = rng.integers(0, len(data) - seq_len - 1, size=batch_size)
     buf = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
-    return buf[:, :-1], buf[:, 1:]
+    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
 
 def shift_labels(y: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.model.attention import RECORD_CHUNK, AttnMax, max_logits
+from trainer.model.attn_max import AttnMax
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -75,13 +75,46 @@ def _attention(
     causal = attention_mask is None and bool(
         kwargs.get("is_causal", getattr(module, "is_causal", True))
     )
-    if rec is None or not rec.active or not module.training:
-        if softcap is not None:  # Gemma 2's soft-capped logits: SDPA has no soft-cap
-            k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-            return _eager(module, query, k, v, attention_mask, dropout, scaling, softcap, causal)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+    if rec is not None and module.training:
+        if torch.compiler.is_compiling():  # one graph, probed or not (trainer/model/attn_max.py)
+            rec.record_logits(
+                _layer(module),
+                query,
+                key,
+                causal=causal,
+                mask=attention_mask,
+                scale=scaling,
+                n_rep=n_rep,
+            )
+        elif rec.active:
+            return _recording(module, rec, query, key, value, attention_mask, dropout, scaling,
+                              softcap, causal, **kwargs)  # fmt: skip
+    if softcap is not None:  # Gemma 2's soft-capped logits: SDPA has no soft-cap
+        k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+        return _eager(module, query, k, v, attention_mask, dropout, scaling, softcap, causal)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def _recording(
+    module: torch.nn.Module,
+    rec: AttnMax,
+    query: torch.Tensor,  # (B, H, T, D)
+    key: torch.Tensor,  # (B, Hkv, S, D)
+    value: torch.Tensor,  # (B, Hkv, S, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float | None,
+    causal: bool,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A probed eager step: the fused Triton kernel (the maxima come free) where it applies,
+    else the maxima in a separate score pass, then the model's own attention."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
     if softcap is None and _triton_ok(query, key, attention_mask, dropout):
         from trainer.model.kernels.attention import flash_attention
@@ -89,12 +122,8 @@ def _attention(
         out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
         rec.record(_layer(module), mx)
         return out.transpose(1, 2).contiguous(), None
-    rec.record(
-        _layer(module),
-        max_logits(
-            query, keys, causal=causal, mask=attention_mask, scale=scaling, chunk=RECORD_CHUNK
-        ),
-    )
+    layer = _layer(module)
+    rec.record_logits(layer, query, keys, causal=causal, mask=attention_mask, scale=scaling)
     if softcap is not None:
         v = repeat_kv(value, n_rep)
         return _eager(module, query, keys, v, attention_mask, dropout, scaling, softcap, causal)

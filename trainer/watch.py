@@ -67,7 +67,7 @@ from trainer.core.step_core import (
 )
 from trainer.core.transfer import StepTensors, clip_by_global_norm
 from trainer.core.world import World, attach_world, say
-from trainer.model.attention import AttnMax
+from trainer.model.attn_max import AttnMax
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
 
@@ -359,6 +359,7 @@ class Watch:
                 "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"
             )
         taken = self.attn.take()
+        self.attn.active = False  # until the next step: evaluations and replays record nothing
         layers, values = taken if taken is not None else (None, None)
         return StepTensors(
             loss=loss,

@@ -190,7 +190,7 @@ class Sampler:
             for name, start in (plan if rows is None else plan[rows])
         ]
         buf = torch.stack(windows).long()  # (B, T+1)
-        return buf[:, :-1], buf[:, 1:]
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # a compiled model guards strides
 
 
 def build_sampler(cfg: DataConfig, seed: int) -> Sampler:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -173,7 +173,7 @@ class Trainer:
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
         t = forward_backward(
-            world.fwd or self.model,
+            self.model if world.fwd is None else world.fwd,
             x,
             y,
             micro_batch=world.micro_batch(cfg.data),
@@ -203,8 +203,9 @@ class Trainer:
         return core.conclude()
 
     def replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
-        """For the cause of a spike (the core's replay): batch `index` again, as step `step`."""
-        t, lr_mult, _ = self._compute(step, index, probing=False)
+        """For the cause of a spike (the core's replay): batch `index` again, as step `step`
+        (with the step's probes on, so that a compiled forward needs no graph of its own)."""
+        t, lr_mult, _ = self._compute(step, index, probing=True)
         tau = self.cfg.optim.qk_clip_tau
         return t, lambda: apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
 
@@ -271,6 +272,8 @@ def build_trainer(
     path.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.model, cfg.train.seed, device)
     world.wrap(model, device)  # before the optimizer: fsdp2 swaps in sharded parameters
+    if cfg.train.compile:  # the training forward (DDP's too); the weights stay the model's
+        world.fwd = cast(torch.nn.Module, torch.compile(model if world.fwd is None else world.fwd))
     optimizer = build_optimizer(model, cfg.optim)
     recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
     durable = None if recorder is None else recorder.persist  # the record, before each commit

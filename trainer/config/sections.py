@@ -276,6 +276,11 @@ class LoopConfig(_Section):
         1, ge=1, description="torch CPU threads (1 is fastest on small machines); None = torch's."
     )
     progress: bool = Field(True, description="Show a live progress bar.")
+    compile: bool = Field(
+        False,
+        description="torch.compile the training forward (evaluation stays eager): one graph "
+        "with every probe on, two with probes.interval > 1 (probed and unprobed steps).",
+    )
 
 
 class GuardConfig(_Section):

@@ -70,7 +70,7 @@ TRAIN_RULES = ResumeRules(
         | {"distributed.timeout_s", "probes.", "eval."}
     ),
     changeable=frozenset(
-        {"optim.lr", "optim.grad_clip", "train.max_steps", "guard."} | _CHECKPOINT
+        {"optim.lr", "optim.grad_clip", "train.max_steps", "train.compile", "guard."} | _CHECKPOINT
     ),
     defaults=lambda: TrainConfig().to_dict(),
 )

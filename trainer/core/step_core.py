@@ -69,7 +69,7 @@ from trainer.core.state import (
 )
 from trainer.core.transfer import HostTransfer, StepTensors
 from trainer.core.world import World
-from trainer.model.optim.factor import FactorStep, factor_optimizer
+from trainer.model.optim.factor import StepFactor, factor_optimizer
 
 __all__ = [
     "APPLIED",
@@ -139,7 +139,7 @@ class StepCore:
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
-    _stepper: FactorStep | None = None  # the optimizer that takes a step factor, if it does
+    _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
     _read: _Read | None = None
     _applied: bool = False  # what the device did with the step's update
     _state: StepState | None = None
@@ -156,7 +156,8 @@ class StepCore:
         self.host_path = self._stepper is None or bool(before)
         if self.host_path:
             why = (
-                f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW does)"
+                f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW and "
+                "torch's AdamW(fused=True) do)"
                 if self._stepper is None
                 else f"callbacks {', '.join(before)} decide before the update (pre_update)"
             )

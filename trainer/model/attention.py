@@ -15,27 +15,46 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttnMax", "attention", "max_logits"]
+__all__ = ["RECORD_CHUNK", "attention", "max_logits"]
 
 Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
 
 
-@functools.lru_cache(maxsize=256)
-def _causal_mask(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(q_len, k_len) bool, True where query q_start+i may attend to key j. Cached: the same
-    few shapes recur every step, and building them is a good part of a small model's cost."""
+def _make_causal_mask(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query q_start+i may attend to key j."""
     i = torch.arange(q_start, q_start + q_len, device=device)[:, None]
     j = torch.arange(k_len, device=device)[None, :]
     return j <= i
 
 
-@functools.lru_cache(maxsize=256)
-def _future_bias(
+def _make_future_bias(
     q_start: int, q_len: int, k_len: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """0 where allowed, -inf on the future: added in place, cheaper than a masked fill."""
     bias = torch.zeros(q_len, k_len, device=device, dtype=dtype)
-    return bias.masked_fill_(~_causal_mask(q_start, q_len, k_len, device), float("-inf"))
+    mask = _make_causal_mask(q_start, q_len, k_len, device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
+# Cached eagerly: the same few shapes recur every step, and building them is a good part of a
+# small model's cost. A compiled graph builds them inside itself instead (Dynamo would trace
+# through the cache and warn that it does).
+_cached_mask = functools.lru_cache(maxsize=256)(_make_causal_mask)
+_cached_bias = functools.lru_cache(maxsize=256)(_make_future_bias)
+
+
+def _causal_mask(q_start: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _make_causal_mask(q_start, q_len, k_len, device)
+    return _cached_mask(q_start, q_len, k_len, device)
+
+
+def _future_bias(
+    q_start: int, q_len: int, k_len: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _make_future_bias(q_start, q_len, k_len, device, dtype)
+    return _cached_bias(q_start, q_len, k_len, device, dtype)
 
 
 def _block(
@@ -136,52 +155,14 @@ def max_logits(
     return mx * scale  # scaling the max, not every score: max(c*s) = c*max(s) for c > 0
 
 
+# Query block of the recording attention functions: 64 rows keep a (B, H, 64, T) score block
+# in cache on CPU (1.7x faster than 128 at B=16, H=4, T=128, D=32).
+RECORD_CHUNK = 64
+
+
 def _masked(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Scores with masked-out positions at -inf (a boolean mask) or the mask added (additive:
     its finite entries are 0 for attended positions in Hugging Face's masks)."""
     if mask.dtype == torch.bool:
         return s.masked_fill(~mask, float("-inf"))
     return s + mask.to(s.dtype)
-
-
-# Query block of the recording attention functions: 64 rows keep a (B, H, 64, T) score block
-# in cache on CPU (1.7x faster than 128 at B=16, H=4, T=128, D=32).
-RECORD_CHUNK = 64
-
-
-class AttnMax:
-    """Per-layer, per-head max pre-softmax attention logits of one step, kept on device.
-
-    Filled by an attention function (spikewatch.hf registers one) or by the user's own
-    attention through `record`; maxima of the step's micro-batches are combined."""
-
-    def __init__(self) -> None:
-        self.active = False  # set per step: only probed steps pay for the maxima
-        self._by_layer: dict[int, torch.Tensor] = {}
-
-    def record(self, layer: int, mx: torch.Tensor) -> None:
-        """mx: (B, H) or (H,) max scaled logits of one forward of layer `layer`."""
-        if not self.active:
-            return
-        mx = mx.detach().float()
-        mx = mx.amax(dim=0) if mx.dim() == 2 else mx  # (H,)
-        old = self._by_layer.get(layer)
-        self._by_layer[layer] = mx if old is None else torch.maximum(old, mx)
-
-    def sdpa(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
-    ) -> torch.Tensor:
-        """A plain loop's attention in one call: `scaled_dot_product_attention(q, k, v)` (all
-        (B, H, T, D)), recording the layer's per-head max logit on probed steps."""
-        if self.active and torch.is_grad_enabled():
-            self.record(layer, max_logits(q, k, causal=causal, chunk=RECORD_CHUNK))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    def take(self) -> tuple[tuple[int, ...], torch.Tensor] | None:
-        """(the recorded layers, their (L, H) maxima) of the step, then forget them."""
-        if not self._by_layer:
-            return None
-        layers = tuple(sorted(self._by_layer))
-        values = torch.stack([self._by_layer[i] for i in layers])  # (L, H)
-        self._by_layer = {}
-        return layers, values

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainer.config import OptimConfig
 from trainer.model.gpt import GPT, param_kind
@@ -45,7 +46,15 @@ def param_groups(model: GPT, cfg: OptimConfig) -> list[dict[str, Any]]:
 
 def build_optimizer(model: GPT, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg)
-    if cfg.name == "adamw":  # torch's arithmetic, refusable on the device (optim/factor.py)
+    if cfg.name == "adamw":
+        params = [p for g in groups for p in g["params"]]
+        if all(p.is_cuda and not isinstance(p, DTensor) for p in params):
+            # torch's fused kernel: one launch for all tensors, refused through its found_inf
+            return torch.optim.AdamW(
+                groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                fused=True,
+            )  # fmt: skip
+        # torch's arithmetic, refusable on the device (optim/factor.py)
         return AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return Muon(
         groups,

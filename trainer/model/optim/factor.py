@@ -12,8 +12,11 @@ The step count lives on the host (a Python int per parameter, as the bias correc
 as a number): the loop learns the factor from its one host read after the update and tells the
 optimizer (`settle`), so the count of the next step is known before it starts.
 
-`FactorStep` is the protocol the step core looks for (trainer/core/step_core.py); optimizers
-without it keep the host path (the step's values are read before the update).
+The step core (trainer/core/step_core.py) drives any `StepFactor`: spikewatch's `AdamW` and
+the built-in Muon (the `FactorStep` mixin), and torch's own Adam / AdamW with `fused=True` (CUDA
+or CPU), whose fused kernel takes a device `found_inf` flag (GradScaler's) and then leaves
+parameters, moments and step counts untouched: `FoundInf` sets it from the factor. Other
+optimizers keep the host path (the step's values are read before the update).
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["AdamW", "FactorStep", "factor_optimizer", "masked_grads"]
+__all__ = ["AdamW", "FactorStep", "FoundInf", "StepFactor", "factor_optimizer", "masked_grads"]
 
 log = logging.getLogger(__name__)
+
+
+class StepFactor(Protocol):
+    """What the step core needs of an optimizer to refuse its next step on the device."""
+
+    def set_step_factor(self, factor: torch.Tensor | None) -> None: ...
+
+    def settle(self, applied: bool) -> None: ...
 
 
 class FactorStep:
@@ -71,9 +82,16 @@ class FactorStep:
             state[p]["step"] = state[p]["step"] + 1
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's format: step counts as float32 CPU tensors, so that torch's optimizer can
+        load it too (the live state keeps them as host numbers)."""
         if self._unsettled is not None:  # the count must be right in a checkpoint
             self.settle(bool(self._unsettled[0]))
-        return super().state_dict()  # type: ignore[misc]
+        out = super().state_dict()  # type: ignore[misc]
+        out["state"] = {
+            i: {k: torch.tensor(float(v)) if k == "step" else v for k, v in s.items()}
+            for i, s in out["state"].items()
+        }
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Also torch.optim.AdamW's state (its step counts are CPU tensors: read once here)."""
@@ -89,11 +107,37 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def factor_optimizer(optimizer: Any) -> FactorStep | None:
-    """The `FactorStep` optimizer inside framework wrappers (accelerate's, Lightning's), or None."""
+class FoundInf:
+    """torch's fused Adam / AdamW, refused on the device through its `found_inf` flag (the
+    one GradScaler sets): 1.0 skips the whole update in the kernel and takes the step counts
+    back. The flag is cleared once the step is settled, so a later plain step is a plain one.
+    (A GradScaler that steps this optimizer sets its own flag, over this one.)"""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def set_step_factor(self, factor: torch.Tensor | None) -> None:
+        opt: Any = self.optimizer
+        opt.found_inf = None if factor is None else (factor == 0).float()
+
+    def settle(self, applied: bool) -> None:
+        self.optimizer.__dict__.pop("found_inf", None)
+
+
+def _fused_adam(optimizer: Any) -> bool:
+    return isinstance(optimizer, torch.optim.Adam) and all(
+        g.get("fused") and not g.get("amsgrad") for g in optimizer.param_groups
+    )
+
+
+def factor_optimizer(optimizer: Any) -> StepFactor | None:
+    """How to refuse `optimizer`'s step on the device (looking inside framework wrappers, as
+    accelerate's and Lightning's), or None when it cannot be."""
     for _ in range(4):
         if isinstance(optimizer, FactorStep):
             return optimizer
+        if _fused_adam(optimizer):
+            return FoundInf(optimizer)
         optimizer = getattr(optimizer, "optimizer", None)
         if optimizer is None:
             return None
@@ -119,6 +163,19 @@ def pick(factor: torch.Tensor | None, applied: float, refused: float) -> float |
     return torch.where(factor > 0, applied, refused).to(factor.dtype)
 
 
+# torch.optim.AdamW's other group settings, as this AdamW has them: a state_dict saved here loads
+# into torch's AdamW (which would otherwise take a missing `decoupled_weight_decay` as Adam's L2)
+_TORCH = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+)
+
+
 class AdamW(FactorStep, torch.optim.Optimizer):
     """torch.optim.AdamW's arithmetic (decoupled weight decay, its single-tensor code path: the
     same numbers to the bit), refusable on the device by a step factor.
@@ -137,7 +194,7 @@ class AdamW(FactorStep, torch.optim.Optimizer):
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_TORCH)
         super().__init__(params, defaults)
 
     @torch.no_grad()
