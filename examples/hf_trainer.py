@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory only; the framework's own checkpoints carry the Watch's state for a resume)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     train, val = text_corpus()
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=True,
+        torch_compile=args.compile,
     )
     eval_args = argparse.Namespace(**{**vars(args), "poison_at": None, "seed": 1234})
     trainer = Trainer(

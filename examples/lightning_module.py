@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from spikewatch import AdamW
 from spikewatch.corpus import shift_labels, text_corpus, windows
 from spikewatch.lightning import SpikewatchCallback
 
@@ -55,7 +56,12 @@ class TinyLlama(pl.LightningModule):
 
     def configure_optimizers(self):  # noqa: ANN201
         a = self.args
-        opt = torch.optim.AdamW(self.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        # refusable on the device (no host read before the update): torch's fused kernel on a
+        # GPU, spikewatch's AdamW (torch's arithmetic) elsewhere
+        kind, extra = (
+            (torch.optim.AdamW, {"fused": True}) if self.device.type == "cuda" else (AdamW, {})
+        )
+        opt = kind(self.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, **extra)
         warmup = max(1, a.steps // 10)
 
         def cosine(step: int) -> float:
@@ -102,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         "memory only; the framework's own checkpoints carry the Watch's state for a resume)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="trainer.fit(torch.compile(module))")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     train, val = text_corpus()
     pl.seed_everything(args.seed, verbose=False)
     module = TinyLlama(args)
+    fitted = torch.compile(module) if args.compile else module
     callback = SpikewatchCallback(
         db=args.db,
         name="lightning",
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         key=lambda p: int(p.stem.split("=")[1]),
     )
     trainer.fit(
-        module,
+        fitted,
         train_dataloaders=train_loader,
         val_dataloaders=val_loader,
         ckpt_path=str(saved[-1]) if args.resume and saved else None,

@@ -11,6 +11,7 @@ only (the same run without the cure). `--run-dir D` starts in D or, when D holds
 (`Watch(resume="auto")`). Unchanged
 under `torchrun --standalone --nproc_per_node=N` (DDP, or `--strategy fsdp2`), where each rank
 trains its rows of every global batch and `--poison-rank R` poisons only rank R's rows.
+`--compile` runs the model under torch.compile: the probes keep it to one training graph.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from spikewatch import AttnMax, Watch
+from spikewatch import AdamW, AttnMax, Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
 
 
@@ -115,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         model = DDP(gpt)
     if args.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    # An optimizer the Watch can refuse on the device, so the host reads nothing before the
+    # update: torch's fused AdamW on a GPU, spikewatch's AdamW (torch's arithmetic) elsewhere.
+    if device.type == "cuda" and not (world > 1 and args.strategy == "fsdp2"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), fused=True)
+    else:
+        optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))
     rows = args.batch_size // world  # this rank's share of each global batch

@@ -82,3 +82,25 @@ def test_under_inductor_the_maxima_are_those_of_the_eager_model() -> None:
     rec.active = False  # an unprobed step: the same graph, nothing recorded
     compiled(x, y).backward()
     assert rec.take() is None
+
+
+@pytest.mark.parametrize("name", ["hf_trainer", "lightning_module"])
+def test_the_framework_examples_compiled_roll_back_as_they_do_eager(
+    tmp_path, monkeypatch, name: str
+) -> None:
+    """HF's `torch_compile=True` and Lightning's `fit(torch.compile(module))`: probes on, the
+    same rollback as the eager run, with the per-head maxima recorded."""
+    counting = CountingBackend()
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=counting))
+    torch._dynamo.reset()
+    compiled = run_example(name, tmp_path / "compiled", *STEPS, *POISON, "--compile")
+    assert counting.graphs >= 1  # the framework did compile the model
+    eager = run_example(name, tmp_path / "eager", *STEPS, *POISON)
+    rollback = the_rollback(compiled)
+    assert rollback["to_step"] < rollback["onset_step"]
+    assert [(i["kind"], i["step"], i["to_step"]) for i in compiled["interventions"]] == [
+        (i["kind"], i["step"], i["to_step"]) for i in eager["interventions"]
+    ]
+    assert compiled["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-3)
+    assert "layer/1/head/3/attn_max" in compiled["metric_names"]
