@@ -88,7 +88,7 @@ def _attention(
             )
         elif rec.active:
             return _recording(module, rec, query, key, value, attention_mask, dropout, scaling,
-                              softcap, causal, **kwargs)  # fmt: skip
+                              causal, **kwargs)  # fmt: skip
     if softcap is not None:  # Gemma 2's soft-capped logits: SDPA has no soft-cap
         k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         return _eager(module, query, k, v, attention_mask, dropout, scaling, softcap, causal)
@@ -106,7 +106,6 @@ def _recording(
     attention_mask: torch.Tensor | None,
     dropout: float,
     scaling: float | None,
-    softcap: float | None,
     causal: bool,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,6 +113,7 @@ def _recording(
     else the maxima in a separate score pass, then the model's own attention."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    softcap = kwargs.get("softcap")
     n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
     if softcap is None and _triton_ok(query, key, attention_mask, dropout):

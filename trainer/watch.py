@@ -34,7 +34,6 @@ import atexit
 import json
 import logging
 import sys
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -44,17 +43,16 @@ import torch
 
 from observatory.store.sink import BaseSink, DbSink, open_run_sink
 from observatory.strict_json import write_json
-from trainer.checkpoints.disk import Checkpointer
 from trainer.checkpoints.format import list_checkpoints as ck_list
-from trainer.checkpoints.tiers import Tiers, build_tiers, describe, estimated_snapshot_bytes
-from trainer.config import ConfigError, WatchSettings
+from trainer.checkpoints.tiers import Tiers
+from trainer.config import WatchSettings
 from trainer.core.callbacks import Callback
 from trainer.core.data_state import DataState
 from trainer.core.guard import SpikeGuard
 from trainer.core.lifecycle import WATCH_RULES, check_resumable
 from trainer.core.probes import Probes, describe_model, module_layer_of
 from trainer.core.recorder import Recorder
-from trainer.core.same_step import SameStepGate
+from trainer.core.setup import open_core
 from trainer.core.state import RunState
 from trainer.core.step_core import (
     APPLIED,
@@ -66,7 +64,7 @@ from trainer.core.step_core import (
     StepCore,
 )
 from trainer.core.transfer import StepTensors, clip_by_global_norm
-from trainer.core.world import World, attach_world, say
+from trainer.core.world import World, attach_world
 from trainer.model.attn_max import AttnMax
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
@@ -523,76 +521,49 @@ def build_watch_core(watch: Watch) -> StepCore:
         callbacks.append(Recorder(sink, tags=watch.tags, requests_from=url))
     watch.sink = sink
     world.barrier()
-    durable = next((c.persist for c in callbacks if isinstance(c, Recorder)), None)
-    disk = _checkpointer(watch, run_dir, world, durable)
-    checkpointer = build_tiers(cfg.checkpoint, disk, model, optimizer, world)
-    if world.is_main:
-        size = estimated_snapshot_bytes(model, optimizer)
-        say(log, describe(checkpointer, size, cfg.max_steps))
-    if world.is_main and cfg.guard.enabled:  # rank 0 decides for all
-        guard = SpikeGuard(
-            cfg.guard,
-            checkpointer.retained,
-            warmup_steps=cfg.warmup_steps,
-            can_roll_back=cfg.checkpoint.any_tier,
-        )
-        guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
-        callbacks.append(guard)
-    tier = cfg.guard.same_step
-    core = StepCore(
+    return open_core(
         model=model,
         optimizer=optimizer,
-        probes=probes,
-        checkpointer=checkpointer,
         world=world,
         run=RunState(run_id=run_id, run_dir=run_dir),
+        probes=probes,
+        checkpoint=cfg.checkpoint,
+        guard=cfg.guard,
+        make_guard=lambda retained: _guard(watch, retained),
         callbacks=callbacks,
         config=watch.run_config,
         data_flow="forward",
+        resume=lambda core: _resume(watch, core),
+        resume_hint="resume=True, or resume='auto'",
         scheduler=watch.scheduler,
-        same_step=SameStepGate(tier) if cfg.guard.enabled and tier.enabled else None,
         max_steps=cfg.max_steps,
     )
-    _resume(watch, core, run_dir)
-    if world.is_main:
-        (run_dir / "config.json").write_text(json.dumps(watch.run_config(), indent=2))
-    core._t0 = time.perf_counter()
-    return core
 
 
-def _checkpointer(
-    watch: Watch, run_dir: Path, world: World, durable: Callable[[], object] | None
-) -> Checkpointer:
-    root = run_dir / "checkpoints"
-    if world.distributed:
-        from trainer.checkpoints.sharded import ShardedCheckpointer
-
-        ck: Checkpointer = ShardedCheckpointer(
-            root, watch.cfg.checkpoint, world, watch.model, watch.optimizer, before_commit=durable
-        )
-    else:
-        ck = Checkpointer(root, watch.cfg.checkpoint, before_commit=durable)
-    ck.open()
-    return ck
+def _guard(watch: Watch, retained: Callable[[], list[int]]) -> SpikeGuard:
+    cfg = watch.cfg
+    guard = SpikeGuard(
+        cfg.guard, retained, warmup_steps=cfg.warmup_steps, can_roll_back=cfg.checkpoint.any_tier
+    )
+    guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
+    return guard
 
 
-def _resume(watch: Watch, core: StepCore, run_dir: Path) -> None:
-    """From the Watch's own checkpoint (`resume=True`), from a framework's copy of the state
-    (`state=`), or a fresh start, which refuses a directory that holds another run."""
+def _resume(watch: Watch, core: StepCore) -> bool:
+    """From the Watch's own checkpoint (`resume=True`, or "auto" where there is one), or from a
+    framework's copy of the state (`state=`); False: a fresh start."""
     resume = watch.resume_arg
     if resume == "auto":
         resume = bool(ck_list(core.checkpointer.root))
     if resume:
         config = watch.run_config()
         core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
-    elif watch.saved is not None:
+        return True
+    if watch.saved is not None:
         core.load_state_dict(watch.saved)
         core.checkpointer.drop_after(core.step_count)  # the future of an abandoned timeline
-    elif ck_list(core.checkpointer.root):
-        raise ConfigError(
-            f"{run_dir} already holds checkpoints of a run: resume it (resume=True, or "
-            "resume='auto') or choose another run directory"
-        )
+        return True
+    return False
 
 
 def _saved_config(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from spikewatch.hf import attach_attention  # noqa: E402
-from trainer.model.attention import AttnMax  # noqa: E402
+from trainer.model.attn_max import AttnMax  # noqa: E402
 
 from .conftest import (  # noqa: E402
     POISON,

@@ -10,7 +10,6 @@ out rank 0's decision.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -28,20 +27,16 @@ from trainer.builtin.data import Sampler, build_sampler
 from trainer.builtin.faults import apply_faults
 from trainer.builtin.schedule import lr_multiplier
 from trainer.builtin.step import apply_update, forward_backward
-from trainer.checkpoints.disk import Checkpointer
-from trainer.checkpoints.format import list_checkpoints as ck_list
-from trainer.checkpoints.tiers import build_tiers
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import TrainConfig
 from trainer.core.callbacks import Callback
 from trainer.core.guard import SpikeGuard
 from trainer.core.lifecycle import check_resume, stop_on_signals
 from trainer.core.probes import Probes
-from trainer.core.recorder import Recorder
-from trainer.core.same_step import SameStepGate
+from trainer.core.setup import open_core
 from trainer.core.state import RunState
 from trainer.core.step_core import ROLLED_BACK, StepCore
 from trainer.core.transfer import StepTensors
-from trainer.core.world import World, init_world
+from trainer.core.world import init_world
 from trainer.model.gpt import GPT, build_model
 from trainer.model.optim import build_optimizer
 
@@ -157,10 +152,7 @@ class Trainer:
 
     def resume(self) -> int:
         """Continue from the newest intact checkpoint in the run directory; returns its step."""
-        step = self.core.resume(lambda path: check_resume(self.cfg, path, self.world.size))
-        for group in self.optimizer.param_groups:  # the optimizer state holds the old peak LR
-            group["base_lr"] = self.cfg.optim.lr
-        return step
+        return _resume(self.core, self.cfg)
 
     def _compute(self, step: int, index: int, probing: bool) -> tuple[StepTensors, float, int]:
         """Forward and backward of batch `index` as step `step`: (tensors, LR multiplier,
@@ -275,58 +267,39 @@ def build_trainer(
     if cfg.train.compile:  # the training forward (DDP's too); the weights stay the model's
         world.fwd = cast(torch.nn.Module, torch.compile(model if world.fwd is None else world.fwd))
     optimizer = build_optimizer(model, cfg.optim)
-    recorder = next((c for c in callbacks if isinstance(c, Recorder)), None)
-    durable = None if recorder is None else recorder.persist  # the record, before each commit
-    disk = build_checkpointer(cfg, path, world, model, optimizer, durable)
-    checkpointer = build_tiers(cfg.checkpoint, disk, model, optimizer, world)
-    if cfg.guard.enabled and world.is_main:  # rank 0 decides for all
-        callbacks = [*callbacks, SpikeGuard.for_config(cfg, checkpointer.retained)]
-    tier = cfg.guard.same_step
-    core = StepCore(
+
+    def resumed(core: StepCore) -> bool:
+        if resume:
+            _resume(core, cfg)
+        return resume
+
+    core = open_core(
         model=model,
         optimizer=optimizer,
-        probes=Probes(model, optimizer, cfg.probes, world),
-        checkpointer=checkpointer,
         world=world,
         run=RunState(run_id=run_id, run_dir=path),
-        callbacks=list(callbacks),
+        probes=Probes(model, optimizer, cfg.probes, world),
+        checkpoint=cfg.checkpoint,
+        guard=cfg.guard,
+        make_guard=lambda retained: SpikeGuard.for_config(cfg, retained),
+        callbacks=callbacks,
         config=cfg.to_dict,
         data_flow="rewind",
-        same_step=SameStepGate(tier) if cfg.guard.enabled and tier.enabled else None,
+        resume=resumed,
+        resume_hint=f"--resume {path}",
         max_steps=cfg.train.max_steps,
     )
     trainer = Trainer(cfg, core, model, build_sampler(cfg.data, cfg.train.seed), device)
     core.replay = trainer.replay
-    if resume:
-        trainer.resume()
-    elif ck_list(checkpointer.root):
-        raise ConfigError(
-            f"{path} already holds checkpoints of a run: resume it (--resume {path}) or choose "
-            "another run directory"
-        )
-    if world.is_main:
-        (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return trainer
 
 
-def build_checkpointer(
-    cfg: TrainConfig,
-    path: Path,
-    world: World,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    durable: Callable[[], object] | None,
-) -> Checkpointer:
-    """One process: torch.save files; under torchrun: sharded (DCP) checkpoints."""
-    checkpointer = Checkpointer(path / "checkpoints", cfg.checkpoint, before_commit=durable)
-    if world.distributed:
-        from trainer.checkpoints.sharded import ShardedCheckpointer
-
-        checkpointer = ShardedCheckpointer(
-            path / "checkpoints", cfg.checkpoint, world, model, optimizer, before_commit=durable
-        )
-    checkpointer.open()
-    return checkpointer
+def _resume(core: StepCore, cfg: TrainConfig) -> int:
+    """Continue from the newest intact checkpoint in the run directory; returns its step."""
+    step = core.resume(lambda path: check_resume(cfg, path, core.world.size))
+    for group in core.optimizer.param_groups:  # the optimizer state holds the old peak LR
+        group["base_lr"] = cfg.optim.lr
+    return step
 
 
 def fit(

@@ -1,0 +1,257 @@
+"""Rollback, restore and resume, and the state a checkpoint holds: the step core's side of its
+checkpoints (trainer/core/step_core.py owns the step; this mixin, what a checkpoint of it
+carries and how the core goes back to one).
+
+One snapshot schema for every client (core/state.py): weights and optimizer (or, under
+torchrun, each rank's RNG and scheduler beside the sharded files), `trainer.json` with the
+counters, data position, skips, records, the same-step tier and every callback's state, and
+the resolved config. A rollback restores in-process and keeps what the run has learned since;
+a resume takes everything back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from trainer.checkpoints.format import Snapshot
+from trainer.checkpoints.staging import Stager, to_host
+from trainer.core.actions import Rollback
+from trainer.core.callbacks import Callback
+from trainer.core.cause import cause_of
+from trainer.core.data_state import DataState
+from trainer.core.decide import rescale
+from trainer.core.state import (
+    RunState,
+    callback_keys,
+    join_optimizer,
+    rng_states,
+    set_rng_states,
+    split_optimizer,
+)
+
+if TYPE_CHECKING:
+    from trainer.checkpoints.tiers import Tiers
+    from trainer.core.probes import Probes
+    from trainer.core.same_step import SameStepGate
+    from trainer.core.step_core import Replay
+    from trainer.core.world import World
+
+__all__ = ["Checkpointed"]
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointed:
+    """What StepCore (a dataclass with these fields) does with its checkpoints."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    probes: Probes
+    checkpointer: Tiers
+    world: World
+    run: RunState
+    callbacks: list[Callback]
+    config: Callable[[], dict[str, Any]]
+    data_flow: Literal["rewind", "forward"]
+    scheduler: Any
+    same_step: SameStepGate | None
+    replay: Replay | None
+    config_changes: dict[str, list[Any]]
+
+    if TYPE_CHECKING:
+
+        def save(self, tiers: list[str] | None = None) -> None: ...
+
+    # -- rollback, restore, resume ------------------------------------------------------------
+    def rollback(self, action: Rollback) -> None:
+        """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip;
+        the cause of a spike is told by replaying it first where the client can."""
+        ck = self.checkpointer
+        step, where, abandoned = ck.rollback_point(action.to_step)
+        from_step, t0 = self.run.step, time.perf_counter()
+        self.restore(ck.read(where, self.probes.device), resume=False)
+        record = self.run.interventions[-1]
+        record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
+        spike = action.spike
+        if spike is not None and spike.replay and self.replay is not None:
+
+            def reload() -> None:
+                self.restore(ck.read(where, self.probes.device), resume=False)
+
+            record.update(cause_of(spike, step, self._replay_losses, reload))
+            reload()
+        self.checkpointer.pin(step, "rollback target")
+        for start, end in action.skip_ranges:
+            self.run.data.add_skip(start, end)
+        self.run.lr_scale = rescale(self.run.lr_scale, action)
+        record.update(
+            from_step=from_step,
+            to_step=step,
+            skip_ranges=[list(r) for r in action.skip_ranges],
+            lr_scale=action.lr_scale,
+            dropped_checkpoints=abandoned,
+        )
+        if self.data_flow == "forward":
+            record["resumed_at_batch"] = self.run.data.batch_index
+        log.warning(
+            "rolled back from step %d to step %d (%s tier, %.3fs)",
+            from_step,
+            step,
+            ck.last_tier,
+            record["restore_s"],
+        )
+        for cb in self.callbacks:
+            cb.on_rollback(step, record)
+        # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
+        # scale, policy and detector states) as the next generation, which a resume prefers to
+        # the abandoned newer steps; only then delete those. A crash at any moment must not
+        # train the bad batches again.
+        self.run.generation += 1
+        self.save()
+        self.checkpointer.drop_after(step)
+        self.checkpointer.report(self.callbacks)
+
+    def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
+        """Continue from the newest intact checkpoint; `check(path)` refuses a config that may
+        not resume it and returns the changes it may make ({key: [then, now]}, announced to the
+        callbacks at start). Returns the step."""
+        step, path = self.checkpointer.resume_point()
+        changes = check(path)
+        self.restore(self.checkpointer.read(path, self.probes.device), resume=True)
+        if changes:
+            shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            log.warning("resumed from %s with changed settings: %s", path, shown)
+        else:
+            log.info("resumed from %s", path)
+        self.config_changes = changes
+        return step
+
+    def _replay_losses(self, pairs: Iterable[tuple[int, int]], from_step: int) -> dict[int, float]:
+        """The losses of (step, batch index) pairs replayed in order, each update applied when
+        finite, as the loop would."""
+        assert self.replay is not None
+        losses = {}
+        for step, index in pairs:
+            if step <= from_step:
+                continue
+            t, apply = self.replay(step, index)
+            t = self.world.reduce(t, stop=False)
+            loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
+            if math.isfinite(loss) and math.isfinite(gnorm):  # as the loop: never apply these
+                apply()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses[step] = loss if math.isfinite(loss) else math.inf
+        return losses
+
+    # -- the state a checkpoint holds (core/state.py's schema) -------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """`trainer.json` without the RNG states: counters, data position, skips, records, the
+        same-step tier and every callback's state (JSON types)."""
+        run = self.run
+        return {
+            "run_id": run.run_id,
+            "step": run.step,
+            "tokens": run.tokens,
+            "lr_scale": run.lr_scale,
+            "generation": run.generation,
+            "data_state": run.data.to_dict(),
+            "interventions": run.interventions,
+            "val_losses": run.val_losses,
+            "halted": run.halted,
+            "same_step": None if self.same_step is None else self.same_step.state_dict(),
+            "callbacks": {
+                key: cb.state_dict()
+                for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True)
+            },
+        }
+
+    def snapshot(self, stage: Stager | None) -> Snapshot:
+        """The current state as a checkpoint `Snapshot` (self/state.py's schema)."""
+        rng_tensors, rng_json = rng_states()
+        run = self.run
+        sched = None if self.scheduler is None else self.scheduler.state_dict()
+        if self.world.distributed:  # weights and optimizer: sharded, by the checkpointer
+            own = {**rng_tensors, "json": rng_json}
+            if sched is not None:
+                own["scheduler"] = sched
+            torch_files = {f"rng.rank{self.world.rank}.pt": own}
+        else:
+            torch_files = {
+                **split_optimizer(to_host(self.optimizer.state_dict(), stage, "optimizer")),
+                "model.pt": to_host(self.model.state_dict(), stage, "model"),
+                "rng.pt": rng_tensors,
+            }
+            if sched is not None:
+                torch_files["scheduler.pt"] = sched
+        return Snapshot(
+            step=run.step,
+            torch_files=torch_files,
+            json_files={
+                "trainer.json": {**self.state_dict(), "rng": rng_json},
+                "config.json": self.config(),
+            },
+            meta={
+                "run_id": run.run_id,
+                "loss": run.history[-1][1] if run.history else None,
+                "tokens": run.tokens,
+                "data_state": run.data.to_dict(),
+                "generation": run.generation,
+            },
+        )
+
+    def restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
+        """Load a checkpoint (as `Checkpointer.read` returns it) into the live objects. A resume
+        takes everything back; a rollback keeps what the run has learned since."""
+        state = loaded["trainer.json"]
+        if "memory" in loaded:  # in place, from this rank's host buffers
+            assert self.checkpointer.memory is not None
+            self.checkpointer.memory.load_tensors(loaded["memory"])
+        elif "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
+            from trainer.checkpoints.sharded import load_sharded
+
+            load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
+        else:
+            self.model.load_state_dict(loaded["model.pt"])
+            self.optimizer.load_state_dict(join_optimizer(loaded))
+        if self.scheduler is not None and "scheduler.pt" in loaded:
+            self.scheduler.load_state_dict(loaded["scheduler.pt"])
+        set_rng_states(loaded["rng.pt"], state["rng"])
+        if resume:
+            last = loaded.get("meta", {}).get("loss")
+            self.run.resumed_loss = math.nan if last is None else float(last)
+        self.load_state_dict(state, resume=resume)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resume: bool = True) -> None:
+        """Counters and records from `trainer.json` (or a framework's copy of it). A resume takes
+        everything back; a rollback keeps what the run has learned since (interventions, skip
+        ranges, LR scale, callback states) and, with forward data flow, the data position."""
+        run = self.run
+        run.step, run.tokens = int(state["step"]), int(state.get("tokens", 0))
+        if self.same_step is not None and state.get("same_step") is not None:
+            self.same_step.load_state_dict(state["same_step"])
+        restored = DataState.from_dict(state["data_state"])
+        if resume:
+            run.run_id = str(state["run_id"])
+            run.generation = int(state.get("generation", 0))
+            run.data = restored
+            run.lr_scale = float(state["lr_scale"])
+            run.interventions = list(state["interventions"])
+            run.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
+            run.halted = state.get("halted")
+            saved = state["callbacks"]
+            for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
+                if key in saved:
+                    cb.load_state_dict(saved[key])
+        else:
+            if self.data_flow == "rewind":
+                ranges = sorted(set(restored.skip_ranges) | set(run.data.skip_ranges))
+                run.data = DataState(restored.batch_index, ranges)
+            run.val_losses = [(s, v) for s, v in run.val_losses if s <= run.step]
+        run.history = [(s, v) for s, v in run.history if s <= run.step]
