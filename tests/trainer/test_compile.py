@@ -53,3 +53,14 @@ def test_probing_every_other_step_adds_one_graph(tmp_path, counting: CountingBac
     cfg = tiny_config("train.max_steps=12", "train.compile=true", "probes.interval=2")
     fit(cfg, run_dir=tmp_path)
     assert counting.graphs == 2
+
+
+def test_the_triton_attention_compiles_as_one_opaque_call(tmp_path, counting) -> None:
+    """The fused kernel (its maxima free for QK-Clip and the probes) is a custom operator with
+    its own backward: one graph, no break, the eager run's losses."""
+    tiny = ("model.attention=triton", "train.max_steps=4", "data.batch_size=2", "data.seq_len=16")
+    compiled = fit(tiny_config(*tiny, "train.compile=true"), run_dir=tmp_path / "compiled")
+    eager = fit(tiny_config(*tiny), run_dir=tmp_path / "eager")
+    assert counting.graphs == 1
+    assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-5)
+    assert any("head" in n for n in compiled.metric_names)

@@ -256,21 +256,61 @@ def _backward(q, k, v, o, lse, do, causal: bool, sm_scale: float):
     return dq, dk, dv
 
 
-class _FlashAttentionMax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float):  # noqa: ANN001
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse, mx = _forward(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
-        ctx.mark_non_differentiable(mx)
-        return o, mx
+# The kernels as two custom operators with their own autograd: torch.compile treats them as one
+# opaque call each (no tracing into Triton launches, no graph break), eager code the same.
+@torch.library.custom_op("spikewatch::flash_attention_fwd", mutates_args=())
+def _flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, sm_scale)
 
-    @staticmethod
-    def backward(ctx, do, _dmx):  # noqa: ANN001
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+
+@_flash_fwd.register_fake
+def _(q, k, v, causal, sm_scale):  # noqa: ANN001, ANN202
+    B, H, T, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((B * H, T), dtype=torch.float32)
+    return out, lse, q.new_empty((B, H), dtype=torch.float32)
+
+
+@torch.library.custom_op("spikewatch::flash_attention_bwd", mutates_args=())
+def _flash_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _backward(q, k, v, o, lse, do, causal, sm_scale)
+
+
+@_flash_bwd.register_fake
+def _(q, k, v, o, lse, do, causal, sm_scale):  # noqa: ANN001, ANN202
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, causal, sm_scale = inputs
+    o, lse, _ = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+
+
+def _grads(ctx, do, _dlse, _dmx):  # noqa: ANN001, ANN202
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(q, k, v, o, lse, do, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+_flash_fwd.register_autograd(_grads, setup_context=_setup_context)
 
 
 def flash_attention(
@@ -281,10 +321,12 @@ def flash_attention(
     causal: bool = True,
     sm_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v: (B, H, T, D). Returns (out (B, H, T, D), max scaled logit (B, H), fp32)."""
+    """q, k, v: (B, H, T, D). Returns (out (B, H, T, D), max scaled logit (B, H), fp32; the
+    max carries no gradient)."""
     _check(q, k, v)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
-    return _FlashAttentionMax.apply(q, k, v, causal, scale)
+    out, _, mx = _flash_fwd(q, k, v, causal, scale)
+    return out, mx.detach()
 
 
 def reference_attention(
