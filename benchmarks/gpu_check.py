@@ -150,7 +150,7 @@ def sync_check(smoke: bool) -> dict:
     }
 
 
-# -- 2. MFU with and without spikewatch -------------------------------------------------------------
+# -- 2. MFU with and without spikewatch ---------------------------------------------------------
 def mfu_check(smoke: bool) -> dict:
     import importlib.util
     import math
@@ -178,9 +178,9 @@ def mfu_check(smoke: bool) -> dict:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
             watch = None
             if watched:
+                tiers = {"checkpoint": {"memory_interval": 25, "interval": None}}
                 watch = Watch(gpt, opt, sched, grad_clip=1.0, run_dir=Path(tmp) / "run",
-                              db=f"sqlite:///{tmp}/mfu.db",
-                              settings={"checkpoint": {"memory_interval": 25, "interval": None}})  # fmt: skip
+                              db=f"sqlite:///{tmp}/mfu.db", settings=tiers)  # fmt: skip
                 watch.open()
                 gpt.use_recorder(watch.attn)
             runs.append(dict(model=model, opt=opt, sched=sched, watch=watch, times=[], i=0))
@@ -236,7 +236,7 @@ def mfu_check(smoke: bool) -> dict:
     }
 
 
-# -- 3. the Triton attention ------------------------------------------------------------------------
+# -- 3. the Triton attention --------------------------------------------------------------------
 def _bench(fn: Callable[[], None], reps: int = 20) -> float:
     for _ in range(3):
         fn()

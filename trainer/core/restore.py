@@ -40,12 +40,16 @@ if TYPE_CHECKING:
     from trainer.checkpoints.tiers import Tiers
     from trainer.core.probes import Probes
     from trainer.core.same_step import SameStepGate
-    from trainer.core.step_core import Replay
+    from trainer.core.transfer import StepTensors
     from trainer.core.world import World
 
-__all__ = ["Checkpointed"]
+__all__ = ["Checkpointed", "Replay"]
 
 log = logging.getLogger(__name__)
+
+# Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
+# backward, and the function that applies its update. None: the client cannot draw it again.
+Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
 
 
 class Checkpointed:

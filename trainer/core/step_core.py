@@ -53,7 +53,7 @@ from trainer.core.callbacks import (
 )
 from trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
 from trainer.core.probes import Probes
-from trainer.core.restore import Checkpointed
+from trainer.core.restore import Checkpointed, Replay
 from trainer.core.same_step import SameStepGate, step_factor
 from trainer.core.state import (
     RunState,
@@ -81,10 +81,6 @@ SKIPPED_BATCH = "skipped_batch"
 
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
 _FACTOR = "_factor"  # the step factor the device applied (1 applied, 0 refused); never a metric
-
-# Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
-# backward, and the function that applies its update. None: the client cannot draw it again.
-Replay = Callable[[int, int], tuple[StepTensors, Callable[[], None]]]
 
 
 @dataclass(frozen=True)
