@@ -67,6 +67,7 @@ def _loops(args: argparse.Namespace, compiled: bool, tmp: Path) -> list[dict]:
                 checkpoint_every=25,
                 db=f"sqlite:///{tmp}/bench.db",
                 run_dir=tmp / f"run-{'c' if compiled else 'e'}",
+                settings=json.loads(args.settings),
             )
             watch.open()
             gpt.use_recorder(watch.attn)
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--modes", default="compiled,eager")
+    ap.add_argument("--settings", default="{}", help="WatchSettings as JSON (parts off, say)")
     allocator_flag(ap)
     args = ap.parse_args()
     quiet_one_thread(args)
