@@ -30,6 +30,10 @@ for ex in plain_loop hf_trainer lightning_module; do
     || { tail -30 "$ex.log"; exit 1; }
   grep -q '"steps": 40' "$ex.json" || { echo "$ex: no summary"; exit 1; }
 done
+# compiled, from the wheel: the probes' custom operators and the step factor, outside the checkout
+"$work/venv/bin/python" plain_loop.py "${small[@]/runs.db/compiled.db}" --compile --poison-at 20 \
+  --summary-json compiled.json >compiled.log 2>&1 || { tail -30 compiled.log; exit 1; }
+grep -q '"steps": 40' compiled.json || { echo "compiled plain loop: no summary"; exit 1; }
 runs="$("$work/venv/bin/python" -c "
 import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select count(*) from runs').fetchone()[0])")"
 [ "$runs" = 3 ] || { echo "wheel check: $runs runs in the store, expected 3" >&2; exit 1; }
@@ -38,4 +42,4 @@ import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select key 
 "$sw" simulate --days 5 --seeds 3 --json --step-time 6s --from-run "$run_key" --db "sqlite:///$work/user/runs.db" \
   > simulate.json
 grep -q '"goodput"' simulate.json || { echo "wheel check: simulate printed no goodput" >&2; exit 1; }
-echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran, db upgrade and simulate --from-run worked"
+echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran (and the plain loop compiled), db upgrade and simulate --from-run worked"
