@@ -55,6 +55,28 @@ class FactorStep:
     def set_step_factor(self, factor: torch.Tensor | None) -> None:
         self._factor = factor
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One step of every group with gradients, the factor (if set) folded in."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        factor = self._take_factor()
+        counted: list[torch.Tensor] = []
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and self._group_step(group, params, factor):
+                counted += params
+        self._stepped(factor, counted)
+        return loss
+
+    def _group_step(
+        self, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
+    ) -> bool:
+        """Update one group's `params`; True when their step counts count this step."""
+        raise NotImplementedError
+
     def _take_factor(self) -> torch.Tensor | None:
         """The factor of this step (consumed); an unsettled earlier one is settled first."""
         if self._unsettled is not None:  # the loop did not say: read it (one sync, logged)
@@ -197,21 +219,11 @@ class AdamW(FactorStep, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **_TORCH)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        factor = self._take_factor()
-        stepped: list[torch.Tensor] = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                adamw_group(self.state, group, params, factor)
-                stepped += params
-        self._stepped(factor, stepped)
-        return loss
+    def _group_step(
+        self, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
+    ) -> bool:
+        adamw_group(self.state, group, params, factor)
+        return True
 
 
 def adamw_group(

@@ -67,25 +67,14 @@ class Muon(FactorStep, torch.optim.Optimizer):
             if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("Muon groups may hold only 2-D weight matrices")
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        factor = self._take_factor()
-        stepped: list[torch.Tensor] = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if group["use_muon"]:
-                self._muon_group(group, params, factor)
-            else:
-                adamw_group(self.state, group, params, factor)
-                stepped += params
-        self._stepped(factor, stepped)  # Adam's bias corrections count steps; Muon's do not
-        return loss
+    def _group_step(
+        self, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
+    ) -> bool:
+        if group["use_muon"]:
+            self._muon_group(group, params, factor)
+            return False  # Adam's bias corrections count steps; Muon's update does not
+        adamw_group(self.state, group, params, factor)
+        return True
 
     def _muon_group(
         self, group: dict[str, Any], params: list[torch.Tensor], factor: torch.Tensor | None
