@@ -141,13 +141,17 @@ class StepCore(Checkpointed):
         self.callbacks = sorted(self.callbacks, key=lambda c: -c.priority)
         self._stepper = factor_optimizer(self.optimizer)
         before = [type(cb).__name__ for cb in self.callbacks if decides_before_update(cb)]
-        self.host_path = self._stepper is None or bool(before)
+        mine = self._stepper is None or bool(before)
+        # one path for all ranks: where one must read before the update, every rank does
+        self.host_path = -self.world.min_int(-int(mine)) > 0
         if self.host_path:
             why = (
                 f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW and "
                 "torch's AdamW(fused=True) do)"
                 if self._stepper is None
                 else f"callbacks {', '.join(before)} decide before the update (pre_update)"
+                if before
+                else "another rank's callbacks decide before the update"
             )
             log.log(
                 logging.WARNING if self.probes.device.type == "cuda" else logging.INFO,
