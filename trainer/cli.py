@@ -560,12 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_env()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    from trainer.checkpoints.format import CheckpointError
-    from trainer.config import ConfigError
+    from trainer.checkpoints.errors import CheckpointError  # torch-free: simulate needs none
 
     try:
         return args.func(args)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:  # ConfigError is one
         print(f"spikewatch: {e}", file=sys.stderr)  # noqa: T201 - the CLI's own error output
         return 2
     except CheckpointError as e:

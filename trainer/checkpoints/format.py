@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoints.errors import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "Snapshot",
@@ -46,10 +48,6 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step(\d{8})$")
 META = "meta.json"
 FORMAT = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupted; the message names it."""
 
 
 @dataclass
