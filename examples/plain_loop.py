@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
     p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
+    p.add_argument(
+        "--poison-rows", type=int, default=None, help="poison only the first K rows of a batch"
+    )
     p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="under torchrun")
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
         if poisoned and args.poison_rank in (None, rank):
-            y = shift_labels(y)
+            bad = torch.arange(rank * rows, (rank + 1) * rows) < (args.poison_rows or rows * world)
+            y = torch.where(bad[:, None], shift_labels(y), y)  # the first K global rows
         return x.to(device), y.to(device)
 
     with Watch(
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         settings={"guard": {"rollback": not args.no_rollback}},
     ) as watch:
         gpt.use_recorder(watch.attn)
-        for x, y in watch.batches(batch_at, loss_fn=lambda batch: model(*batch)):
+        for x, y in watch.batches(batch_at, loss_fn=lambda batch: model(*batch), decode=_text):
             loss = model(x, y)
             loss.backward()
             watch.step(loss)
@@ -161,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         dist.destroy_process_group()
     return 0
+
+
+def _text(tokens: list[int]) -> str:
+    """A row's bytes as text, for the samples a rollback names."""
+    return bytes(tokens).decode("utf-8", errors="replace")
 
 
 def _init_distributed() -> tuple[int, int]:

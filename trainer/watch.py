@@ -31,7 +31,6 @@ the run directory and the checkpoints, and resumes; `close()` ends the run.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import sys
 import weakref
@@ -41,19 +40,24 @@ from typing import Any, Literal
 
 import torch
 
-from observatory.store.sink import BaseSink, DbSink, open_run_sink
+from observatory.store.sink import BaseSink
 from observatory.strict_json import write_json
-from trainer.checkpoints.format import list_checkpoints as ck_list
 from trainer.checkpoints.tiers import Tiers
 from trainer.config import WatchSettings
+from trainer.core.attribution import (
+    RowStat,
+    id_of,
+    preview,
+    row_grad_norm,
+    row_of,
+    rows_in,
+    tokens_of,
+)
 from trainer.core.callbacks import Callback
 from trainer.core.data_state import DataState
 from trainer.core.guard import SpikeGuard
-from trainer.core.lifecycle import WATCH_RULES, check_resumable
-from trainer.core.probes import Probes, describe_model, module_layer_of
+from trainer.core.probes import module_layer_of
 from trainer.core.recorder import Recorder
-from trainer.core.setup import open_core
-from trainer.core.state import RunState
 from trainer.core.step_core import (
     APPLIED,
     HALTED,
@@ -64,8 +68,9 @@ from trainer.core.step_core import (
     StepCore,
 )
 from trainer.core.transfer import StepTensors, clip_by_global_norm
-from trainer.core.world import World, attach_world
+from trainer.core.world import World
 from trainer.model.attn_max import AttnMax
+from trainer.watch_open import build_watch_core
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
 
@@ -132,6 +137,7 @@ class Watch:
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._batch_at: Callable[[int], Any] | None = None
+        self._decode: Callable[[list[int]], str] | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
     def open(self) -> StepCore:
@@ -209,18 +215,25 @@ class Watch:
 
     # -- the user's loop ------------------------------------------------------------------
     def batches(
-        self, batch_at: Callable[[int], Any], loss_fn: Callable[[Any], torch.Tensor] | None = None
+        self,
+        batch_at: Callable[[int], Any],
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> Iterator[Any]:
         """`batch_at(index)` for each global batch index from the data position on, skipping
         the skip ranges, until `max_steps` updates (or a halt). With `loss_fn(batch) -> loss`
-        the Watch can replay a spike's batches to tell its cause (guard.classify_cause)."""
+        the Watch can replay a spike's batches to tell its cause (guard.classify_cause) and
+        name the rows that caused it (guard.attribute_samples: `loss_fn` on one row at a time;
+        a dict batch's "id" entry names a row's sample, `decode(tokens)` shows its text)."""
         core = self.open()
-        self._batch_at, self._loss_fn = batch_at, loss_fn
+        self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
         if loss_fn is not None and self.cfg.guard.classify_cause:
             core.replay = self._replay  # on every rank: a replay's collectives need them all
             guard = self.guard  # rank 0's
             if guard is not None:
                 guard.classify = True
+        if loss_fn is not None and self.cfg.guard.attribute_samples:
+            core.measure_rows = self._measure_rows
         while not self.should_stop:
             self.begin_step(self.take_index())
             yield batch_at(core.index)
@@ -387,6 +400,36 @@ class Watch:
 
         return t, update
 
+    def _measure_rows(self, index: int) -> list[RowStat]:
+        """For the attribution of a spike (the core's): each row of batch `index` through the
+        user's `loss_fn` alone, its loss and gradient norm on the current weights (this rank's
+        rows; under torchrun row r of rank k is global row k * rows + r)."""
+        assert self._batch_at is not None and self._loss_fn is not None
+        core = self._c
+        batch = self._batch_at(index)
+        n = rows_in(batch)
+        sharded = core.world.strategy == "fsdp2"  # per-row backward of shards: loss only
+        out = []
+        for r in range(n):
+            with core.world.no_sync(), torch.set_grad_enabled(not sharded):
+                loss = self._loss_fn(row_of(batch, r))
+                if not sharded:
+                    loss.backward()
+            grad = None if sharded else row_grad_norm(core.probes.params)
+            self.optimizer.zero_grad(set_to_none=True)
+            tokens = tokens_of(batch, r)
+            out.append(
+                RowStat(
+                    batch=index,
+                    row=core.world.rank * n + r,
+                    loss=float(loss.detach()),
+                    grad_norm=grad,
+                    id=id_of(batch, r),
+                    preview=None if tokens is None else preview(tokens, self._decode),
+                )
+            )
+        return out
+
     # -- checkpoints and state --------------------------------------------------------------
     def persist(self) -> None:
         """Before a framework publishes its own checkpoint: the waiting update statistics go
@@ -488,83 +531,3 @@ def _watch_for_uncaught() -> None:
 
     hook.spikewatch = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-def build_watch_core(watch: Watch) -> StepCore:
-    """Everything `Watch.open` sets up: world, run id and directory (agreed by every rank),
-    store (rank 0), checkpoints, guard, probes; then the resume or the framework's state."""
-    from trainer.builtin.loop import new_run_id  # the run id rule of the built-in trainer
-
-    cfg, model, optimizer = watch.cfg, watch.model, watch.optimizer
-    world = attach_world(model, optimizer, cfg.distributed_timeout_s)
-    if watch.resume_arg not in (True, False, "auto"):
-        raise ValueError(f"resume must be True, False or 'auto', not {watch.resume_arg!r}")
-    if watch.resume_arg is True and watch.run_dir_arg is None:
-        raise ValueError("resume needs the run directory (run_dir=...)")
-    saved = watch.saved
-    run_id = str(saved["run_id"]) if saved is not None else None
-    if run_id is None:
-        given = watch.run_dir_arg
-        run_id = Path(given).name if given else world.agree(new_run_id(cfg.name))
-    run_dir = Path(watch.run_dir_arg) if watch.run_dir_arg else watch.run_root / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    probes = Probes(model, optimizer, cfg.probes, world, layer_of=watch.layer_of)
-    watch.model_info = dict(watch.model_info_arg or describe_model(model))
-    if not watch.model_info.get("n_layer"):  # no HF config: count the numbered blocks
-        blocks = {la.split("/")[0] for la in probes.layers}
-        watch.model_info["n_layer"] = sum(b.isdigit() for b in blocks)
-    callbacks: list[Callback] = list(watch.user_callbacks)
-    sink: BaseSink | None = None
-    if world.is_main:  # one run per job: rank 0 alone opens, migrates and writes the store
-        sink = watch.sink_arg if watch.sink_arg is not None else open_run_sink(run_dir, watch.db)
-        url = sink.url if isinstance(sink, DbSink) else None
-        callbacks.append(Recorder(sink, tags=watch.tags, requests_from=url))
-    watch.sink = sink
-    world.barrier()
-    return open_core(
-        model=model,
-        optimizer=optimizer,
-        world=world,
-        run=RunState(run_id=run_id, run_dir=run_dir),
-        probes=probes,
-        checkpoint=cfg.checkpoint,
-        guard=cfg.guard,
-        make_guard=lambda retained: _guard(watch, retained),
-        callbacks=callbacks,
-        config=watch.run_config,
-        data_flow="forward",
-        resume=lambda core: _resume(watch, core),
-        resume_hint="resume=True, or resume='auto'",
-        scheduler=watch.scheduler,
-        max_steps=cfg.max_steps,
-    )
-
-
-def _guard(watch: Watch, retained: Callable[[], list[int]]) -> SpikeGuard:
-    cfg = watch.cfg
-    guard = SpikeGuard(
-        cfg.guard, retained, warmup_steps=cfg.warmup_steps, can_roll_back=cfg.checkpoint.any_tier
-    )
-    guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
-    return guard
-
-
-def _resume(watch: Watch, core: StepCore) -> bool:
-    """From the Watch's own checkpoint (`resume=True`, or "auto" where there is one), or from a
-    framework's copy of the state (`state=`); False: a fresh start."""
-    resume = watch.resume_arg
-    if resume == "auto":
-        resume = bool(ck_list(core.checkpointer.root))
-    if resume:
-        config = watch.run_config()
-        core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
-        return True
-    if watch.saved is not None:
-        core.load_state_dict(watch.saved)
-        core.checkpointer.drop_after(core.step_count)  # the future of an abandoned timeline
-        return True
-    return False
-
-
-def _saved_config(path: Path) -> dict[str, Any]:
-    return json.loads((path / "config.json").read_text())

@@ -15,7 +15,9 @@ does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small 
   steps (a mis-set schedule), for measuring which signal warns before the loss moves.
 
 Under torchrun a fault applies to each rank's shard of the global batch; with `rank` set, to
-that rank's shard only (a bad shard on one host). The LR kinds cannot be restricted to a rank.
+that rank's shard only (a bad shard on one host). With `rows` set, a data fault spoils only the
+first `rows` rows of each global batch (a few bad samples among good ones: the per-sample
+attribution's test). The LR kinds cannot be restricted to a rank or to rows.
 """
 
 from __future__ import annotations
@@ -45,27 +47,38 @@ def apply_faults(
     y: torch.Tensor,
     first_time: bool = True,
     rank: int = 0,
+    row0: int = 0,
 ) -> FaultEffect:
-    """The batch `index` (this rank's shard of it) as the faults leave it (unchanged when none
-    covers the index)."""
+    """The batch `index` (this rank's shard of it, whose first row is global row `row0`) as the
+    faults leave it (unchanged when none covers the index)."""
     lr, nan, kinds = 1.0, False, []
     for f in faults:
         if not f.start <= index < f.start + f.length or f.rank not in (None, rank):
             continue
         kinds.append(f.kind)
+        bad_x, bad_y = x, y
         if f.kind == "shifted_labels":
-            y = (y + 1) % 256
+            bad_y = (y + 1) % 256
         elif f.kind == "repeated_bytes":
-            x = torch.full_like(x, ord("a"))
-            y = torch.full_like(y, ord("a"))
+            bad_x = torch.full_like(x, ord("a"))
+            bad_y = torch.full_like(y, ord("a"))
         elif f.kind == "random_bytes":
             g = torch.Generator().manual_seed(index)
             buf = torch.randint(0, 256, (x.size(0), x.size(1) + 1), generator=g)
-            x, y = buf[:, :-1].to(x.device), buf[:, 1:].to(y.device)
+            bad_x, bad_y = buf[:, :-1].to(x.device), buf[:, 1:].to(y.device)
         elif f.kind == "lr_scale" or (f.kind == "flaky_lr_scale" and first_time):
             lr *= f.factor
         elif f.kind == "lr_ramp":
             lr *= f.factor ** ((index - f.start + 1) / f.length)
         elif f.kind == "nan_loss":
             nan = True
+        x, y = _rows(f, x, bad_x, row0), _rows(f, y, bad_y, row0)
     return FaultEffect(x, y, lr, nan, tuple(kinds))
+
+
+def _rows(f: FaultConfig, good: torch.Tensor, bad: torch.Tensor, row0: int) -> torch.Tensor:
+    """`bad` on the fault's rows (all of them without `rows`), `good` elsewhere."""
+    if f.rows is None or bad is good:
+        return bad
+    spoilt = torch.arange(row0, row0 + good.size(0), device=good.device) < f.rows  # (B,)
+    return torch.where(spoilt[:, None], bad, good)

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from trainer.builtin.data import Sampler, build_sampler
-from trainer.builtin.faults import apply_faults
+from trainer.builtin.faults import FaultEffect, apply_faults
 from trainer.builtin.schedule import lr_multiplier
 from trainer.builtin.step import apply_update, forward_backward
 from trainer.config import TrainConfig
+from trainer.core.attribution import RowStat, preview, row_grad_norm
 from trainer.core.callbacks import Callback
 from trainer.core.guard import SpikeGuard
 from trainer.core.lifecycle import check_resume, stop_on_signals
@@ -158,9 +159,7 @@ class Trainer:
         """Forward and backward of batch `index` as step `step`: (tensors, LR multiplier,
         tokens). Nothing is applied yet."""
         cfg, world = self.cfg, self.world
-        x, y = self.sampler.batch(index, step, world.rows(cfg.data.batch_size))
-        first = index not in self._seen
-        fault = apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank)
+        fault = self._batch(index, step)
         self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
@@ -180,6 +179,47 @@ class Trainer:
         )
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
         return t, lr_mult * fault.lr_factor, x.numel() * world.size
+
+    def _batch(self, index: int, step: int) -> FaultEffect:
+        """This rank's rows of batch `index` at `step`, as the faults leave them."""
+        cfg, world = self.cfg, self.world
+        rows = world.rows(cfg.data.batch_size)
+        x, y = self.sampler.batch(index, step, rows)
+        row0 = 0 if rows is None else rows.start
+        first = index not in self._seen
+        return apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank, row0=row0)
+
+    def measure_rows(self, index: int) -> list[RowStat]:
+        """For the attribution of a spike (core/attribution.py): each of this rank's rows of
+        batch `index`, its cross-entropy and gradient norm on the current weights, its id
+        (corpus:offset) and its beginning."""
+        cfg, world = self.cfg, self.world
+        step = self.core.step_count + 1  # the mixture stage the batch would be drawn at
+        fault = self._batch(index, step)
+        rows = world.rows(cfg.data.batch_size)
+        row0 = 0 if rows is None else rows.start
+        plan = self.sampler.plan(index, step)
+        fwd = self.model if world.fwd is None else world.fwd
+        out = []
+        for r in range(fault.x.size(0)):
+            x = fault.x[r : r + 1].to(self.device)
+            y = fault.y[r : r + 1].to(self.device)
+            with world.no_sync():  # this rank's row alone: no reduction over ranks
+                ce = fwd(x, y).ce if world.strategy == "fsdp2" else _row_backward(fwd, x, y)
+            grad = None if world.strategy == "fsdp2" else row_grad_norm(self.model.parameters())
+            self.optimizer.zero_grad(set_to_none=True)
+            name, start = plan[row0 + r]
+            out.append(
+                RowStat(
+                    batch=index,
+                    row=row0 + r,
+                    loss=float(ce),
+                    grad_norm=grad,
+                    id=f"{name}:{start}",
+                    preview=preview(fault.x[r].tolist()),
+                )
+            )
+        return out
 
     def _train_step(self) -> str:
         """One step; returns what it came to (step_core's APPLIED, ..., ROLLED_BACK)."""
@@ -291,7 +331,15 @@ def build_trainer(
     )
     trainer = Trainer(cfg, core, model, build_sampler(cfg.data, cfg.train.seed), device)
     core.replay = trainer.replay
+    if cfg.guard.attribute_samples:
+        core.measure_rows = trainer.measure_rows
     return trainer
+
+
+def _row_backward(fwd: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = fwd(x, y)
+    out.loss.backward()
+    return out.ce.detach()
 
 
 def _resume(core: StepCore, cfg: TrainConfig) -> int:

@@ -301,6 +301,12 @@ class GuardConfig(_Section):
         description="After a rollback, replay the spike's steps once to tell a spike that "
         "needs this data with this state from a transient one (costs those steps once more).",
     )
+    attribute_samples: bool = Field(
+        True,
+        description="At each rollback for a spike, measure every row of the batches it skips "
+        "on the restored weights (loss and gradient norm) and name the rows that stand out "
+        "(trainer/core/attribution.py): a forward and a backward per row, once.",
+    )
     same_step: SameStepConfig = Field(
         default_factory=SameStepConfig,
         description="trainer/core/same_step.py: refuse an isolated extreme update on its own step.",
@@ -342,11 +348,20 @@ class FaultConfig(_Section):
         description="Only this rank's shard of the batch is affected (torchrun); None = every "
         "rank. Data kinds only: the learning rate is one for all ranks.",
     )
+    rows: int | None = Field(
+        None,
+        ge=1,
+        description="Only the first N rows of each affected global batch are spoilt; None = "
+        "all of them. Data kinds only.",
+    )
 
     @model_validator(mode="after")
     def _rank_only_for_data(self) -> FaultConfig:
-        if self.rank is not None and self.kind in ("lr_scale", "flaky_lr_scale", "lr_ramp"):
+        lr_kinds = ("lr_scale", "flaky_lr_scale", "lr_ramp", "nan_loss")
+        if self.rank is not None and self.kind in lr_kinds[:3]:
             raise ValueError(f"rank applies to data faults only, not kind='{self.kind}'")
+        if self.rows is not None and self.kind in lr_kinds:
+            raise ValueError(f"rows applies to data faults only, not kind='{self.kind}'")
         return self
 
 

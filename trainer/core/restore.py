@@ -23,6 +23,7 @@ import torch
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
 from trainer.core.actions import Rollback
+from trainer.core.attribution import Measure, attribute
 from trainer.core.callbacks import Callback
 from trainer.core.cause import cause_of
 from trainer.core.data_state import DataState
@@ -67,6 +68,7 @@ class Checkpointed:
     scheduler: Any
     same_step: SameStepGate | None
     replay: Replay | None
+    measure_rows: Measure | None
     config_changes: dict[str, list[Any]]
 
     if TYPE_CHECKING:
@@ -84,6 +86,9 @@ class Checkpointed:
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         spike = action.spike
+        if spike is not None and self.measure_rows is not None:  # on the restored weights
+            batches = [i for start, end in action.skip_ranges for i in range(start, end)]
+            record.update(attribute(batches, self.measure_rows, self.world))
         if spike is not None and spike.replay and self.replay is not None:
 
             def reload() -> None:

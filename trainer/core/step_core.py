@@ -44,6 +44,7 @@ import torch
 from observatory import metric_names as M
 from trainer.checkpoints.tiers import DISK, Tiers
 from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
+from trainer.core.attribution import Measure
 from trainer.core.callbacks import (
     Callback,
     EvalState,
@@ -120,6 +121,7 @@ class StepCore(Checkpointed):
     scheduler: Any = None  # the client's LR scheduler, saved and restored with the run
     same_step: SameStepGate | None = None
     replay: Replay | None = None
+    measure_rows: Measure | None = None  # the client's per-row measure, for attribution
     max_steps: int | None = None
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False

@@ -1,0 +1,240 @@
+"""Which samples caused a spike: per-row loss and gradient norm on the restored, pre-onset
+weights, for every batch the rollback skips (the onset batch among them), and the rows that
+stand out named by batch, row and the data's own id (issue 39).
+
+A rollback is rare, so a forward and a backward per row is affordable (tens of batches of a few
+rows each). The client measures (it knows its batches: the built-in sampler, or the Watch's
+`batch_at` with `loss_fn`); the core picks the batches, keeps the RNG and the gradients as they
+were, runs compiled models eagerly for it (no graph for a batch of one), gathers every rank's
+rows on rank 0, names the outliers there and agrees the result with every rank.
+
+The rule, in log-loss (a loss's noise is multiplicative): the rows split where the two groups
+are best separated (Otsu's threshold: the split of largest between-group variance, the upper
+group at most half the rows); the lower group is the clean rows' distribution, and a row is
+named when it lies in the upper group and its log-loss more than `SIGMA` robust deviations
+(1.4826 x the median absolute deviation, at least `FLOOR`) above the lower group's median. A
+few bad rows then cannot inflate the spread they are measured against. The split must be a gap
+(`GAP` deviations between the groups), not a cut through one tail. A named set that is
+empty or holds more than half the rows is not an attribution (the whole batch is to blame, or
+the optimizer state: the replay tells which); a non-finite row is always named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from trainer.core.state import rng_states, set_rng_states
+from trainer.core.world import World
+
+__all__ = ["MAX_BATCHES", "RowStat", "attribute", "name_rows", "preview"]
+
+log = logging.getLogger(__name__)
+
+SIGMA = 5.0
+GAP = 2.0  # the split must be a gap: at least this many deviations between the two groups
+FLOOR = 0.02  # the smallest robust deviation of log-losses (a perfectly uniform batch)
+MAX_BATCHES = 64  # the skip windows of repeated spikes grow; attribution looks at most this far
+
+
+@dataclass(frozen=True)
+class RowStat:
+    """One row of one batch, measured on the restored weights. `row` is its row in the global
+    batch (under torchrun: rank * rows-per-rank + the rank's row)."""
+
+    batch: int
+    row: int
+    loss: float
+    grad_norm: float | None = None
+    id: str | None = None  # the data's own id (a document id, a file and offset)
+    preview: str | None = None  # the row's beginning, decoded
+
+
+# batch index -> this rank's rows of it, measured on the current weights
+Measure = Callable[[int], list[RowStat]]
+
+
+def attribute(indices: Iterable[int], measure: Measure, world: World) -> dict[str, Any]:
+    """The record's `samples` (the named rows) and `attribution` (what was measured, the rule's
+    threshold, whether it named anything, what it cost), the same on every rank."""
+    t0 = time.perf_counter()
+    todo = sorted(set(indices))[:MAX_BATCHES]
+    with _untouched():
+        mine = [r for i in todo for r in measure(i)]
+    every = world.gather([asdict(r) for r in mine])
+    result = None
+    if world.is_main:
+        rows = [RowStat(**d) for part in every or [] for d in part]
+        result = name_rows(rows)
+        result["attribution"].update(batches=len(todo), seconds=time.perf_counter() - t0)
+        named = result["samples"]
+        log.warning(
+            "attribution on the restored weights: %s",
+            f"{len(named)} of {len(rows)} rows named: {_shown(named)}"
+            if named
+            else f"no row stands out among {len(rows)} (the whole batches are skipped)",
+        )
+    return world.agree(result)
+
+
+def name_rows(rows: list[RowStat]) -> dict[str, Any]:
+    """The outlying rows by the rule above: {"samples": [...], "attribution": {...}}."""
+    logs = sorted(_log(r.loss) for r in rows if math.isfinite(_log(r.loss)))
+    info: dict[str, Any] = {"rows": len(rows), "sigma": SIGMA}
+    if len(logs) < 4:
+        return {"samples": [], "attribution": {**info, "clear": False, "threshold": None}}
+    k = _split(logs)
+    clean = logs[:k]
+    median = statistics.median(clean)
+    spread = max(1.4826 * statistics.median(abs(v - median) for v in clean), FLOOR)
+    cut = max(median + SIGMA * spread, logs[k - 1])  # above the split, and far above the clean
+    named = [r for r in rows if not math.isfinite(_log(r.loss)) or _log(r.loss) > cut]
+    gap = (logs[k] - logs[k - 1]) / spread if k < len(logs) else 0.0
+    clear = 0 < len(named) <= len(rows) // 2 and gap >= GAP
+    info.update(
+        clear=clear,
+        threshold=math.exp(cut),
+        median_loss=math.exp(median),
+        log_spread=spread,
+        gap=gap,
+    )
+    return {"samples": [_sample(r) for r in named] if clear else [], "attribution": info}
+
+
+def _log(loss: float) -> float:
+    return math.log(loss) if loss > 0 else (math.inf if math.isnan(loss) else -math.inf)
+
+
+def _split(x: list[float]) -> int:
+    """Otsu's split of sorted values: the index k maximising the between-group variance of
+    x[:k] and x[k:], with at least half the values below it."""
+    n = len(x)
+    total = sum(x)
+    best, best_k, below = -1.0, n, 0.0
+    for k in range(1, n):
+        below += x[k - 1]
+        if k < (n + 1) // 2:
+            continue
+        m0, m1 = below / k, (total - below) / (n - k)
+        between = k * (n - k) * (m0 - m1) ** 2
+        if between > best:
+            best, best_k = between, k
+    return best_k
+
+
+def preview(tokens: list[int], decode: Callable[[list[int]], str] | None = None) -> str:
+    """A row's beginning as text: the run's decoder, else bytes (the byte-level corpus), else
+    the token ids."""
+    head = tokens[:64]
+    if decode is not None:
+        return decode(head)
+    if head and 0 <= min(head) and max(head) < 256:
+        return bytes(head).decode("utf-8", errors="replace")
+    return " ".join(str(t) for t in head)
+
+
+def _sample(r: RowStat) -> dict[str, Any]:
+    out: dict[str, Any] = {"batch": r.batch, "row": r.row, "loss": r.loss}
+    if r.grad_norm is not None:
+        out["grad_norm"] = r.grad_norm
+    if r.id is not None:
+        out["id"] = r.id
+    if r.preview is not None:
+        out["preview"] = r.preview
+    return out
+
+
+def _shown(named: list[dict[str, Any]], most: int = 6) -> str:
+    by_batch: dict[int, list[int]] = {}
+    for s in named:
+        by_batch.setdefault(s["batch"], []).append(s["row"])
+    parts = [f"batch {b} rows {','.join(map(str, rows))}" for b, rows in sorted(by_batch.items())]
+    more = f" and {len(parts) - most} more batches" if len(parts) > most else ""
+    return "; ".join(parts[:most]) + more
+
+
+@contextlib.contextmanager
+def _untouched() -> Iterator[None]:
+    """The RNGs as they were afterwards, and compiled models run eagerly meanwhile (a row is a
+    batch of one: no graph of its own)."""
+    tensors, json_states = rng_states()
+    stance = getattr(torch.compiler, "set_stance", None)
+    eager = stance("force_eager") if stance is not None else contextlib.nullcontext()
+    try:
+        with eager:
+            yield
+    finally:
+        set_rng_states(tensors, json_states)
+
+
+def row_grad_norm(params: Iterable[torch.Tensor]) -> float:
+    """The global gradient norm of one row's backward (a host read: the rare path)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return math.nan
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+
+
+# -- a user's batch, row by row (the Watch's `batch_at`) ------------------------------------------
+_ID_KEYS = ("id", "ids", "doc_id", "document_id")
+_TOKEN_KEYS = ("input_ids", "tokens", "x")
+
+
+def rows_in(batch: Any) -> int:
+    """The batch's rows: the leading size of its first tensor."""
+    for t in _tensors(batch):
+        return int(t.size(0)) if t.dim() else 1
+    raise ValueError("spikewatch cannot attribute a batch that holds no tensor")
+
+
+def row_of(batch: Any, r: int) -> Any:
+    """Row `r` of a batch (a tensor, a tuple or list of them, or a dict), as a batch of one."""
+    if torch.is_tensor(batch):
+        return batch[r : r + 1] if batch.dim() else batch
+    if isinstance(batch, dict):
+        return {k: row_of(v, r) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(row_of(v, r) for v in batch)
+    return batch
+
+
+def id_of(batch: Any, r: int) -> str | None:
+    """The data's own id of row `r`, from a dict batch's "id" / "ids" entry."""
+    if isinstance(batch, dict):
+        for k in _ID_KEYS:
+            if k in batch:
+                ids = batch[k]
+                value = ids[r] if hasattr(ids, "__getitem__") and not isinstance(ids, str) else ids
+                return str(value.item() if torch.is_tensor(value) else value)
+    return None
+
+
+def tokens_of(batch: Any, r: int) -> list[int] | None:
+    """Row `r` of the batch's inputs (a dict's "input_ids", else its first integer tensor)."""
+    if isinstance(batch, dict):
+        for k in _TOKEN_KEYS:
+            if k in batch and torch.is_tensor(batch[k]):
+                return [int(v) for v in batch[k][r].reshape(-1).tolist()]
+    for t in _tensors(batch):
+        if t.dim() and not t.is_floating_point():
+            return [int(v) for v in t[r].reshape(-1).tolist()]
+    return None
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(batch):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, tuple | list):
+        for v in batch:
+            yield from _tensors(v)

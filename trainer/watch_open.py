@@ -1,0 +1,105 @@
+"""What `Watch.open` sets up (trainer/watch.py): the world, the run id and directory agreed by
+every rank, the store (rank 0), the probes, then the one set-up of the step core
+(core/setup.py) with the Watch's guard and its resume: from its own checkpoint, from a
+framework's copy of the state, or a fresh start."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from observatory.store.sink import BaseSink, DbSink, open_run_sink
+from trainer.checkpoints.format import list_checkpoints as ck_list
+from trainer.core.callbacks import Callback
+from trainer.core.guard import SpikeGuard
+from trainer.core.lifecycle import WATCH_RULES, check_resumable
+from trainer.core.probes import Probes, describe_model
+from trainer.core.recorder import Recorder
+from trainer.core.setup import open_core
+from trainer.core.state import RunState
+from trainer.core.step_core import StepCore
+from trainer.core.world import attach_world
+
+__all__ = ["build_watch_core"]
+
+
+def build_watch_core(watch: Any) -> StepCore:  # a trainer.watch.Watch (which imports this)
+    """Everything `Watch.open` sets up: world, run id and directory (agreed by every rank),
+    store (rank 0), checkpoints, guard, probes; then the resume or the framework's state."""
+    from trainer.builtin.loop import new_run_id  # the run id rule of the built-in trainer
+
+    cfg, model, optimizer = watch.cfg, watch.model, watch.optimizer
+    world = attach_world(model, optimizer, cfg.distributed_timeout_s)
+    if watch.resume_arg not in (True, False, "auto"):
+        raise ValueError(f"resume must be True, False or 'auto', not {watch.resume_arg!r}")
+    if watch.resume_arg is True and watch.run_dir_arg is None:
+        raise ValueError("resume needs the run directory (run_dir=...)")
+    saved = watch.saved
+    run_id = str(saved["run_id"]) if saved is not None else None
+    if run_id is None:
+        given = watch.run_dir_arg
+        run_id = Path(given).name if given else world.agree(new_run_id(cfg.name))
+    run_dir = Path(watch.run_dir_arg) if watch.run_dir_arg else watch.run_root / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    probes = Probes(model, optimizer, cfg.probes, world, layer_of=watch.layer_of)
+    watch.model_info = dict(watch.model_info_arg or describe_model(model))
+    if not watch.model_info.get("n_layer"):  # no HF config: count the numbered blocks
+        blocks = {la.split("/")[0] for la in probes.layers}
+        watch.model_info["n_layer"] = sum(b.isdigit() for b in blocks)
+    callbacks: list[Callback] = list(watch.user_callbacks)
+    sink: BaseSink | None = None
+    if world.is_main:  # one run per job: rank 0 alone opens, migrates and writes the store
+        sink = watch.sink_arg if watch.sink_arg is not None else open_run_sink(run_dir, watch.db)
+        url = sink.url if isinstance(sink, DbSink) else None
+        callbacks.append(Recorder(sink, tags=watch.tags, requests_from=url))
+    watch.sink = sink
+    world.barrier()
+    return open_core(
+        model=model,
+        optimizer=optimizer,
+        world=world,
+        run=RunState(run_id=run_id, run_dir=run_dir),
+        probes=probes,
+        checkpoint=cfg.checkpoint,
+        guard=cfg.guard,
+        make_guard=lambda retained: _guard(watch, retained),
+        callbacks=callbacks,
+        config=watch.run_config,
+        data_flow="forward",
+        resume=lambda core: _resume(watch, core),
+        resume_hint="resume=True, or resume='auto'",
+        scheduler=watch.scheduler,
+        max_steps=cfg.max_steps,
+    )
+
+
+def _guard(watch: Any, retained: Callable[[], list[int]]) -> SpikeGuard:
+    cfg = watch.cfg
+    guard = SpikeGuard(
+        cfg.guard, retained, warmup_steps=cfg.warmup_steps, can_roll_back=cfg.checkpoint.any_tier
+    )
+    guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
+    return guard
+
+
+def _resume(watch: Any, core: StepCore) -> bool:
+    """From the Watch's own checkpoint (`resume=True`, or "auto" where there is one), or from a
+    framework's copy of the state (`state=`); False: a fresh start."""
+    resume = watch.resume_arg
+    if resume == "auto":
+        resume = bool(ck_list(core.checkpointer.root))
+    if resume:
+        config = watch.run_config()
+        core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
+        return True
+    if watch.saved is not None:
+        core.load_state_dict(watch.saved)
+        core.checkpointer.drop_after(core.step_count)  # the future of an abandoned timeline
+        return True
+    return False
+
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
