@@ -22,6 +22,7 @@ from observatory.store.queries import (
     EventRow,
     Matrix,
     RunSummary,
+    SampleRow,
     SeriesData,
 )
 from observatory.strict_json import tagged_number
@@ -32,6 +33,7 @@ __all__ = [
     "BucketOut",
     "CheckpointOut",
     "EventOut",
+    "SampleOut",
     "MatrixOut",
     "RunOut",
     "SeriesOut",
@@ -105,6 +107,7 @@ MatrixOut = out_model(Matrix, name="MatrixOut")
 EventOut = out_model(EventRow, name="EventOut")
 BranchOut = out_model(BranchRow, name="BranchOut")
 CheckpointOut = out_model(CheckpointRow, name="CheckpointOut")
+SampleOut = out_model(SampleRow, name="SampleOut")
 SweepOut = out_model(SweepInfo, name="SweepOut")
 CensusOut = out_model(
     Census,

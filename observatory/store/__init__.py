@@ -19,6 +19,7 @@ from observatory.store.queries import (
     Matrix,
     NotFoundError,
     RunSummary,
+    SampleRow,
     SeriesData,
     branches,
     checkpoints,
@@ -29,6 +30,7 @@ from observatory.store.queries import (
     layer_matrix,
     list_runs,
     metric_names,
+    samples,
     series,
     session_factory,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "Matrix",
     "NotFoundError",
     "RunSummary",
+    "SampleRow",
     "SeriesData",
     "branches",
     "checkpoints",
@@ -52,6 +55,7 @@ __all__ = [
     "layer_matrix",
     "list_runs",
     "metric_names",
+    "samples",
     "series",
     "session_factory",
 ]

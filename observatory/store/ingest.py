@@ -31,11 +31,12 @@ from observatory.store.models import (
     Event,
     MetricName,
     Run,
+    Sample,
     Series,
     utcnow,
 )
 from observatory.store.names import MetricKey, parse_name
-from observatory.store.records import Record
+from observatory.store.records import Record, sample_row
 
 __all__ = ["StaleWindowError", "Writer"]
 
@@ -182,6 +183,11 @@ class Writer:
         run_id = self._run_id(conn, run_key)
         ins = self._insert(Event).values(run_id=run_id, created_at=utcnow(), **data)
         conn.execute(ins.on_conflict_do_nothing(index_elements=["uid"]))
+        named = (data.get("data") or {}).get("samples") if data.get("kind") == "rollback" else None
+        if named:  # the rows the rollback named, as rows of their own (same transaction)
+            rows = [sample_row(run_id, data, s) for s in named]
+            ins = self._insert(Sample).values(rows)
+            conn.execute(ins.on_conflict_do_nothing(index_elements=["event_uid", "batch", "row"]))
 
     def _on_checkpoint(self, conn: Connection, run_key: str, data: Mapping[str, Any]) -> None:
         run_id = self._run_id(conn, run_key)

@@ -60,6 +60,7 @@ __all__ = [
     "PointChunk",
     "PointTail",
     "Run",
+    "Sample",
     "Series",
     "Sweep",
 ]
@@ -241,6 +242,28 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Sample(Base):
+    """A row a rollback named as a spike's cause (trainer/core/attribution.py): its batch index
+    and row, the data's own id, its loss and gradient norm on the restored weights, and its
+    beginning. Written with the rollback event that names it (`event_uid`), so a replayed event
+    writes it once; `spikewatch quarantine` exports them as a blocklist."""
+
+    __tablename__ = "samples"
+    __table_args__ = (UniqueConstraint("event_uid", "batch", "row"), Index(None, "run_id"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    event_uid: Mapped[str] = mapped_column(String(64))
+    branch: Mapped[int] = mapped_column(SmallInteger)
+    step: Mapped[int | None] = mapped_column(Integer)  # the rollback's detection step
+    batch: Mapped[int] = mapped_column(Integer)
+    row: Mapped[int] = mapped_column(Integer)
+    sample_id: Mapped[str | None] = mapped_column(String(500))
+    loss: Mapped[float | None] = mapped_column(Double)
+    grad_norm: Mapped[float | None] = mapped_column(Double)
+    preview: Mapped[str | None] = mapped_column(Text)
 
 
 class Sweep(Base):

@@ -43,6 +43,7 @@ from observatory.store.models import (
     PointChunk,
     PointTail,
     Run,
+    Sample,
     Series,
 )
 from observatory.store.names import NO_INDEX, MetricKey, parse_name
@@ -163,6 +164,20 @@ class CheckpointRow:
     pinned: bool
     checksum_status: str
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """A row a rollback named (models.Sample): where it was, what it is, what it measured."""
+
+    step: int | None  # the rollback's detection step
+    branch: int
+    batch: int
+    row: int
+    sample_id: str | None
+    loss: float | None
+    grad_norm: float | None
+    preview: str | None
 
 
 @dataclass(frozen=True)
@@ -333,6 +348,20 @@ def events(
             _utc(e.created_at),
         )
         for e in session.scalars(q)
+    ]
+
+
+def samples(session: Session, *, run_id: str) -> list[SampleRow]:
+    """The samples the run's rollbacks named, in step, batch and row order."""
+    run = _run(session, run_id)
+    q = (
+        select(Sample)
+        .where(Sample.run_id == run.id)
+        .order_by(Sample.step, Sample.batch, Sample.row, Sample.id)
+    )
+    return [
+        SampleRow(r.step, r.branch, r.batch, r.row, r.sample_id, r.loss, r.grad_norm, r.preview)
+        for r in session.scalars(q)
     ]
 
 

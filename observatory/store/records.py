@@ -242,3 +242,25 @@ def checkpoint_record(run: str, **fields: Any) -> Record:
     if not data["path"]:
         raise RecordError("checkpoint path must be a non-empty str")
     return Record("checkpoint", check_run_key(run), data)
+
+
+def sample_row(run_id: int, event: Mapping[str, Any], sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A `samples` row from one named sample of a rollback event's data (checked: a bad one
+    is an error that names it, and the event is kept by the sink's error path)."""
+
+    def number(key: str) -> float | None:
+        v = sample.get(key)
+        return None if v is None or isinstance(v, str) else float(v)  # "nan": a tagged NaN
+
+    return {
+        "run_id": run_id,
+        "event_uid": event["uid"],
+        "branch": event["branch"],
+        "step": event.get("step"),
+        "batch": check_int("sample batch", sample.get("batch"), 0, 2**31 - 1),
+        "row": check_int("sample row", sample.get("row"), 0, 2**31 - 1),
+        "sample_id": check_text("sample id", sample.get("id"), max_len=500),
+        "loss": number("loss"),
+        "grad_norm": number("grad_norm"),
+        "preview": check_text("sample preview", sample.get("preview"), max_len=2000),
+    }

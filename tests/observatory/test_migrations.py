@@ -28,6 +28,7 @@ TABLES = {
     "checkpoints",
     "events",
     "sweeps",
+    "samples",
 }
 
 

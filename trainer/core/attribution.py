@@ -135,10 +135,12 @@ def preview(tokens: list[int], decode: Callable[[list[int]], str] | None = None)
     the token ids."""
     head = tokens[:64]
     if decode is not None:
-        return decode(head)
-    if head and 0 <= min(head) and max(head) < 256:
-        return bytes(head).decode("utf-8", errors="replace")
-    return " ".join(str(t) for t in head)
+        text = decode(head)
+    elif head and 0 <= min(head) and max(head) < 256:
+        text = bytes(head).decode("utf-8", errors="replace")
+    else:
+        text = " ".join(str(t) for t in head)
+    return text[:300]
 
 
 def _sample(r: RowStat) -> dict[str, Any]:

@@ -165,6 +165,7 @@ def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse
         "lines": lines,
         "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
         "checkpoints": store.checkpoints(session, run_id=run_id),
+        "samples": store.samples(session, run_id=run_id),
         "logbook": logbook(session, run_id=run_id),
         "layers": list(range(int(run.config.get("model", {}).get("n_layer", 0)))),
     }

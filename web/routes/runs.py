@@ -1,4 +1,5 @@
-"""The JSON API over runs: summaries, series, heatmaps, events, branches, checkpoints, logbook."""
+"""The JSON API over runs: summaries, series, heatmaps, events, samples, branches, checkpoints,
+logbook."""
 
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ from observatory import store
 from observatory.logbook import logbook
 from observatory.store.models import EVENT_KINDS
 from web.deps import SessionDep
-from web.schemas import BranchOut, CheckpointOut, EventOut, MatrixOut, RunOut, SeriesOut, many
+from web.schemas import (
+    BranchOut,
+    CheckpointOut,
+    EventOut,
+    MatrixOut,
+    RunOut,
+    SampleOut,
+    SeriesOut,
+    many,
+)
 
 __all__ = ["router"]
 
@@ -137,6 +147,12 @@ def events(
 @router.get("/{run_id}/branches", response_model=many(BranchOut))
 def branches(session: SessionDep, run_id: str) -> list[store.BranchRow]:
     return store.branches(session, run_id=run_id)
+
+
+@router.get("/{run_id}/samples", response_model=many(SampleOut))
+def samples(session: SessionDep, run_id: str) -> list[store.SampleRow]:
+    """The samples the run's rollbacks named as their spikes' cause (`spikewatch quarantine`)."""
+    return store.samples(session, run_id=run_id)
 
 
 @router.get("/{run_id}/checkpoints", response_model=many(CheckpointOut))
