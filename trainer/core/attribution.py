@@ -10,11 +10,11 @@ rows on rank 0, names the outliers there and agrees the result with every rank.
 
 The rule, in log-loss (a loss's noise is multiplicative): the rows split where the two groups
 are best separated (Otsu's threshold: the split of largest between-group variance, the upper
-group at most half the rows); the lower group is the clean rows' distribution, and a row is
-named when it lies in the upper group and its log-loss more than `SIGMA` robust deviations
-(1.4826 x the median absolute deviation, at least `FLOOR`) above the lower group's median. A
-few bad rows then cannot inflate the spread they are measured against. The split must be a gap
-(`GAP` deviations between the groups), not a cut through one tail. A named set that is
+group at most half the rows); the lower group is the clean rows' distribution. The upper group
+is named when it starts more than `SIGMA` robust deviations (1.4826 x the median absolute
+deviation, at least `FLOOR`) above the lower group's median, across a gap of at least `GAP`
+deviations: a separate group, not a cut through one tail. A few bad rows then cannot inflate
+the spread they are measured against. A named set that is
 empty or holds more than half the rows is not an attribution (the whole batch is to blame, or
 the optimizer state: the replay tells which); a non-finite row is always named.
 """
@@ -39,7 +39,7 @@ __all__ = ["MAX_BATCHES", "RowStat", "attribute", "name_rows", "preview"]
 
 log = logging.getLogger(__name__)
 
-SIGMA = 5.0
+SIGMA = 4.0
 GAP = 2.0  # the split must be a gap: at least this many deviations between the two groups
 FLOOR = 0.02  # the smallest robust deviation of log-losses (a perfectly uniform batch)
 MAX_BATCHES = 64  # the skip windows of repeated spikes grow; attribution looks at most this far
@@ -90,21 +90,28 @@ def name_rows(rows: list[RowStat]) -> dict[str, Any]:
     logs = sorted(_log(r.loss) for r in rows if math.isfinite(_log(r.loss)))
     info: dict[str, Any] = {"rows": len(rows), "sigma": SIGMA}
     if len(logs) < 4:
-        return {"samples": [], "attribution": {**info, "clear": False, "threshold": None}}
+        bad = [r for r in rows if not math.isfinite(_log(r.loss))]
+        clear = 0 < len(bad) <= len(rows) // 2
+        samples = [_sample(r) for r in bad] if clear else []
+        return {"samples": samples, "attribution": {**info, "clear": clear, "threshold": None}}
     k = _split(logs)
     clean = logs[:k]
     median = statistics.median(clean)
     spread = max(1.4826 * statistics.median(abs(v - median) for v in clean), FLOOR)
-    cut = max(median + SIGMA * spread, logs[k - 1])  # above the split, and far above the clean
-    named = [r for r in rows if not math.isfinite(_log(r.loss)) or _log(r.loss) > cut]
-    gap = (logs[k] - logs[k - 1]) / spread if k < len(logs) else 0.0
-    clear = 0 < len(named) <= len(rows) // 2 and gap >= GAP
+    cut = logs[k - 1]  # the upper group: everything above the split
+    gap = (logs[k] - cut) / spread if k < len(logs) else 0.0
+    far = (logs[k] - median) / spread if k < len(logs) else 0.0
+    bad = [r for r in rows if not math.isfinite(_log(r.loss))]  # non-finite: always named
+    high = [r for r in rows if math.isfinite(_log(r.loss)) and _log(r.loss) > cut]
+    named = bad + (high if gap >= GAP and far >= SIGMA else [])
+    clear = 0 < len(named) <= len(rows) // 2
     info.update(
         clear=clear,
         threshold=math.exp(cut),
         median_loss=math.exp(median),
         log_spread=spread,
         gap=gap,
+        deviations=far,
     )
     return {"samples": [_sample(r) for r in named] if clear else [], "attribution": info}
 

@@ -89,6 +89,7 @@ class Checkpointed:
         if spike is not None and self.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
             record.update(attribute(batches, self.measure_rows, self.world))
+            self.optimizer.zero_grad(set_to_none=True)  # the rows' gradients are not the run's
         if spike is not None and spike.replay and self.replay is not None:
 
             def reload() -> None:

@@ -1,0 +1,27 @@
+"""Per-sample attribution in the user's own loop (`Watch.batches(batch_at, loss_fn)`): the plain-
+loop example with only the first rows of each poisoned batch spoilt names exactly those rows,
+with their text, in its summary and in the store's blocklist."""
+
+from __future__ import annotations
+
+import json
+
+from trainer.cli import main
+
+from .conftest import STEPS, run_example, the_rollback
+
+
+def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) -> None:
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    poison = ("--poison-at", "100", "--poison-len", "14", "--poison-rows", "3")
+    summary = run_example("plain_loop", tmp_path, *STEPS, *poison, "--db", db)
+    rollback = the_rollback(summary)
+    lo, hi = rollback["skip_ranges"][0]
+    spoilt = {(b, r) for b in range(max(lo, 100), min(hi, 114)) for r in range(3)}
+    named = {(s["batch"], s["row"]) for s in rollback["samples"]}
+    assert named == spoilt and len(spoilt) >= 30
+    assert all(s["preview"] and s["loss"] > rollback["attribution"]["median_loss"] for s in
+               rollback["samples"])  # fmt: skip
+    assert main(["quarantine", summary["run_id"], "--db", db]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert {(x["batch"], x["row"]) for x in lines if x["step"] == rollback["step"]} == spoilt

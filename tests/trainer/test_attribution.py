@@ -1,0 +1,80 @@
+"""Per-sample attribution at a rollback (trainer/core/attribution.py): the rule on rows whose
+truth is known, the built-in trainer naming exactly the spoilt rows of a fault that spoils only
+some, the samples in the store and the blocklist, and the run itself left untouched."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+from observatory.store.db import upgrade
+from observatory.store.queries import session_factory
+from observatory.store.sink import DbSink
+from trainer.builtin.loop import fit
+from trainer.cli import main
+from trainer.core.attribution import RowStat, name_rows
+from trainer.core.recorder import Recorder
+
+from .conftest import tiny_config
+
+FAULT = 'faults=[{kind="shifted_labels", start=150, length=10, rows=3}]'
+RUN = ("train.max_steps=200", "checkpoint.interval=10", "eval.interval=none", FAULT)
+RUN += ("guard.same_step.enabled=false",)  # the rows must reach the rollback tier
+BAD = {(b, r) for b in range(150, 160) for r in range(3)}
+
+
+def _rows(n_batches: int, bad: set[tuple[int, int]], level: float, spread: float, seed: int):
+    rng = random.Random(seed)
+    return [
+        RowStat(b, r, (2.4 if (b, r) in bad else 1.0) * level * math.exp(rng.gauss(0, spread)))
+        for b in range(n_batches)
+        for r in range(16)
+    ]
+
+
+def test_the_rule_names_the_outlying_rows_and_nothing_in_clean_batches() -> None:
+    bad = {(b, r) for b in range(10) for r in (0, 5)}
+    named = name_rows(_rows(14, bad, 2.5, 0.04, 0))
+    assert {(s["batch"], s["row"]) for s in named["samples"]} == bad
+    assert named["attribution"]["clear"] and named["attribution"]["gap"] > 2
+    for seed in range(20):  # clean batches, spread as a real run's rows: nothing stands out
+        clean = name_rows(_rows(14, set(), 2.5, 0.05, seed))
+        assert clean["samples"] == [] and not clean["attribution"]["clear"]
+    whole = name_rows(_rows(4, {(b, r) for b in range(4) for r in range(12)}, 2.5, 0.04, 1))
+    assert whole["samples"] == []  # most rows high: the whole batch, not a few of its rows
+    nan = [*_rows(4, set(), 2.5, 0.04, 2), RowStat(9, 3, math.nan)]
+    assert [(s["batch"], s["row"]) for s in name_rows(nan)["samples"]] == [(9, 3)]
+
+
+def test_a_rollback_names_exactly_the_spoilt_rows_and_leaves_the_run_alone(tmp_path) -> None:
+    on = fit(tiny_config(*RUN), run_dir=tmp_path / "on")
+    off = fit(tiny_config(*RUN, "guard.attribute_samples=false"), run_dir=tmp_path / "off")
+    rollback = next(i for i in on.interventions if i["kind"] == "rollback")
+    lo, hi = rollback["skip_ranges"][0]
+    want = {(b, r) for b, r in BAD if lo <= b < hi}
+    got = {(s["batch"], s["row"]) for s in rollback["samples"]}
+    assert got == want and len(want) >= 20  # every spoilt row it skips, and no clean row
+    assert all(s["id"].startswith("text:") and s["preview"] for s in rollback["samples"])
+    assert rollback["attribution"]["rows"] == (hi - lo) * 8  # every row of every skipped batch
+    assert "samples" not in next(i for i in off.interventions if i["kind"] == "rollback")
+    assert on.train_losses == off.train_losses  # weights, gradients and RNG left as they were
+
+
+def test_the_named_samples_reach_the_store_and_the_blocklist(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    upgrade(url)
+    sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    result = fit(tiny_config(*RUN), run_dir=tmp_path / "run", callbacks=[Recorder(sink)])
+    sink.close(timeout=30)
+    rollback = next(i for i in result.interventions if i["kind"] == "rollback")
+    assert main(["quarantine", result.run_id, "--db", url]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(x["batch"], x["row"], x["id"]) for x in lines] == [
+        (s["batch"], s["row"], s["id"]) for s in rollback["samples"]
+    ]
+    assert {x["source"] for x in lines} == {"rollback"} and lines[0]["step"] == rollback["step"]
+    with session_factory(url)() as session:  # the API's query, as the run page shows them
+        from observatory import store
+
+        assert len(store.samples(session, run_id=result.run_id)) == len(lines)
