@@ -546,6 +546,9 @@ def _add_tools(sub: Any) -> None:
     from observatory.goodput.cli import add_parsers as add_planning
 
     add_planning(sub)  # simulate and advise
+    from observatory.datacheck import add_parser as add_data_check
+
+    add_data_check(sub)
 
     serve = sub.add_parser("serve", help="the dashboard and its JSON API")
     serve.add_argument("--db", default=None, help="store URL (default as for train)")
