@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, urlparse
 
+from observatory.findings import findings
+
 __all__ = ["ALERT_KINDS", "ENV_URLS", "Alerter", "alert_body", "post"]
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ def alert_body(url: str, event: Mapping[str, Any]) -> dict[str, Any]:
     where = f" at step {event['step']}" if event.get("step") is not None else ""
     link = run_url(run)
     what = f"{_MARK.get(kind, kind)} spikewatch: {kind} in run {run}{where}"
-    text = f"{what}: {event.get('message', '')} ({link})"
+    found = findings(event.get("data") or {}) if kind == "rollback" else ""
+    text = f"{what}: {event.get('message', '')}{f' ({found})' if found else ''} ({link})"
     if urlparse(url).netloc == "hooks.slack.com":
         return {"text": text}
     return {"text": text, **{k: v for k, v in event.items() if k != "text"}, "run_url": link}

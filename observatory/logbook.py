@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from observatory import store
+from observatory.findings import findings
 
 __all__ = ["logbook"]
 
@@ -60,7 +61,8 @@ def _entry(e: store.EventRow) -> str | None:
             f"{', '.join(f'[{a}, {b})' for a, b in d.get('skip_ranges', []))}, "
             f"LR x{d.get('lr_scale', 1.0)}."
         )
-        return out
+        found = findings(d)
+        return f"{out} {found[0].upper()}{found[1:]}." if found else out
     if e.kind == "halt":
         return f"**Halted** at step {e.step}: {e.message}"
     if e.kind in ("skip", "nonfinite"):

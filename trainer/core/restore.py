@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from observatory.findings import findings
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
 from trainer.core.actions import Rollback
@@ -110,12 +111,14 @@ class Checkpointed:
         )
         if self.data_flow == "forward":
             record["resumed_at_batch"] = self.run.data.batch_index
+        found = findings(record)
         log.warning(
-            "rolled back from step %d to step %d (%s tier, %.3fs)",
+            "rolled back from step %d to step %d (%s tier, %.3fs)%s",
             from_step,
             step,
             ck.last_tier,
             record["restore_s"],
+            f": {found}" if found else "",
         )
         for cb in self.callbacks:
             cb.on_rollback(step, record)

@@ -1,0 +1,42 @@
+"""What a rollback found, in one phrase, the same wherever a verdict is told (the console, the
+logbook, an alert, the run page): the cause its replay found, the ranks whose own loss departed,
+and the samples the attribution named (issue 39: "ranks": [1] appeared only in the JSON)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["findings"]
+
+_CAUSES = {
+    "data_x_state": "the data (it comes back on the same batches)",
+    "transient": "transient (it does not come back on the same batches)",
+    "state": "the optimizer state (it comes back on batches that trained well)",
+    "device": "the device (the same batch gives another result there)",
+    "unknown": "unknown",
+}
+
+
+def findings(data: Mapping[str, Any], most: int = 4) -> str:
+    """'cause: ...; ranks 1; 26 samples named: batch 200 rows 0,1; ...' ('' when nothing is
+    known beyond the rollback itself)."""
+    parts = []
+    cause = data.get("cause")
+    if cause:
+        parts.append(f"cause: {_CAUSES.get(str(cause), str(cause))}")
+    ranks = data.get("ranks")
+    if ranks:
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} departed")
+    samples = data.get("samples") or []
+    att = data.get("attribution") or {}
+    if samples:
+        by_batch: dict[Any, list[str]] = {}
+        for s in samples:
+            by_batch.setdefault(s.get("batch"), []).append(str(s.get("row")))
+        shown = "; ".join(f"batch {b} rows {','.join(r)}" for b, r in list(by_batch.items())[:most])
+        more = f" and {len(by_batch) - most} more batches" if len(by_batch) > most else ""
+        parts.append(f"{len(samples)} of {att.get('rows', '?')} rows named: {shown}{more}")
+    elif att:
+        parts.append(f"no row of {att.get('rows', '?')} stands out (whole batches skipped)")
+    return "; ".join(parts)
