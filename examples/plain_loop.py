@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--resume", default=None, metavar="RUN_DIR")
     p.add_argument("--no-rollback", action="store_true")
+    p.add_argument(
+        "--whole-batches", action="store_true", help="a rollback skips whole batches, not rows"
+    )
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -150,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         grad_clip=1.0,
         warmup_steps=warmup,
         checkpoint_every=args.checkpoint_every,
-        settings={"guard": {"rollback": not args.no_rollback}},
+        settings={
+            "guard": {"rollback": not args.no_rollback, "skip_samples": not args.whole_batches}
+        },
     ) as watch:
         gpt.use_recorder(watch.attn)
         for x, y in watch.batches(batch_at, loss_fn=lambda batch: model(*batch), decode=_text):

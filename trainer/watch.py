@@ -51,6 +51,7 @@ from trainer.core.attribution import (
     row_grad_norm,
     row_of,
     rows_in,
+    select_rows,
     tokens_of,
 )
 from trainer.core.callbacks import Callback
@@ -234,9 +235,20 @@ class Watch:
                 guard.classify = True
         if loss_fn is not None and self.cfg.guard.attribute_samples:
             core.measure_rows = self._measure_rows
+            # one process: the named rows are dropped from their batches (under torchrun a
+            # rank could be left with none, so whole batches are skipped there)
+            core.skip_samples = self.cfg.guard.skip_samples and not core.world.distributed
         while not self.should_stop:
-            self.begin_step(self.take_index())
-            yield batch_at(core.index)
+            index = self.take_index()
+            batch = batch_at(index)
+            left_out = core.run.data.blocked_rows(index)
+            if left_out:
+                keep = [r for r in range(rows_in(batch)) if r not in set(left_out)]
+                if not keep:
+                    continue  # every row of it was named: the next batch
+                batch = select_rows(batch, keep)
+            self.begin_step(index)
+            yield batch
 
     def take_index(self) -> int:
         """The next global batch index outside the skip ranges (advances the data position)."""

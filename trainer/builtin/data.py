@@ -9,7 +9,9 @@ caused a spike is a list of index ranges.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import logging
 import math
 import sysconfig
 import zlib
@@ -31,7 +33,10 @@ __all__ = [
     "unigram_entropy",
 ]
 
+log = logging.getLogger(__name__)
+
 SPLIT_TRAIN, SPLIT_VAL = 0, 1
+Row = tuple[str, int]  # (corpus, start offset) of a training window
 
 
 @dataclass(frozen=True)
@@ -132,10 +137,25 @@ def unigram_entropy(tokens: torch.Tensor, vocab_size: int = 256) -> float:
 class Sampler:
     """Maps (seed, batch index, step) to a global batch of token windows, deterministically."""
 
-    def __init__(self, corpora: dict[str, Corpus], cfg: DataConfig, seed: int) -> None:
+    def __init__(
+        self,
+        corpora: dict[str, Corpus],
+        cfg: DataConfig,
+        seed: int,
+        blocked: dict[str, list[int]] | None = None,
+    ) -> None:
         self.corpora = corpora
         self.cfg = cfg
         self.seed = seed
+        self.blocked = {k: sorted(v) for k, v in (blocked or {}).items()}  # corpus -> starts
+
+    def spares(self, index: int, step: int) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
+        """A second batch for batch `index`, from another random stream: the fresh samples that
+        take the place of the rows a rollback left out (the m-th left-out row takes row m)."""
+        stage = stage_at(self.cfg.stages, step)
+        plan = self._plan(index, stage, SPLIT_TRAIN, self.cfg.batch_size, stream=1)
+        x, y = self._windows(plan, SPLIT_TRAIN)
+        return x, y, plan
 
     def batch(
         self, index: int, step: int, rows: slice | None = None
@@ -155,9 +175,10 @@ class Sampler:
         return self._plan(index, stage_at(self.cfg.stages, step), SPLIT_TRAIN, self.cfg.batch_size)
 
     def _plan(
-        self, index: int, stage: MixtureStage, split: int, batch_size: int
-    ) -> list[tuple[str, int]]:
-        rng = np.random.default_rng([self.seed, split, index])
+        self, index: int, stage: MixtureStage, split: int, batch_size: int, stream: int = 0
+    ) -> list[Row]:
+        key = [self.seed, split, index] if stream == 0 else [self.seed, split, index, stream]
+        rng = np.random.default_rng(key)
         names = sorted(n for n, w in stage.weights.items() if w > 0)
         w = np.array([stage.weights[n] for n in names], dtype=np.float64)
         which = rng.choice(len(names), size=batch_size, p=w / w.sum())
@@ -169,7 +190,29 @@ class Sampler:
             if n <= T + 1:
                 raise ValueError(f"corpus '{names[ci]}' is shorter than seq_len={T}")
             rows.append((names[ci], math.floor(u[k] * (n - T - 1))))
+        if self.blocked and split == SPLIT_TRAIN:
+            rows = self._unblocked(rows, key)
         return rows
+
+    def _unblocked(self, rows: list[Row], key: list[int]) -> list[Row]:
+        """Rows whose window overlaps a blocked sample, drawn again from their own stream (the
+        other rows stay as they were)."""
+        T = self.cfg.seq_len
+        out = []
+        for k, (name, start) in enumerate(rows):
+            rng = None
+            while self._overlaps(name, start):
+                rng = rng or np.random.default_rng([*key, 0xB10C, k])
+                start = math.floor(rng.random() * (len(self._split(name, SPLIT_TRAIN)) - T - 1))
+            out.append((name, start))
+        return out
+
+    def _overlaps(self, name: str, start: int) -> bool:
+        starts = self.blocked.get(name)
+        if not starts:
+            return False
+        i = bisect.bisect_right(starts, start + self.cfg.seq_len)  # blocked windows start <= end
+        return i > 0 and starts[i - 1] + self.cfg.seq_len + 1 > start
 
     def _split(self, name: str, split: int) -> torch.Tensor:
         corpus = self.corpora[name]
@@ -183,16 +226,38 @@ class Sampler:
         batch_size: int,
         rows: slice | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        T = self.cfg.seq_len
         plan = self._plan(index, stage, split, batch_size)
-        windows = [
-            self._split(name, split)[start : start + T + 1]
-            for name, start in (plan if rows is None else plan[rows])
-        ]
+        return self._windows(plan if rows is None else plan[rows], split)
+
+    def _windows(self, plan: list[Row], split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.cfg.seq_len
+        windows = [self._split(name, split)[start : start + T + 1] for name, start in plan]
         buf = torch.stack(windows).long()  # (B, T+1)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # a compiled model guards strides
 
 
 def build_sampler(cfg: DataConfig, seed: int) -> Sampler:
     names = tuple(sorted({n for s in cfg.stages for n, w in s.weights.items() if w > 0}))
-    return Sampler(load_corpora(cfg.val_fraction, cfg.code_max_bytes, names), cfg, seed)
+    corpora = load_corpora(cfg.val_fraction, cfg.code_max_bytes, names)
+    return Sampler(corpora, cfg, seed, _blocked(cfg.blocklist, corpora))
+
+
+def _blocked(path: str | None, corpora: dict[str, Corpus]) -> dict[str, list[int]]:
+    """A blocklist's training windows by corpus ('corpus:offset' ids; others do not name one
+    of these corpora and are left out, with a warning)."""
+    if path is None:
+        return {}
+    from observatory.quarantine import read_blocklist
+
+    out: dict[str, list[int]] = {}
+    foreign = 0
+    for entry in read_blocklist(path):
+        name, _, offset = str(entry.get("id") or "").rpartition(":")
+        if name in corpora and offset.isdigit():
+            out.setdefault(name, []).append(int(offset))
+        else:
+            foreign += 1
+    if foreign:
+        log.warning("%s: %d entries name no window of this run's corpora; left out", path, foreign)
+    log.info("blocklist %s: %d windows never drawn", path, sum(map(len, out.values())))
+    return out

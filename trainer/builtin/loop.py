@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from trainer.builtin.data import Sampler, build_sampler
+from trainer.builtin.data import Row, Sampler, build_sampler
 from trainer.builtin.faults import FaultEffect, apply_faults
 from trainer.builtin.schedule import lr_multiplier
 from trainer.builtin.step import apply_update, forward_backward
@@ -159,7 +159,7 @@ class Trainer:
         """Forward and backward of batch `index` as step `step`: (tensors, LR multiplier,
         tokens). Nothing is applied yet."""
         cfg, world = self.cfg, self.world
-        fault = self._batch(index, step)
+        fault, _ = self._batch(index, step)
         self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
@@ -180,14 +180,26 @@ class Trainer:
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
         return t, lr_mult * fault.lr_factor, x.numel() * world.size
 
-    def _batch(self, index: int, step: int) -> FaultEffect:
-        """This rank's rows of batch `index` at `step`, as the faults leave them."""
+    def _batch(self, index: int, step: int) -> tuple[FaultEffect, list[Row]]:
+        """This rank's rows of batch `index` at `step`, as the faults leave them, with the rows a
+        rollback left out refilled from the sampler's spares (fresh, unfaulted samples); and
+        where each row comes from."""
         cfg, world = self.cfg, self.world
         rows = world.rows(cfg.data.batch_size)
         x, y = self.sampler.batch(index, step, rows)
         row0 = 0 if rows is None else rows.start
         first = index not in self._seen
-        return apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank, row0=row0)
+        fault = apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank, row0=row0)
+        plan = self.sampler.plan(index, step)[row0 : row0 + x.size(0)]
+        left_out = self.core.run.data.blocked_rows(index)
+        mine = [(m, r - row0) for m, r in enumerate(left_out) if row0 <= r < row0 + x.size(0)]
+        if mine:
+            sx, sy, spare_plan = self.sampler.spares(index, step)
+            fx, fy = fault.x.clone(), fault.y.clone()
+            for m, r in mine:  # the m-th left-out row of the global batch takes spare row m
+                fx[r], fy[r], plan[r] = sx[m], sy[m], spare_plan[m]
+            fault = replace(fault, x=fx, y=fy)
+        return fault, plan
 
     def measure_rows(self, index: int) -> list[RowStat]:
         """For the attribution of a spike (core/attribution.py): each of this rank's rows of
@@ -195,10 +207,9 @@ class Trainer:
         (corpus:offset) and its beginning."""
         cfg, world = self.cfg, self.world
         step = self.core.step_count + 1  # the mixture stage the batch would be drawn at
-        fault = self._batch(index, step)
+        fault, plan = self._batch(index, step)
         rows = world.rows(cfg.data.batch_size)
         row0 = 0 if rows is None else rows.start
-        plan = self.sampler.plan(index, step)
         fwd = self.model if world.fwd is None else world.fwd
         out = []
         for r in range(fault.x.size(0)):
@@ -208,7 +219,7 @@ class Trainer:
                 ce = fwd(x, y).ce if world.strategy == "fsdp2" else _row_backward(fwd, x, y)
             grad = None if world.strategy == "fsdp2" else row_grad_norm(self.model.parameters())
             self.optimizer.zero_grad(set_to_none=True)
-            name, start = plan[row0 + r]
+            name, start = plan[r]
             out.append(
                 RowStat(
                     batch=index,
@@ -333,6 +344,7 @@ def build_trainer(
     core.replay = trainer.replay
     if cfg.guard.attribute_samples:
         core.measure_rows = trainer.measure_rows
+        core.skip_samples = cfg.guard.skip_samples  # left-out rows are refilled (Trainer._batch)
     return trainer
 
 

@@ -120,6 +120,11 @@ class DataConfig(_Section):
     code_max_bytes: int = Field(
         4_000_000, ge=10_000, description="Cap on the bytes of stdlib source read for 'code'."
     )
+    blocklist: str | None = Field(
+        None,
+        description="A JSON-lines blocklist (`spikewatch quarantine`'s): training windows that "
+        "overlap a sample it names ('corpus:offset' ids) are never drawn; None = none.",
+    )
     stages: list[MixtureStage] = Field(
         default_factory=lambda: [MixtureStage(weights={"text": 1.0})],
         description="Mixture stages in order; the stage is a pure function of the step.",
@@ -306,6 +311,12 @@ class GuardConfig(_Section):
         description="At each rollback for a spike, measure every row of the batches it skips "
         "on the restored weights (loss and gradient norm) and name the rows that stand out "
         "(trainer/core/attribution.py): a forward and a backward per row, once.",
+    )
+    skip_samples: bool = Field(
+        True,
+        description="When the attribution names the rows that caused a spike, the rollback "
+        "leaves out only those rows (refilled with fresh samples where the loader can) instead "
+        "of the whole batches; unclear attributions skip the batches.",
     )
     same_step: SameStepConfig = Field(
         default_factory=SameStepConfig,

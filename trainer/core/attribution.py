@@ -215,6 +215,22 @@ def row_of(batch: Any, r: int) -> Any:
     return batch
 
 
+def select_rows(batch: Any, keep: list[int]) -> Any:
+    """The batch with only rows `keep` (tensors, tuples or lists of them, dicts; lists of
+    per-row values too)."""
+    if torch.is_tensor(batch):
+        return (
+            batch[torch.tensor(keep, dtype=torch.long, device=batch.device)]
+            if batch.dim()
+            else batch
+        )
+    if isinstance(batch, dict):
+        return {k: select_rows(v, keep) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(select_rows(v, keep) for v in batch)
+    return batch
+
+
 def id_of(batch: Any, r: int) -> str | None:
     """The data's own id of row `r`, from a dict batch's "id" / "ids" entry."""
     if isinstance(batch, dict):

@@ -1,12 +1,17 @@
-"""The data position: the next global batch index, and the ranges of indices to skip.
+"""The data position: the next global batch index, the ranges of indices to skip, and the
+single samples to leave out.
 
 A client maps a global batch index to a batch (the built-in sampler does it as a pure function
 of the seed and the index; the Watch's `batches(batch_at)` asks the user's function), so the
 data position is one integer and skipping the batches that caused a spike is a list of ranges.
+When a rollback's attribution named the rows that caused it, only those rows are left out
+(`blocked`, (batch index, global row) pairs): the built-in sampler refills them with fresh
+samples, the Watch drops them from the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +24,7 @@ class DataState:
 
     batch_index: int = 0
     skip_ranges: list[tuple[int, int]] = field(default_factory=list)
+    blocked: set[tuple[int, int]] = field(default_factory=set)  # (batch index, global row)
 
     def take(self) -> int:
         """Return the next batch index not inside a skip range, and advance past it."""
@@ -41,9 +47,27 @@ class DataState:
             raise ValueError(f"skip range [{start}, {end}) is empty or negative")
         self.skip_ranges = sorted([*self.skip_ranges, (start, end)])
 
+    def block(self, rows: Iterable[tuple[int, int]]) -> None:
+        """Leave out these (batch index, global row) samples from now on."""
+        self.blocked |= {(int(b), int(r)) for b, r in rows}
+
+    def blocked_rows(self, index: int) -> list[int]:
+        """The global rows of batch `index` to leave out, ascending."""
+        return sorted(r for b, r in self.blocked if b == index)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"batch_index": self.batch_index, "skip_ranges": [list(r) for r in self.skip_ranges]}
+        out: dict[str, Any] = {
+            "batch_index": self.batch_index,
+            "skip_ranges": [list(r) for r in self.skip_ranges],
+        }
+        if self.blocked:
+            out["blocked"] = [list(p) for p in sorted(self.blocked)]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataState:
-        return cls(int(d["batch_index"]), [(int(a), int(b)) for a, b in d["skip_ranges"]])
+        return cls(
+            int(d["batch_index"]),
+            [(int(a), int(b)) for a, b in d["skip_ranges"]],
+            {(int(b), int(r)) for b, r in d.get("blocked", ())},
+        )

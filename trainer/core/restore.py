@@ -70,6 +70,7 @@ class Checkpointed:
     same_step: SameStepGate | None
     replay: Replay | None
     measure_rows: Measure | None
+    skip_samples: bool
     config_changes: dict[str, list[Any]]
 
     if TYPE_CHECKING:
@@ -99,13 +100,20 @@ class Checkpointed:
             record.update(cause_of(spike, step, self._replay_losses, reload))
             reload()
         self.checkpointer.pin(step, "rollback target")
-        for start, end in action.skip_ranges:
+        named = record.get("samples") if self.skip_samples else None
+        skips = () if named else action.skip_ranges  # the named rows alone, else whole batches
+        if named:
+            self.run.data.block((s["batch"], s["row"]) for s in named)
+            record.update(
+                skipped_samples=len(named), batches_kept=[list(r) for r in action.skip_ranges]
+            )
+        for start, end in skips:
             self.run.data.add_skip(start, end)
         self.run.lr_scale = rescale(self.run.lr_scale, action)
         record.update(
             from_step=from_step,
             to_step=step,
-            skip_ranges=[list(r) for r in action.skip_ranges],
+            skip_ranges=[list(r) for r in skips],
             lr_scale=action.lr_scale,
             dropped_checkpoints=abandoned,
         )
@@ -265,6 +273,8 @@ class Checkpointed:
         else:
             if self.data_flow == "rewind":
                 ranges = sorted(set(restored.skip_ranges) | set(run.data.skip_ranges))
-                run.data = DataState(restored.batch_index, ranges)
+                run.data = DataState(
+                    restored.batch_index, ranges, restored.blocked | run.data.blocked
+                )
             run.val_losses = [(s, v) for s, v in run.val_losses if s <= run.step]
         run.history = [(s, v) for s, v in run.history if s <= run.step]

@@ -122,6 +122,7 @@ class StepCore(Checkpointed):
     same_step: SameStepGate | None = None
     replay: Replay | None = None
     measure_rows: Measure | None = None  # the client's per-row measure, for attribution
+    skip_samples: bool = False  # the client leaves single rows out: a rollback skips just those
     max_steps: int | None = None
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False
