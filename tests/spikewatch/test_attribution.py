@@ -16,10 +16,11 @@ def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) ->
     poison = ("--poison-at", "100", "--poison-len", "14", "--poison-rows", "3")
     summary = run_example("plain_loop", tmp_path, *STEPS, *poison, "--db", db)
     rollback = the_rollback(summary)
-    lo, hi = rollback["skip_ranges"][0]
+    lo, hi = (rollback.get("batches_kept") or rollback["skip_ranges"])[0]
     spoilt = {(b, r) for b in range(max(lo, 100), min(hi, 114)) for r in range(3)}
     named = {(s["batch"], s["row"]) for s in rollback["samples"]}
     assert named == spoilt and len(spoilt) >= 30
+    assert rollback["skip_ranges"] == [] and rollback["skipped_samples"] == len(named)
     assert all(s["preview"] and s["loss"] > rollback["attribution"]["median_loss"] for s in
                rollback["samples"])  # fmt: skip
     assert main(["quarantine", summary["run_id"], "--db", db]) == 0

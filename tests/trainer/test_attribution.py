@@ -8,6 +8,8 @@ import json
 import math
 import random
 
+import torch
+
 from observatory.store.db import upgrade
 from observatory.store.queries import session_factory
 from observatory.store.sink import DbSink
@@ -48,7 +50,8 @@ def test_the_rule_names_the_outlying_rows_and_nothing_in_clean_batches() -> None
 
 
 def test_a_rollback_names_exactly_the_spoilt_rows_and_leaves_the_run_alone(tmp_path) -> None:
-    on = fit(tiny_config(*RUN), run_dir=tmp_path / "on")
+    whole = "guard.skip_samples=false"  # measured and named, not acted on: the run must not move
+    on = fit(tiny_config(*RUN, whole), run_dir=tmp_path / "on")
     off = fit(tiny_config(*RUN, "guard.attribute_samples=false"), run_dir=tmp_path / "off")
     rollback = next(i for i in on.interventions if i["kind"] == "rollback")
     lo, hi = rollback["skip_ranges"][0]
@@ -78,3 +81,61 @@ def test_the_named_samples_reach_the_store_and_the_blocklist(tmp_path, capsys) -
         from observatory import store
 
         assert len(store.samples(session, run_id=result.run_id)) == len(lines)
+
+
+def test_a_rollback_skips_the_named_rows_alone_and_refills_them(tmp_path) -> None:
+    from trainer.builtin.loop import build_trainer
+
+    tr = build_trainer(tiny_config(*RUN), run_dir=tmp_path / "run")
+    result = tr.fit()
+    rollback = next(i for i in result.interventions if i["kind"] == "rollback")
+    assert rollback["skip_ranges"] == [] and rollback["skipped_samples"] == 30
+    assert tr.core.run.data.blocked == {(s["batch"], s["row"]) for s in rollback["samples"]}
+    fault, plan = tr._batch(152, 200)  # batch 152 again: its 3 spoilt rows replaced
+    raw, _ = tr.sampler.batch(152, 200)
+    assert torch.equal(fault.x[3:], raw[3:]) and not torch.equal(fault.x[:3], raw[:3])
+    spares = tr.sampler.spares(152, 200)[2]
+    assert plan[:3] == spares[:3] and plan[3:] == tr.sampler.plan(152, 200)[3:]
+    whole = fit(tiny_config(*RUN, "guard.skip_samples=false"), run_dir=tmp_path / "whole")
+    assert next(i for i in whole.interventions if i["kind"] == "rollback")["skip_ranges"]
+    assert result.final_val_loss < whole.final_val_loss + 0.01  # no worse than skipping batches
+
+
+def test_the_left_out_rows_survive_a_resume(tmp_path) -> None:
+    from trainer.builtin.loop import build_trainer
+
+    straight = fit(tiny_config(*RUN), run_dir=tmp_path / "straight")
+    fit(tiny_config(*RUN, "train.stop_after=170"), run_dir=tmp_path / "split")
+    again = build_trainer(tiny_config(*RUN), run_dir=tmp_path / "split", resume=True)
+    assert len(again.core.run.data.blocked) == 30
+    assert again.fit().train_losses == straight.train_losses[170:]
+
+
+def test_a_new_run_given_the_blocklist_never_draws_those_windows(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    upgrade(url)
+    sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    first = fit(tiny_config(*RUN), run_dir=tmp_path / "first", callbacks=[Recorder(sink)])
+    sink.close(timeout=30)
+    blocklist = tmp_path / "blocklist.jsonl"
+    assert main(["quarantine", first.run_id, "--db", url, "--out", str(blocklist)]) == 0
+    from trainer.builtin.loop import build_trainer
+
+    cfg = tiny_config(*RUN, f"data.blocklist={blocklist}", "data.seq_len=32")
+    sampler = build_trainer(cfg, run_dir=tmp_path / "second").sampler
+    named = {
+        (s["id"].split(":")[0], int(s["id"].split(":")[1]))
+        for s in first.interventions[-1]["samples"]
+    }  # noqa: E501
+    T = 32
+    for index in range(140, 170):  # the named windows sit here in the first run's order
+        for name, start in sampler.plan(index, 150):
+            assert all(not (b < start + T + 1 and start < b + T + 1) for n, b in named if n == name)
+    same = {
+        (name, start)
+        for index in range(140, 170)
+        for name, start in build_trainer(
+            tiny_config(*RUN), run_dir=tmp_path / "third"
+        ).sampler.plan(index, 150)
+    }
+    assert named <= same  # without the blocklist those windows are drawn again
