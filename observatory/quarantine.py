@@ -9,8 +9,10 @@ replaying the same sampler, the (batch, row) pairs.
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session
 from observatory.store import queries
 from observatory.strict_json import tagged
 
-__all__ = ["blocklist_lines", "read_blocklist"]
+__all__ = ["add_parser", "blocklist_lines", "read_blocklist"]
 
 
 def blocklist_lines(session: Session, *, run_id: str) -> list[str]:
@@ -59,3 +61,31 @@ def read_blocklist(path: str) -> Iterator[dict[str, Any]]:
             if not isinstance(entry, dict):
                 raise ValueError(f"{path}:{n}: a blocklist line must be a JSON object")
             yield entry
+
+
+def add_parser(sub: Any, default_db: Callable[[str], str | None]) -> None:
+    """`spikewatch quarantine RUN [--db URL] [--out FILE]`; `default_db(run)` finds the store
+    when --db is not given (as for `logbook`)."""
+    p = sub.add_parser(
+        "quarantine", help="the samples a run's rollbacks named, as a JSON-lines blocklist"
+    )
+    p.add_argument("run", help="run id, or its run directory (runs/<id>)")
+    p.add_argument("--db", default=None, help="store URL (default as for train)")
+    p.add_argument("--out", default=None, help="write the blocklist here (default: stdout)")
+    p.set_defaults(func=lambda args: run(args, default_db))
+
+
+def run(args: argparse.Namespace, default_db: Callable[[str], str | None]) -> int:
+    from observatory.store.queries import session_factory
+
+    with session_factory(args.db or default_db(args.run))() as session:
+        try:
+            lines = blocklist_lines(session, run_id=Path(args.run).name)
+        except LookupError as e:
+            raise ValueError(str(e)) from None
+    text = "".join(line + "\n" for line in lines)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    else:
+        print(text, end="")  # noqa: T201 - the command's output
+    return 0

@@ -222,25 +222,6 @@ def cmd_logbook(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quarantine(args: argparse.Namespace) -> int:
-    """The samples a run's rollbacks named, as a JSON-lines blocklist (stdout, or --out)."""
-    from observatory.quarantine import blocklist_lines
-    from observatory.store.queries import session_factory
-    from trainer.config import ConfigError
-
-    with session_factory(args.db or _default_db(args.run))() as session:
-        try:
-            lines = blocklist_lines(session, run_id=Path(args.run).name)
-        except LookupError as e:
-            raise ConfigError(str(e)) from None
-    text = "".join(line + "\n" for line in lines)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text, end="")  # noqa: T201 - the command's output
-    return 0
-
-
 def _default_db(run: str) -> str | None:
     """A run directory given as a path with a store beside it (a sweep's root, or a store
     written before the one rule): that store; else the usual default."""
@@ -547,8 +528,10 @@ def _add_tools(sub: Any) -> None:
 
     add_planning(sub)  # simulate and advise
     from observatory.datacheck import add_parser as add_data_check
+    from observatory.quarantine import add_parser as add_quarantine
 
     add_data_check(sub)
+    add_quarantine(sub, _default_db)
 
     serve = sub.add_parser("serve", help="the dashboard and its JSON API")
     serve.add_argument("--db", default=None, help="store URL (default as for train)")
@@ -566,14 +549,6 @@ def _add_tools(sub: Any) -> None:
     book.add_argument("run", help="run id, or its run directory (runs/<id>)")
     book.add_argument("--db", default=None, help="store URL (default as for train)")
     book.set_defaults(func=cmd_logbook)
-
-    quar = sub.add_parser(
-        "quarantine", help="the samples a run's rollbacks named, as a JSON-lines blocklist"
-    )
-    quar.add_argument("run", help="run id, or its run directory (runs/<id>)")
-    quar.add_argument("--db", default=None, help="store URL (default as for train)")
-    quar.add_argument("--out", default=None, help="write the blocklist here (default: stdout)")
-    quar.set_defaults(func=cmd_quarantine)
 
     db = sub.add_parser("db", help="the observatory database")
     db_sub = db.add_subparsers(dest="db_command", required=True)
