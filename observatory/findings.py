@@ -4,10 +4,10 @@ and the samples the attribution named (issue 39: "ranks": [1] appeared only in t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["findings"]
+__all__ = ["findings", "suspect_devices"]
 
 _CAUSES = {
     "data_x_state": "the data (it comes back on the same batches)",
@@ -28,6 +28,15 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
     ranks = data.get("ranks")
     if ranks:
         parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} departed")
+    if data.get("device_ranks"):
+        parts.append(
+            f"the device of rank(s) {', '.join(map(str, data['device_ranks']))} computed it"
+        )
+    if data.get("suspect_devices"):
+        shown = ", ".join(map(str, data["suspect_devices"]))
+        parts.append(
+            f"rank(s) {shown}: a suspect device (spikes keep coming there without a data cause)"
+        )
     samples = data.get("samples") or []
     att = data.get("attribution") or {}
     if samples:
@@ -40,3 +49,14 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
     elif att:
         parts.append(f"no row of {att.get('rows', '?')} stands out (whole batches skipped)")
     return "; ".join(parts)
+
+
+def suspect_devices(events: Iterable[Mapping[str, Any]]) -> dict[int, int]:
+    """Rank -> rollbacks without a data cause (device or transient) that named it, for the ranks
+    named by two or more: a suspect device."""
+    counts: dict[int, int] = {}
+    for d in events:
+        if d.get("cause") in ("device", "transient"):
+            for r in d.get("device_ranks") or d.get("ranks") or []:
+                counts[int(r)] = counts.get(int(r), 0) + 1
+    return {r: n for r, n in sorted(counts.items()) if n >= 2}

@@ -37,3 +37,29 @@ def test_the_logbook_and_the_alert_tell_them() -> None:
     event_dict = {"run_id": "r", "kind": "rollback", "step": 203, "message": "spike", "data": DATA}
     body = alert_body("http://127.0.0.1:9/hook", event_dict)
     assert "rank 1 departed" in body["text"] and "3 of 224 rows named" in body["text"]
+
+
+def test_a_rank_whose_spikes_keep_coming_without_a_data_cause_is_flagged(tmp_path) -> None:
+    """On the run page (and in the rollback's findings, so in the alert): rank 1 twice named
+    by rollbacks whose replay found the device's fault."""
+    from fastapi.testclient import TestClient
+
+    from observatory.findings import suspect_devices
+    from observatory.store.db import upgrade
+    from observatory.store.sink import DbSink
+    from web.app import create_app
+    from web.settings import Settings
+
+    device = {"cause": "device", "ranks": [1], "device_ranks": [1], "to_step": 5}
+    assert suspect_devices([device, {"cause": "data_x_state", "ranks": [1]}]) == {}
+    assert suspect_devices([device, {**device, "suspect_devices": [1]}]) == {1: 2}
+    assert "rank(s) 1: a suspect device" in findings({**device, "suspect_devices": [1]})
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    upgrade(url)
+    with DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01) as sink:
+        sink.start_run("r", config={})
+        for step in (10, 30):
+            sink.log_event("r", "rollback", step=step, message="spike", data=device)
+    with TestClient(create_app(Settings(db_url=url))) as client:
+        page = client.get("/runs/r").text
+    assert "Suspect devices" in page and "rank 1 (2 spikes there without a data cause)" in page

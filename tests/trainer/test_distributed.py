@@ -45,10 +45,13 @@ REPO = Path(__file__).parents[2]
 COMMON = ("checkpoint.interval=4", "probes.state_interval=1", "data.micro_batch_size=2")
 FAULT_ON_RANK_1 = 'faults=[{kind="shifted_labels", start=40, length=5, rank=1}]'
 FAULTY = ("train.max_steps=60", "checkpoint.interval=5", "eval.interval=none", FAULT_ON_RANK_1)
+DEVICE_FAULT_ON_RANK_1 = 'faults=[{kind="bit_flip", start=40, length=5, rank=1}]'
 SCENARIOS = {
     "ddp": ("distributed.strategy=ddp", *COMMON),
     "fsdp2": ("distributed.strategy=fsdp2", *COMMON),
     "fsdp2_fault": ("distributed.strategy=fsdp2", *FAULTY),
+    # rank 1's device computes its logits wrong once per batch (a silent data corruption)
+    "ddp_device": ("distributed.strategy=ddp", *FAULTY[:3], DEVICE_FAULT_ON_RANK_1),
     # Young/Daly timing is measured per rank: rank 0's "save now" must hold for both
     "ddp_auto": ("distributed.strategy=ddp", "checkpoint.interval=auto", "eval.interval=none"),
 }
@@ -114,7 +117,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 "val": r.val_losses,
                 "steps": r.steps,
                 "interventions": [
-                    {k: i.get(k) for k in ("kind", "step", "to_step", "skip_ranges")}
+                    {
+                        k: i.get(k)
+                        for k in ("kind", "step", "to_step", "skip_ranges", "cause", "ranks")
+                    }
+                    | {"device_ranks": i.get("device_ranks")}
                     for i in r.interventions
                 ],
                 "metrics": cap.metrics,
@@ -184,6 +191,24 @@ def test_a_fault_on_one_ranks_shard_rolls_back_both_ranks(spawned) -> None:
     assert start <= 40 and end >= 45
     assert r0["steps"] == r1["steps"] == 60 and r0["losses"] == r1["losses"]
     assert all(math.isfinite(v) for v in r0["losses"])
+
+
+def test_a_device_fault_is_told_from_a_data_fault_on_the_same_rank(spawned) -> None:
+    """Rank 1's shard with wrong labels: the replay computes the same loss again (the data).
+    Rank 1's device computing wrong: the replay computes rank 1's loss otherwise, rank 0's
+    alike (the device, rank 1 named)."""
+    data = [
+        i
+        for i in spawned["reports"][("fsdp2_fault", 0)]["interventions"]
+        if i["kind"] == "rollback"
+    ]
+    assert [(i["cause"], i["ranks"], i["device_ranks"]) for i in data] == [
+        ("data_x_state", [1], None)
+    ]
+    r0, r1 = (spawned["reports"][("ddp_device", r)] for r in (0, 1))
+    assert r0["interventions"] == r1["interventions"]  # every rank the same verdict
+    device = [i for i in r0["interventions"] if i["kind"] == "rollback"]
+    assert [(i["cause"], i["ranks"], i["device_ranks"]) for i in device] == [("device", [1], [1])]
 
 
 def test_auto_checkpoint_timing_is_agreed(spawned) -> None:

@@ -38,6 +38,7 @@ class FaultEffect:
     lr_factor: float = 1.0
     nan_loss: bool = False
     kinds: tuple[str, ...] = ()
+    bit_flip: bool = False
 
 
 def apply_faults(
@@ -51,7 +52,7 @@ def apply_faults(
 ) -> FaultEffect:
     """The batch `index` (this rank's shard of it, whose first row is global row `row0`) as the
     faults leave it (unchanged when none covers the index)."""
-    lr, nan, kinds = 1.0, False, []
+    lr, nan, flip, kinds = 1.0, False, False, []
     for f in faults:
         if not f.start <= index < f.start + f.length or f.rank not in (None, rank):
             continue
@@ -72,8 +73,20 @@ def apply_faults(
             lr *= f.factor ** ((index - f.start + 1) / f.length)
         elif f.kind == "nan_loss":
             nan = True
+        elif f.kind == "bit_flip" and first_time:
+            flip = True
         x, y = _rows(f, x, bad_x, row0), _rows(f, y, bad_y, row0)
-    return FaultEffect(x, y, lr, nan, tuple(kinds))
+    return FaultEffect(x, y, lr, nan, tuple(kinds), flip)
+
+
+def flip_bits(logits: torch.Tensor) -> torch.Tensor:
+    """A device's wrong result: exponent bit 25 of every 20th element flipped (x16 or /16; on
+    the fp32 logits, a deterministic pattern)."""
+    out = logits.detach().clone().float()
+    flat = out.view(-1)
+    bits = flat[::20].view(torch.int32) ^ (1 << 25)
+    flat[::20] = bits.view(torch.float32)
+    return logits + (out.to(logits.dtype) - logits).detach()  # the wrong values, same graph
 
 
 def _rows(f: FaultConfig, good: torch.Tensor, bad: torch.Tensor, row0: int) -> torch.Tensor:

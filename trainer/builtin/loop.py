@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from trainer.builtin.data import Row, Sampler, build_sampler
-from trainer.builtin.faults import FaultEffect, apply_faults
+from trainer.builtin.faults import FaultEffect, apply_faults, flip_bits
 from trainer.builtin.schedule import lr_multiplier
 from trainer.builtin.step import apply_update, forward_backward
 from trainer.config import TrainConfig
@@ -163,6 +163,11 @@ class Trainer:
         self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
+        wrong = (  # an injected device fault: this rank's output logits computed wrong
+            self.model.lm_head.register_forward_hook(lambda m, i, out: flip_bits(out))
+            if fault.bit_flip
+            else None
+        )
         t = forward_backward(
             self.model if world.fwd is None else world.fwd,
             x,
@@ -177,6 +182,8 @@ class Trainer:
             clip=world.clip,
             no_sync=world.no_sync,
         )
+        if wrong is not None:
+            wrong.remove()
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
         return t, lr_mult * fault.lr_factor, x.numel() * world.size
 

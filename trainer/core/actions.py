@@ -30,6 +30,8 @@ class Spike:
     replay: tuple[tuple[int, int], ...] = ()
     control: tuple[tuple[int, int], ...] = ()
     ranks: tuple[int, ...] = ()  # under torchrun: the ranks whose own loss departed
+    # under torchrun: each replayed step's own loss on every rank, as first computed
+    rank_losses: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def record(self) -> dict[str, Any]:
         """The fields an intervention record carries (JSON types)."""
@@ -37,6 +39,7 @@ class Spike:
         out["replay"] = [list(r) for r in self.replay]
         out["control"] = [list(r) for r in self.control]
         out["ranks"] = list(self.ranks)
+        out["rank_losses"] = [[s, list(v)] for s, v in self.rank_losses]
         return out
 
     @classmethod
@@ -45,6 +48,9 @@ class Spike:
         fields["replay"] = tuple((int(s), int(b)) for s, b in d.get("replay", ()))
         fields["control"] = tuple((int(s), int(b)) for s, b in d.get("control", ()))
         fields["ranks"] = tuple(int(r) for r in d.get("ranks", ()))
+        fields["rank_losses"] = tuple(
+            (int(s), tuple(float(x) for x in v)) for s, v in d.get("rank_losses", ())
+        )
         return cls(**fields)
 
 

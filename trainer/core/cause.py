@@ -17,7 +17,12 @@ from typing import Any
 
 from trainer.core.actions import Spike
 
-__all__ = ["cause_of", "classify"]
+__all__ = ["DEVICE_TOL", "cause_of", "classify", "device_of"]
+
+# Relative disagreement of a rank's replayed own loss with the one it first computed beyond
+# which the first computation was wrong (a deterministic replay agrees to the bit; GPU kernels
+# that reduce in another order, to ~1e-6)
+DEVICE_TOL = 1e-3
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,42 @@ def cause_of(
         else "",
     )
     return out | {"cause": cause}
+
+
+def device_of(spike: Spike, replayed: dict[tuple[int, int], list[float]]) -> dict[str, Any]:
+    """Under torchrun: the replay computes each rank's own loss on the spike's batches again,
+    from the same state. At the first step where a rank's replayed loss disagrees with what it
+    first computed, if some ranks agree and others do not, the data (the same on both runs) is
+    not the cause: the device that computed it is. Returns {"cause": "device", "device_ranks",
+    "device_step"} then, else {}."""
+    first = dict(spike.rank_losses)
+    for step, index in sorted(spike.replay):
+        old, new = first.get(step), replayed.get((step, index))
+        if old is None or new is None or len(old) != len(new):
+            continue
+        off = [
+            r
+            for r, (a, b) in enumerate(zip(old, new, strict=True))
+            if not math.isclose(a, b, rel_tol=DEVICE_TOL, abs_tol=1e-6)
+        ]
+        if off:
+            if len(off) < len(old):  # some ranks computed it again alike: theirs was right
+                log.warning(
+                    "step %d: rank(s) %s computed their loss otherwise the first time (%s, "
+                    "replayed %s): the device's, not the data's",
+                    step,
+                    off,
+                    [round(old[r], 4) for r in off],
+                    [round(new[r], 4) for r in off],
+                )
+                return {
+                    "cause": "device",
+                    "device_ranks": off,
+                    "device_step": step,
+                    "device_losses": {"first": list(old), "replayed": list(new)},
+                }
+            return {}
+    return {}
 
 
 def classify(spike: Spike, losses: dict[int, float]) -> tuple[str, float]:

@@ -176,6 +176,9 @@ class SpikeGuard(Callback):
                 spike,
                 replay=tuple((s, self.batch_of[s]) for s in steps),
                 control=tuple(zip(steps, good, strict=False)),
+                rank_losses=tuple(
+                    (s, tuple(self.rank_loss_of[s])) for s in steps if s in self.rank_loss_of
+                ),
             )
         if level is not None:
             self.watching.append((spike, level))

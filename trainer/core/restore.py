@@ -26,7 +26,7 @@ from trainer.checkpoints.staging import Stager, to_host
 from trainer.core.actions import Rollback
 from trainer.core.attribution import Measure, attribute
 from trainer.core.callbacks import Callback
-from trainer.core.cause import cause_of
+from trainer.core.cause import cause_of, device_of
 from trainer.core.data_state import DataState
 from trainer.core.decide import rescale
 from trainer.core.state import (
@@ -69,6 +69,7 @@ class Checkpointed:
     scheduler: Any
     same_step: SameStepGate | None
     replay: Replay | None
+    _replayed_ranks: dict[tuple[int, int], list[float]]
     measure_rows: Measure | None
     skip_samples: bool
     config_changes: dict[str, list[Any]]
@@ -97,8 +98,13 @@ class Checkpointed:
             def reload() -> None:
                 self.restore(ck.read(where, self.probes.device), resume=False)
 
+            t1, self._replayed_ranks = time.perf_counter(), {}
             record.update(cause_of(spike, step, self._replay_losses, reload))
+            record.update(device_of(spike, self._replayed_ranks))
+            n = len(spike.replay) + (len(spike.control) if "control_peak_loss" in record else 0)
+            record.update(replay_steps=n, replay_s=time.perf_counter() - t1)
             reload()
+        self._flag_suspects(record)
         self.checkpointer.pin(step, "rollback target")
         named = record.get("samples") if self.skip_samples else None
         skips = () if named else action.skip_ranges  # the named rows alone, else whole batches
@@ -154,18 +160,55 @@ class Checkpointed:
         self.config_changes = changes
         return step
 
+    def _refused_on_branch(self, after: int) -> set[int]:
+        """Steps after `after` whose update this branch refused (same-step tier, non-finite):
+        the records since the branch began, this rollback's own (the last) aside."""
+        out = set()
+        for rec in reversed(self.run.interventions[:-1]):
+            if rec.get("kind") == "rollback":
+                break
+            if rec.get("kind") == "skip_update" and int(rec.get("step", -1)) > after:
+                out.add(int(rec["step"]))
+        return out
+
+    def _flag_suspects(self, record: dict[str, Any]) -> None:
+        """A rank whose spikes keep coming without a data cause (device, or transient) is a
+        suspect device: named in the record (and so in the alert and on the run page)."""
+        if record.get("cause") not in ("device", "transient"):
+            return
+        mine = record.get("device_ranks") or record.get("ranks") or []
+        past = [
+            i
+            for i in self.run.interventions
+            if i.get("kind") == "rollback" and i.get("cause") in ("device", "transient")
+        ]
+        suspects = [
+            r
+            for r in mine
+            if sum(r in (i.get("device_ranks") or i.get("ranks") or []) for i in past) >= 2
+        ]
+        if suspects:
+            record["suspect_devices"] = suspects
+            log.warning(
+                "rank(s) %s: repeated spikes without a data cause: suspect devices", suspects
+            )
+
     def _replay_losses(self, pairs: Iterable[tuple[int, int]], from_step: int) -> dict[int, float]:
-        """The losses of (step, batch index) pairs replayed in order, each update applied when
-        finite, as the loop would."""
+        """The losses of (step, batch index) pairs replayed in order, each update applied as the
+        run applied it (a step it refused is refused again, a non-finite one never applied), and,
+        under torchrun, each rank's own, for `device_of`."""
         assert self.replay is not None
         losses = {}
+        refused = self._refused_on_branch(from_step)
         for step, index in pairs:
             if step <= from_step:
                 continue
             t, apply = self.replay(step, index)
             t = self.world.reduce(t, stop=False)
+            if t.rank_losses is not None:
+                self._replayed_ranks[(step, index)] = t.rank_losses.tolist()
             loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
-            if math.isfinite(loss) and math.isfinite(gnorm):  # as the loop: never apply these
+            if math.isfinite(loss) and math.isfinite(gnorm) and step not in refused:
                 apply()
             self.optimizer.zero_grad(set_to_none=True)
             losses[step] = loss if math.isfinite(loss) else math.inf

@@ -123,6 +123,7 @@ class StepCore(Checkpointed):
     replay: Replay | None = None
     measure_rows: Measure | None = None  # the client's per-row measure, for attribution
     skip_samples: bool = False  # the client leaves single rows out: a rollback skips just those
+    _replayed_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     max_steps: int | None = None
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False

@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from observatory import metric_names as M
 from observatory import store
+from observatory.findings import suspect_devices
 from observatory.logbook import logbook
 from observatory.store.queries import LOSS_METRIC
 from web import charts
@@ -166,6 +167,7 @@ def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse
         "interventions": [e for e in events if e.kind in ("rollback", "halt", "skip")],
         "checkpoints": store.checkpoints(session, run_id=run_id),
         "samples": store.samples(session, run_id=run_id),
+        "suspects": suspect_devices(e.data for e in events if e.kind == "rollback"),
         "logbook": logbook(session, run_id=run_id),
         "layers": list(range(int(run.config.get("model", {}).get("n_layer", 0)))),
     }
