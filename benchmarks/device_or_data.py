@@ -4,15 +4,17 @@ back and classified by the replay.
 `tiny_cpu` under `torchrun --nproc_per_node=2` (DDP, gloo). Run A: ten device faults
 (`bit_flip`: rank 1's output logits computed wrong the first time a batch is trained, five
 batches in a row so that the spike outlasts the same-step tier), 100 batches apart. Run B: the
-same positions with rank 1's shard's labels shifted (a data fault). The policy's repeat window
+same with `bad_device` (rank 1's device wrong every time it computes those batches: its replay
+agrees with it, only rank 0 computing rank 1's rows tells). Run C: the same positions with rank
+1's shard's labels shifted (a data fault). The policy's repeat window
 is shortened to 50 steps so that each fault is a first spike (classification is what is
 measured here, not escalation). Per run: the rollbacks, their causes and named ranks, and the
 suspect-device flags; the replay's cost per rollback.
 
     python benchmarks/device_or_data.py [--faults 10] [--spacing 100]
 
-Last line: {"device_right": n, "data_right": n, "faults": n, "suspects_flagged": [...],
-"replay_s_median": s}.
+Last line: {"device_right": n, "bad_device_right": n, "data_right": n, "faults": n, and per run
+the checks that named the device and the suspects flagged, "replay_s_median": s}.
 """
 
 from __future__ import annotations
@@ -60,7 +62,12 @@ def main() -> None:
     result: dict[str, object] = {"faults": args.faults}
     costs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, want in (("bit_flip", "device"), ("shifted_labels", "data_x_state")):
+        runs = (
+            ("bit_flip", "device"),
+            ("bad_device", "device"),
+            ("shifted_labels", "data_x_state"),
+        )
+        for kind, want in runs:
             out = Path(tmp) / kind
             out.mkdir()
             rollbacks = _run(kind, starts, steps, out)
@@ -74,16 +81,18 @@ def main() -> None:
             for r in rollbacks:
                 if r not in right:
                     keys = ("step", "onset_step", "batch_index", "cause", "ranks", "device_ranks")
-                    keys += ("device_step", "device_losses", "to_step", "replay")
+                    keys += ("device_step", "device_check", "device_losses", "to_step", "replay")
                     print("  not classified", want, {k: r.get(k) for k in keys})
             print(
                 f"{kind}: {len(rollbacks)} rollbacks, causes "
                 f"{sorted({str(r.get('cause')) for r in rollbacks})}, {len(right)} classified "
                 f"{want} with rank 1; faults reached by a rollback: {len(covered)} of {len(starts)}"
             )
-            result[f"{'device' if want == 'device' else 'data'}_right"] = len(right)
+            name = {"bit_flip": "device", "bad_device": "bad_device"}.get(kind, "data")
+            result[f"{name}_right"] = len(right)
+            result[f"{name}_checks"] = sorted({str(r.get("device_check")) for r in right})
             if want == "device":
-                result["suspects_flagged"] = sorted(
+                result[f"{name}_suspects_flagged"] = sorted(
                     {r for x in rollbacks for r in x.get("suspect_devices", [])}
                 )
             costs += [r["replay_s"] for r in rollbacks if "replay_s" in r]

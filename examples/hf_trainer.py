@@ -7,7 +7,8 @@ one byte) that makes a real spike. One callback does the rest.
 
 `--no-rollback` detects and records only; `--save-every N` writes Trainer checkpoints and
 `--resume` continues from the newest (HF's own resume, the guard's state with it);
-`--grad-accum K` splits each batch into K micro-batches.
+`--grad-accum K` splits each batch into K micro-batches; `--poison-rows K` poisons only the
+first K rows of each poisoned batch (the rollback names them: `"samples"` in the summary).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun (1 wi
 class Batches(torch.utils.data.Dataset):
     """Sequence i of the run's data stream: row i % B of global batch i // B, a pure function
     of its index, so the Trainer's sampler order (and its resume) decides what each step sees.
-    The poisoned region covers global batches [poison_at, poison_at + poison_len); with
-    `poison_rank`, only the rows that rank trains (under torchrun each rank trains its
-    consecutive share of every global batch)."""
+    The poisoned region covers global batches [poison_at, poison_at + poison_len) (with
+    `poison_rows`, their first rows only); with `poison_rank`, only the rows that rank trains
+    (under torchrun each rank trains its consecutive share of every global batch)."""
 
     def __init__(self, data: torch.Tensor, args: argparse.Namespace, n_batches: int) -> None:
         self.data, self.args, self.n = data, args, n_batches * args.batch_size
@@ -45,7 +46,7 @@ class Batches(torch.utils.data.Dataset):
         x, y = x[row], y[row]
         rank = row // (a.batch_size // WORLD)
         if a.poison_at is not None and 0 <= batch - a.poison_at < a.poison_len:
-            if a.poison_rank in (None, rank):
+            if a.poison_rank in (None, rank) and row < (a.poison_rows or a.batch_size):
                 y = shift_labels(y)
         # HF shifts labels inside the model: labels[t] is the target of input t-1.
         return {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
     p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
+    p.add_argument(
+        "--poison-rows", type=int, default=None, help="poison only the first K rows of a batch"
+    )
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--output-dir", default="runs/hf_trainer")
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         model=model,
         args=training_args,
-        # Room for the steps a rollback repeats: the Trainer's step is the data position.
+        # Room for the steps a rollback repeats (the data flows on while the step goes back).
         train_dataset=Batches(
             train, args, n_batches=args.steps // args.epochs if args.epochs else 2 * args.steps
         ),

@@ -18,9 +18,14 @@ probes, detection, policy, checkpoints and rollback:
   `attn_implementation="spikewatch"` (SDPA, or the fused Triton kernel on CUDA, plus the max
   pre-softmax logit per head, grouped-query attention included). The callback switches a model
   that uses "sdpa" or "eager"; other implementations are left alone and get no maxima.
-- The global step stays the Trainer's data position; after a rollback the Watch's step (the
-  updates of the live branch) is behind it, and `state.max_steps` is raised by that lag so the
-  run still makes `max_steps` updates. Give the Trainer enough data for that.
+- The global step is the run's updates, as the user counts them: after a rollback (or a
+  refused update) it is set back to the Watch's step, so `max_steps`, `logging_steps`,
+  `save_steps` and `eval_steps` keep their meaning and the run ends at `max_steps`. The data
+  position (the Trainer's steps taken, which the rollback does not give back: the data flows
+  on) is the callback's own count; the Trainer's resume skips data by the `global_step` of
+  `trainer_state.json`, so each checkpoint's file carries the data position there (the true
+  step is the folder's name and the Watch's state). Give the Trainer data to spare for the
+  steps a rollback repeats.
 - The Watch's state goes into each Trainer checkpoint (`checkpoint-N/spikewatch.json`), so
   `trainer.train(resume_from_checkpoint=...)` resumes the guard, the run in the store and the
   skips with the weights.
@@ -40,6 +45,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
+from trainer.core.attribution import MAX_BATCHES, MicroBatches
 from trainer.model.attn_max import AttnMax
 
 if TYPE_CHECKING:
@@ -251,6 +257,26 @@ def _calling_trainer() -> Any:
     return None
 
 
+def _resumed_from() -> Path | None:
+    """The checkpoint folder the running `Trainer.train` resumed from (its folder's name is the
+    step; its `global_step`, the data position)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name in ("_inner_training_loop", "train"):
+            where = frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(where, str | Path):
+                return Path(where)
+        frame = frame.f_back
+    return None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a kill mid-write leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 class SpikewatchCallback(Adapter, TrainerCallback):
     """spikewatch for a Hugging Face Trainer; options as `Adapter`'s."""
 
@@ -259,6 +285,9 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     _spare: int | None = None  # updates the Trainer's data holds beyond max_steps
     _grad_norm: torch.Tensor | None = None  # what the Trainer logs as grad_norm (see below)
     _trainer: Any = None
+    _position = 0  # the Trainer's steps taken (batches / accumulation): the data position
+    _fed: dict[int, list[dict[str, Any]]]  # position -> the micro-batches the model was fed
+    _measuring = False  # the attribution's own forwards: not the step's
 
     # -- start and end ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):  # noqa: ANN001
@@ -266,6 +295,11 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             self._clip = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
         args.max_grad_norm = 0.0  # the Watch clips, after measuring the norm (on_step_begin)
         self._target = state.max_steps
+        saved = self._saved_state(args, state)
+        self._position = state.global_step  # trainer_state.json's: the data position
+        if saved is not None:
+            saved = dict(saved)
+            self._position = int(saved.pop("framework_position", state.global_step))
         watch = self._open(
             model,
             optimizer,
@@ -274,15 +308,24 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             output_dir=args.output_dir,
             default_name=Path(args.output_dir).name or "hf",
             max_steps=state.max_steps,
-            saved=self._saved_state(args, state),
+            saved=saved,
             clip=self._clip,
             warmup_steps=args.get_warmup_steps(state.max_steps),
         )
         self._hook = model.register_forward_hook(self._loss_hook, with_kwargs=True)
+        self._fed = {}
+        if watch.cfg.guard.attribute_samples:  # the batches it fed are at hand: name rows
+            tokenizer = kw.get("processing_class") or kw.get("tokenizer")
+            watch.attribute_with(
+                self._fed_at,
+                lambda row: self._row_loss(model, row),
+                getattr(tokenizer, "decode", None),
+                backward=not watch.world.distributed,  # DDP's reducer owns the backward there
+            )
         self._share_grad_norm(model)
         if self.attn_max and watch.cfg.probes.attn_max:
             attach_attention(model, watch.attn)
-        self._extend(state)
+        state.global_step = watch.step_count  # a resume's data position is ours
         self._spare = _spare_updates(args, state, kw.get("train_dataloader"))
         if self._spare == 0 and watch.cfg.guard.rollback and watch.cfg.checkpoint.any_tier:
             log.warning(
@@ -309,19 +352,20 @@ class SpikewatchCallback(Adapter, TrainerCallback):
                 "not finish; give it data to spare (see the warning at start)",
                 watch.step_count,
                 self._target,
-                state.global_step - watch.step_count,
+                self._position - watch.step_count,
             )
         self._close()
         if self.summary is not None:
             self.summary["planned_steps"] = self._target
+            self.summary["framework_step"] = state.global_step
 
     # -- the step ---------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
         args.max_grad_norm = 0.0  # back after the step: saved training_args keep the user's
-        self._w.begin_step(state.global_step)
+        self._w.begin_step(self._position)
 
     def _loss_hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if self._measuring or not (module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if loss is None:
@@ -331,9 +375,25 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             )
         # With num_items_in_batch the model divides by the whole step's tokens: a share.
         self._w.observe_loss(loss, share=kwargs.get("num_items_in_batch") is not None)
+        if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
+            fed = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            self._fed.setdefault(self._position, []).append(fed)
+            self._fed.pop(self._position - MAX_BATCHES, None)
+
+    def _fed_at(self, index: int) -> MicroBatches | None:
+        """The micro-batches the model was fed at data position `index`, while kept."""
+        fed = self._fed.get(index)
+        return None if fed is None else MicroBatches(fed)
+
+    def _row_loss(self, model: torch.nn.Module, row: dict[str, Any]) -> torch.Tensor:
+        """One row's own loss (the model's mean over its tokens), for the attribution."""
+        self._measuring = True
+        try:
+            return model(**row).loss
+        finally:
+            self._measuring = False
 
     def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
-        self._extend(state, upcoming=1)
         if self._grad_norm is not None:  # the step's norm before clipping, for HF's log
             norm = self._w.grad_norm  # None: a skipped batch, not measured
             if norm is None:
@@ -343,6 +403,15 @@ class SpikewatchCallback(Adapter, TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
         args.max_grad_norm = self._clip  # checkpoints, logs and evals see the user's value
+        self._position += 1
+        taken, updates = state.global_step, self._w.step_count
+        if taken != updates:  # rolled back or refused: the Trainer counted an update not made
+            state.global_step = updates
+            # the Trainer's flow callback decided on `taken`: the update it would log, save
+            # or evaluate is not there, and it comes again at `taken`
+            control.should_log = control.should_save = control.should_evaluate = False
+            if taken >= state.max_steps > updates:
+                control.should_training_stop = False
         if self._w.halted is not None:
             control.should_training_stop = True
         return control
@@ -356,9 +425,14 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if self.watch is not None and folder.is_dir():  # NaN kept: a state, not a report
             self.watch.persist()
-            tmp = folder / f".{STATE_FILE}.tmp"
-            tmp.write_text(json.dumps(self.watch.state_dict(), allow_nan=True))
-            tmp.replace(folder / STATE_FILE)
+            saved = {**self.watch.state_dict(), "framework_position": self._position}
+            _replace(folder / STATE_FILE, json.dumps(saved, allow_nan=True))
+            trainer_state = folder / "trainer_state.json"
+            if trainer_state.is_file() and self._position != state.global_step:
+                # the Trainer's resume skips `global_step` steps of data: the data position
+                written = json.loads(trainer_state.read_text())
+                written["global_step"] = self._position
+                _replace(trainer_state, json.dumps(written, indent=2, sort_keys=True) + "\n")
 
     # -- helpers ----------------------------------------------------------------------------
     def _share_grad_norm(self, model: torch.nn.Module) -> None:
@@ -386,18 +460,13 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         trainer._get_grad_norm = get_grad_norm
         self._trainer = trainer
 
-    def _extend(self, state: Any, upcoming: int = 0) -> None:
-        """The Trainer stops at `max_steps` global steps; the run's updates are the Watch's
-        steps, which a rollback set back: add the lag (after this step, with `upcoming`)."""
-        lag = state.global_step + upcoming - self._w.step_count
-        state.max_steps = self._target + max(0, lag)
-
     @staticmethod
     def _saved_state(args: Any, state: Any) -> dict[str, Any] | None:
         """The Watch's state in the checkpoint the Trainer resumed from, if it did."""
         if state.global_step == 0:
             return None
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE
+        folder = _resumed_from() or Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        path = folder / STATE_FILE
         if not path.is_file():
             log.warning("resuming without %s: the guard starts afresh", path)
             return None

@@ -42,11 +42,14 @@ import torch
 
 from observatory.store.sink import BaseSink
 from observatory.strict_json import write_json
+from trainer.checkpoints.staging import to_host
 from trainer.checkpoints.tiers import Tiers
 from trainer.config import WatchSettings
 from trainer.core.attribution import (
+    MicroBatches,
     RowStat,
     id_of,
+    moved,
     preview,
     row_grad_norm,
     row_of,
@@ -139,6 +142,7 @@ class Watch:
         self._loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
+        self._row_backward = True
 
     # -- lifetime ---------------------------------------------------------------------------
     def open(self) -> StepCore:
@@ -230,14 +234,14 @@ class Watch:
         self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
         if loss_fn is not None and self.cfg.guard.classify_cause:
             core.replay = self._replay  # on every rank: a replay's collectives need them all
+            core.swap = self._swap if core.world.distributed else None
             guard = self.guard  # rank 0's
             if guard is not None:
                 guard.classify = True
-        if loss_fn is not None and self.cfg.guard.attribute_samples:
-            core.measure_rows = self._measure_rows
+        if loss_fn is not None:
             # one process: the named rows are dropped from their batches (under torchrun a
             # rank could be left with none, so whole batches are skipped there)
-            core.skip_samples = self.cfg.guard.skip_samples and not core.world.distributed
+            self.attribute_with(batch_at, loss_fn, decode, drop=not core.world.distributed)
         while not self.should_stop:
             index = self.take_index()
             batch = batch_at(index)
@@ -412,28 +416,58 @@ class Watch:
 
         return t, update
 
+    def _swap(self, step: int, index: int) -> torch.Tensor:
+        """For the device check of a spike (core/cause.py): the next rank's batch `index`
+        through the user's `loss_fn` here, forward only (the batches travel on the host)."""
+        assert self._batch_at is not None and self._loss_fn is not None
+        world = self._c.world
+        everyone = world.all_objects(to_host(self._batch_at(index), None))
+        theirs = moved(everyone[(world.rank + 1) % world.size], self._c.probes.device)
+        self.attn.active = False
+        with torch.no_grad():
+            return self._loss_fn(theirs).detach().float()
+
+    def attribute_with(
+        self,
+        batch_at: Callable[[int], Any],
+        loss_fn: Callable[[Any], torch.Tensor],
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        drop: bool = False,
+        backward: bool = True,
+    ) -> None:
+        """Name the rows behind a spike at each rollback (guard.attribute_samples): `loss_fn`
+        on each row of `batch_at(index)` (a batch, `MicroBatches`, or None: not at hand) on
+        the restored weights. `drop`: the client leaves the named rows out of their batches
+        (else the rollback skips whole batches); `backward=False`: losses only."""
+        core = self._c
+        self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
+        self._row_backward = backward and core.world.strategy != "fsdp2"  # shards: loss only
+        if self.cfg.guard.attribute_samples:
+            core.measure_rows = self._measure_rows
+            core.skip_samples = self.cfg.guard.skip_samples and drop
+
     def _measure_rows(self, index: int) -> list[RowStat]:
         """For the attribution of a spike (the core's): each row of batch `index` through the
         user's `loss_fn` alone, its loss and gradient norm on the current weights (this rank's
         rows; under torchrun row r of rank k is global row k * rows + r)."""
         assert self._batch_at is not None and self._loss_fn is not None
-        core = self._c
-        batch = self._batch_at(index)
-        n = rows_in(batch)
-        sharded = core.world.strategy == "fsdp2"  # per-row backward of shards: loss only
-        out = []
-        for r in range(n):
-            with core.world.no_sync(), torch.set_grad_enabled(not sharded):
+        core, fed = self._c, self._batch_at(index)
+        parts = [] if fed is None else fed if isinstance(fed, MicroBatches) else [fed]
+        rows = [(part, r) for part in parts for r in range(rows_in(part))]
+        backward, out = self._row_backward, []
+        for n, (batch, r) in enumerate(rows):
+            with core.world.no_sync(), torch.set_grad_enabled(backward):
                 loss = self._loss_fn(row_of(batch, r))
-                if not sharded:
+                if backward:
                     loss.backward()
-            grad = None if sharded else row_grad_norm(core.probes.params)
+            grad = row_grad_norm(core.probes.params) if backward else None
             self.optimizer.zero_grad(set_to_none=True)
             tokens = tokens_of(batch, r)
             out.append(
                 RowStat(
                     batch=index,
-                    row=core.world.rank * n + r,
+                    row=core.world.rank * len(rows) + n,
                     loss=float(loss.detach()),
                     grad_norm=grad,
                     id=id_of(batch, r),

@@ -46,12 +46,15 @@ COMMON = ("checkpoint.interval=4", "probes.state_interval=1", "data.micro_batch_
 FAULT_ON_RANK_1 = 'faults=[{kind="shifted_labels", start=40, length=5, rank=1}]'
 FAULTY = ("train.max_steps=60", "checkpoint.interval=5", "eval.interval=none", FAULT_ON_RANK_1)
 DEVICE_FAULT_ON_RANK_1 = 'faults=[{kind="bit_flip", start=40, length=5, rank=1}]'
+BAD_DEVICE_RANK_1 = 'faults=[{kind="bad_device", start=40, length=5, rank=1}]'
 SCENARIOS = {
     "ddp": ("distributed.strategy=ddp", *COMMON),
     "fsdp2": ("distributed.strategy=fsdp2", *COMMON),
     "fsdp2_fault": ("distributed.strategy=fsdp2", *FAULTY),
     # rank 1's device computes its logits wrong once per batch (a silent data corruption)
     "ddp_device": ("distributed.strategy=ddp", *FAULTY[:3], DEVICE_FAULT_ON_RANK_1),
+    # ... wrong every time it computes those batches: its replay agrees with it, rank 0 does not
+    "ddp_bad_device": ("distributed.strategy=ddp", *FAULTY[:3], BAD_DEVICE_RANK_1),
     # Young/Daly timing is measured per rank: rank 0's "save now" must hold for both
     "ddp_auto": ("distributed.strategy=ddp", "checkpoint.interval=auto", "eval.interval=none"),
 }
@@ -121,7 +124,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                         k: i.get(k)
                         for k in ("kind", "step", "to_step", "skip_ranges", "cause", "ranks")
                     }
-                    | {"device_ranks": i.get("device_ranks")}
+                    | {k: i.get(k) for k in ("device_ranks", "device_check")}
                     for i in r.interventions
                 ],
                 "metrics": cap.metrics,
@@ -208,7 +211,21 @@ def test_a_device_fault_is_told_from_a_data_fault_on_the_same_rank(spawned) -> N
     r0, r1 = (spawned["reports"][("ddp_device", r)] for r in (0, 1))
     assert r0["interventions"] == r1["interventions"]  # every rank the same verdict
     device = [i for i in r0["interventions"] if i["kind"] == "rollback"]
-    assert [(i["cause"], i["ranks"], i["device_ranks"]) for i in device] == [("device", [1], [1])]
+    assert [(i["cause"], i["ranks"], i["device_ranks"], i["device_check"]) for i in device] == [
+        ("device", [1], [1], "replay")
+    ]
+
+
+def test_a_device_wrong_every_time_is_told_by_another_rank(spawned) -> None:
+    """Rank 1's device computing those batches wrong every time: the replay on rank 1 agrees
+    with it (as a data fault's does), but rank 0 computing rank 1's rows does not."""
+    r0, r1 = (spawned["reports"][("ddp_bad_device", r)] for r in (0, 1))
+    assert r0["interventions"] == r1["interventions"]
+    device = [i for i in r0["interventions"] if i["kind"] == "rollback"]
+    assert [(i["cause"], i["ranks"], i["device_ranks"], i["device_check"]) for i in device] == [
+        ("device", [1], [1], "swap")
+    ]
+    assert r0["steps"] == 60 and all(math.isfinite(v) for v in r0["losses"])
 
 
 def test_auto_checkpoint_timing_is_agreed(spawned) -> None:

@@ -12,12 +12,19 @@ does in a real run (PaLM). Kinds, with what ARCHITECTURE.md measured on a small 
   transient fault (think of a flipped bit) that a replay does not reproduce;
 - "lr_ramp": the learning rate times factor^((i + 1) / length) on the i-th batch of the range,
   growing geometrically to `factor` at its last batch: a fault whose damage develops over many
-  steps (a mis-set schedule), for measuring which signal warns before the loss moves.
+  steps (a mis-set schedule), for measuring which signal warns before the loss moves;
+- "bit_flip": the output logits computed wrong the first time a batch is trained (a device
+  wrong once: a replay on it computes otherwise);
+- "bad_device": the output logits computed wrong every time that rank computes those batches
+  (a device wrong the same way each time: only another rank computing its rows tells it from
+  bad data).
 
 Under torchrun a fault applies to each rank's shard of the global batch; with `rank` set, to
-that rank's shard only (a bad shard on one host). With `rows` set, a data fault spoils only the
-first `rows` rows of each global batch (a few bad samples among good ones: the per-sample
-attribution's test). The LR kinds cannot be restricted to a rank or to rows.
+that rank's shard only (a bad shard on one host); the device kinds follow the rank that
+computes (`device_rank`), not the rows: another rank computing those rows computes them right.
+With `rows` set, a data fault spoils only the first `rows` rows of each global batch (a few
+bad samples among good ones: the per-sample attribution's test). The LR kinds cannot be
+restricted to a rank or to rows.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import torch
 
 from trainer.config import FaultConfig
 
-__all__ = ["FaultEffect", "apply_faults"]
+__all__ = ["DEVICE_KINDS", "FaultEffect", "apply_faults"]
+
+DEVICE_KINDS = ("bit_flip", "bad_device")  # a rank's compute, not its data
 
 
 @dataclass(frozen=True)
@@ -49,12 +58,16 @@ def apply_faults(
     first_time: bool = True,
     rank: int = 0,
     row0: int = 0,
+    device_rank: int | None = None,
 ) -> FaultEffect:
-    """The batch `index` (this rank's shard of it, whose first row is global row `row0`) as the
-    faults leave it (unchanged when none covers the index)."""
+    """The batch `index` (rank `rank`'s shard of it, whose first row is global row `row0`) as
+    the faults leave it (unchanged when none covers the index), computed on rank `device_rank`
+    (default `rank`)."""
     lr, nan, flip, kinds = 1.0, False, False, []
+    device = rank if device_rank is None else device_rank
     for f in faults:
-        if not f.start <= index < f.start + f.length or f.rank not in (None, rank):
+        where = device if f.kind in DEVICE_KINDS else rank
+        if not f.start <= index < f.start + f.length or f.rank not in (None, where):
             continue
         kinds.append(f.kind)
         bad_x, bad_y = x, y
@@ -73,7 +86,7 @@ def apply_faults(
             lr *= f.factor ** ((index - f.start + 1) / f.length)
         elif f.kind == "nan_loss":
             nan = True
-        elif f.kind == "bit_flip" and first_time:
+        elif (f.kind == "bit_flip" and first_time) or f.kind == "bad_device":
             flip = True
         x, y = _rows(f, x, bad_x, row0), _rows(f, y, bad_y, row0)
     return FaultEffect(x, y, lr, nan, tuple(kinds), flip)

@@ -26,7 +26,7 @@ import torch
 from trainer.builtin.data import Row, Sampler, build_sampler
 from trainer.builtin.faults import FaultEffect, apply_faults, flip_bits
 from trainer.builtin.schedule import lr_multiplier
-from trainer.builtin.step import apply_update, forward_backward
+from trainer.builtin.step import apply_update, forward_backward, forward_loss
 from trainer.config import TrainConfig
 from trainer.core.attribution import RowStat, preview, row_grad_norm
 from trainer.core.callbacks import Callback
@@ -187,16 +187,21 @@ class Trainer:
         lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
         return t, lr_mult * fault.lr_factor, x.numel() * world.size
 
-    def _batch(self, index: int, step: int) -> tuple[FaultEffect, list[Row]]:
-        """This rank's rows of batch `index` at `step`, as the faults leave them, with the rows a
-        rollback left out refilled from the sampler's spares (fresh, unfaulted samples); and
-        where each row comes from."""
+    def _batch(
+        self, index: int, step: int, owner: int | None = None
+    ) -> tuple[FaultEffect, list[Row]]:
+        """This rank's rows (or rank `owner`'s, computed here) of batch `index` at `step`, as
+        the faults leave them, with the rows a rollback left out refilled from the sampler's
+        spares (fresh, unfaulted samples); and where each row comes from."""
         cfg, world = self.cfg, self.world
-        rows = world.rows(cfg.data.batch_size)
+        owner = world.rank if owner is None else owner
+        rows = world.rows(cfg.data.batch_size, owner)
         x, y = self.sampler.batch(index, step, rows)
         row0 = 0 if rows is None else rows.start
         first = index not in self._seen
-        fault = apply_faults(cfg.faults, index, x, y, first_time=first, rank=world.rank, row0=row0)
+        fault = apply_faults(
+            cfg.faults, index, x, y, first, rank=owner, row0=row0, device_rank=world.rank
+        )
         plan = self.sampler.plan(index, step)[row0 : row0 + x.size(0)]
         left_out = self.core.run.data.blocked_rows(index)
         mine = [(m, r - row0) for m, r in enumerate(left_out) if row0 <= r < row0 + x.size(0)]
@@ -258,6 +263,29 @@ class Trainer:
         t, lr_mult, _ = self._compute(step, index, probing=True)
         tau = self.cfg.optim.qk_clip_tau
         return t, lambda: apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
+
+    def swap(self, step: int, index: int) -> torch.Tensor:
+        """For the device check of a spike (core/cause.py): the next rank's rows of batch
+        `index` as step `step`, computed here (forward only, the same micro-batches): the loss
+        that rank would have computed, on this rank's device."""
+        world = self.world
+        fault, _ = self._batch(index, step, owner=(world.rank + 1) % world.size)
+        wrong = (
+            self.model.lm_head.register_forward_hook(lambda m, i, out: flip_bits(out))
+            if fault.bit_flip
+            else None
+        )
+        try:
+            return forward_loss(
+                self.model,
+                fault.x.to(self.device),
+                fault.y.to(self.device),
+                micro_batch=world.micro_batch(self.cfg.data),
+                dtype=self.cfg.train.dtype,
+            )
+        finally:
+            if wrong is not None:
+                wrong.remove()
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
@@ -348,7 +376,7 @@ def build_trainer(
         max_steps=cfg.train.max_steps,
     )
     trainer = Trainer(cfg, core, model, build_sampler(cfg.data, cfg.train.seed), device)
-    core.replay = trainer.replay
+    core.replay, core.swap = trainer.replay, trainer.swap
     if cfg.guard.attribute_samples:
         core.measure_rows = trainer.measure_rows
         core.skip_samples = cfg.guard.skip_samples  # left-out rows are refilled (Trainer._batch)

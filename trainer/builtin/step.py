@@ -15,7 +15,7 @@ from trainer.core.transfer import Clip, StepTensors, clip_by_global_norm
 from trainer.model.gpt import GPT
 from trainer.model.optim import qk_clip
 
-__all__ = ["apply_update", "forward_backward"]
+__all__ = ["apply_update", "forward_backward", "forward_loss"]
 
 
 def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -73,6 +73,19 @@ def forward_backward(
         attn_max=attn_max,
         grad_norms=per_tensor,
     )
+
+
+@torch.no_grad()
+def forward_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, micro_batch: int, dtype: str
+) -> torch.Tensor:
+    """The mean loss `forward_backward` would report for x, y, forward only."""
+    total = x.new_zeros((), dtype=torch.float32)
+    n_micro = x.size(0) // micro_batch
+    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch), strict=True):
+        with _autocast(x.device, dtype):
+            total += model(xm, ym).loss.float()
+    return total / n_micro
 
 
 def _max(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -348,6 +348,7 @@ class FaultConfig(_Section):
         "flaky_lr_scale",
         "lr_ramp",
         "bit_flip",
+        "bad_device",
     ] = Field(description="What goes wrong (trainer/builtin/faults.py describes each).")
     start: int = Field(ge=0, description="First global batch index affected.")
     length: int = Field(1, ge=1, description="Number of consecutive batch indices affected.")
@@ -369,7 +370,7 @@ class FaultConfig(_Section):
 
     @model_validator(mode="after")
     def _rank_only_for_data(self) -> FaultConfig:
-        lr_kinds = ("lr_scale", "flaky_lr_scale", "lr_ramp", "nan_loss", "bit_flip")
+        lr_kinds = ("lr_scale", "flaky_lr_scale", "lr_ramp", "nan_loss", "bit_flip", "bad_device")
         if self.rank is not None and self.kind in lr_kinds[:3]:
             raise ValueError(f"rank applies to data faults only, not kind='{self.kind}'")
         if self.rows is not None and self.kind in lr_kinds:

@@ -35,7 +35,7 @@ import torch
 from trainer.core.state import rng_states, set_rng_states
 from trainer.core.world import World
 
-__all__ = ["MAX_BATCHES", "RowStat", "attribute", "name_rows", "preview"]
+__all__ = ["MAX_BATCHES", "MicroBatches", "RowStat", "attribute", "name_rows", "preview"]
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,11 @@ _ID_KEYS = ("id", "ids", "doc_id", "document_id")
 _TOKEN_KEYS = ("input_ids", "tokens", "x")
 
 
+class MicroBatches(tuple):
+    """A step's batch as the micro-batches a framework fed (gradient accumulation): its rows,
+    in order, are theirs."""
+
+
 def rows_in(batch: Any) -> int:
     """The batch's rows: the leading size of its first tensor."""
     for t in _tensors(batch):
@@ -228,6 +233,17 @@ def select_rows(batch: Any, keep: list[int]) -> Any:
         return {k: select_rows(v, keep) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
         return type(batch)(select_rows(v, keep) for v in batch)
+    return batch
+
+
+def moved(batch: Any, device: torch.device | str) -> Any:
+    """The batch with its tensors on `device` (another rank's batch, received on the host)."""
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: moved(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(moved(v, device) for v in batch)
     return batch
 
 

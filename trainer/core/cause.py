@@ -56,40 +56,75 @@ def cause_of(
     return out | {"cause": cause}
 
 
-def device_of(spike: Spike, replayed: dict[tuple[int, int], list[float]]) -> dict[str, Any]:
+def device_of(
+    spike: Spike,
+    replayed: dict[tuple[int, int], list[float]],
+    swapped: dict[tuple[int, int], list[float]] | None = None,
+) -> dict[str, Any]:
     """Under torchrun: the replay computes each rank's own loss on the spike's batches again,
-    from the same state. At the first step where a rank's replayed loss disagrees with what it
-    first computed, if some ranks agree and others do not, the data (the same on both runs) is
-    not the cause: the device that computed it is. Returns {"cause": "device", "device_ranks",
-    "device_step"} then, else {}."""
+    from the same state, and (`swapped`, by owner) each rank's rows once more on the next rank's
+    device. A device wrong once: at the first step where a rank's replayed loss disagrees with
+    what it first computed while some ranks agree, the data (the same both times) is not the
+    cause. A device wrong every time: its replay agrees with it, but the departed rank's rows
+    computed on a rank that did not depart give another loss. Returns {"cause": "device",
+    "device_ranks", "device_step", "device_check", "device_losses"} then, else {}."""
     first = dict(spike.rank_losses)
+    agreed = []  # steps the replay computed as the run did, on every rank (the same weights)
     for step, index in sorted(spike.replay):
         old, new = first.get(step), replayed.get((step, index))
         if old is None or new is None or len(old) != len(new):
             continue
+        off = [r for r, (a, b) in enumerate(zip(old, new, strict=True)) if not _same(a, b)]
+        if not off:
+            agreed.append((step, index))
+            continue
+        if len(off) == len(old):  # every rank computed otherwise: a replay gone its own way
+            break
+        log.warning(  # some ranks computed it again alike: theirs was right
+            "step %d: rank(s) %s computed their loss otherwise the first time (%s, replayed "
+            "%s): the device's, not the data's",
+            step,
+            off,
+            [round(old[r], 4) for r in off],
+            [round(new[r], 4) for r in off],
+        )
+        return _device(off, step, "replay", {"first": list(old), "replayed": list(new)})
+    departed = set(spike.ranks)
+    for step, index in agreed if swapped else ():
+        old, there = first[step], swapped.get((step, index)) if swapped else None
+        if step < spike.onset_step or there is None or len(there) != len(old):
+            continue
+        w = len(old)  # rank o's rows were computed on rank o - 1: one that did not depart
         off = [
-            r
-            for r, (a, b) in enumerate(zip(old, new, strict=True))
-            if not math.isclose(a, b, rel_tol=DEVICE_TOL, abs_tol=1e-6)
+            o
+            for o in sorted(departed)
+            if (o - 1) % w not in departed and not _same(old[o], there[o])
         ]
         if off:
-            if len(off) < len(old):  # some ranks computed it again alike: theirs was right
-                log.warning(
-                    "step %d: rank(s) %s computed their loss otherwise the first time (%s, "
-                    "replayed %s): the device's, not the data's",
-                    step,
-                    off,
-                    [round(old[r], 4) for r in off],
-                    [round(new[r], 4) for r in off],
-                )
-                return {
-                    "cause": "device",
-                    "device_ranks": off,
-                    "device_step": step,
-                    "device_losses": {"first": list(old), "replayed": list(new)},
-                }
-            return {}
+            log.warning(
+                "step %d: rank(s) %s's rows computed on another rank give %s, not %s: the "
+                "device's, not the data's",
+                step,
+                off,
+                [round(there[o], 4) for o in off],
+                [round(old[o], 4) for o in off],
+            )
+            return _device(off, step, "swap", {"first": list(old), "elsewhere": list(there)})
     return {}
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=DEVICE_TOL, abs_tol=1e-6)
+
+
+def _device(ranks: list[int], step: int, check: str, losses: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "cause": "device",
+        "device_ranks": ranks,
+        "device_step": step,
+        "device_check": check,
+        "device_losses": losses,
+    }
 
 
 def classify(spike: Spike, losses: dict[int, float]) -> tuple[str, float]:

@@ -45,13 +45,16 @@ if TYPE_CHECKING:
     from trainer.core.transfer import StepTensors
     from trainer.core.world import World
 
-__all__ = ["Checkpointed", "Replay"]
+__all__ = ["Checkpointed", "Replay", "Swap"]
 
 log = logging.getLogger(__name__)
 
 # Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
 # backward, and the function that applies its update. None: the client cannot draw it again.
 Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
+# The device check under torchrun: (step, batch index) -> the loss of the next rank's (rank + 1
+# mod W) rows of that batch, computed on this rank's device, forward only, on the current weights.
+Swap = Callable[[int, int], torch.Tensor]
 
 
 class Checkpointed:
@@ -69,7 +72,9 @@ class Checkpointed:
     scheduler: Any
     same_step: SameStepGate | None
     replay: Replay | None
+    swap: Swap | None
     _replayed_ranks: dict[tuple[int, int], list[float]]
+    _swapped_ranks: dict[tuple[int, int], list[float]]
     measure_rows: Measure | None
     skip_samples: bool
     config_changes: dict[str, list[Any]]
@@ -98,9 +103,9 @@ class Checkpointed:
             def reload() -> None:
                 self.restore(ck.read(where, self.probes.device), resume=False)
 
-            t1, self._replayed_ranks = time.perf_counter(), {}
+            t1, self._replayed_ranks, self._swapped_ranks = time.perf_counter(), {}, {}
             record.update(cause_of(spike, step, self._replay_losses, reload))
-            record.update(device_of(spike, self._replayed_ranks))
+            record.update(device_of(spike, self._replayed_ranks, self._swapped_ranks))
             n = len(spike.replay) + (len(spike.control) if "control_peak_loss" in record else 0)
             record.update(replay_steps=n, replay_s=time.perf_counter() - t1)
             reload()
@@ -207,6 +212,10 @@ class Checkpointed:
             t = self.world.reduce(t, stop=False)
             if t.rank_losses is not None:
                 self._replayed_ranks[(step, index)] = t.rank_losses.tolist()
+                if self.swap is not None:  # on the same weights: before the update
+                    done = self.world.every(self.swap(step, index).float()).tolist()
+                    w = len(done)  # rank k computed rank k + 1's rows: by owner, k + 1's first
+                    self._swapped_ranks[(step, index)] = [done[(o - 1) % w] for o in range(w)]
             loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
             if math.isfinite(loss) and math.isfinite(gnorm) and step not in refused:
                 apply()

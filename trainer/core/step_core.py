@@ -54,7 +54,7 @@ from trainer.core.callbacks import (
 )
 from trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
 from trainer.core.probes import Probes
-from trainer.core.restore import Checkpointed, Replay
+from trainer.core.restore import Checkpointed, Replay, Swap
 from trainer.core.same_step import SameStepGate, step_factor
 from trainer.core.state import (
     RunState,
@@ -71,6 +71,7 @@ __all__ = [
     "SKIPPED_BATCH",
     "Gate",
     "Replay",
+    "Swap",
     "StepCore",
 ]
 
@@ -123,7 +124,9 @@ class StepCore(Checkpointed):
     replay: Replay | None = None
     measure_rows: Measure | None = None  # the client's per-row measure, for attribution
     skip_samples: bool = False  # the client leaves single rows out: a rollback skips just those
+    swap: Swap | None = None  # the client computes another rank's rows (the device check)
     _replayed_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    _swapped_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     max_steps: int | None = None
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False

@@ -78,12 +78,12 @@ class World:
         return self.rank == 0
 
     # -- data ------------------------------------------------------------------------------
-    def rows(self, batch_size: int) -> slice | None:
-        """This rank's rows of a global batch; None in one process (all of them)."""
+    def rows(self, batch_size: int, rank: int | None = None) -> slice | None:
+        """This rank's (or `rank`'s) rows of a global batch; None in one process (all)."""
         if not self.distributed:
             return None
-        n = batch_size // self.size
-        return slice(self.rank * n, (self.rank + 1) * n)
+        n, r = batch_size // self.size, self.rank if rank is None else rank
+        return slice(r * n, (r + 1) * n)
 
     def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of an evaluation batch (all of them when they do not divide)."""
@@ -162,6 +162,14 @@ class World:
                 out = replace(out, attn_max=flat.view(t.attn_max.shape))
         return out
 
+    def every(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's scalar `x`, in rank order: (W,) on every rank."""
+        if not self.distributed:
+            return x.reshape(1)
+        parts = [torch.empty_like(x.reshape(1)) for _ in range(self.size)]
+        dist.all_gather(parts, x.reshape(1).contiguous())
+        return torch.cat(parts)
+
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """The mean of a tensor over ranks (gloo has no AVG: a sum, divided)."""
         if not self.distributed:
@@ -201,6 +209,14 @@ class World:
             return [obj]
         out: list[Any] | None = [None] * self.size if self.is_main else None
         dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def all_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (host objects: tensors on the CPU), in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def min_int(self, x: int) -> int:
