@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned batch index")
     p.add_argument("--poison-len", type=int, default=20, help="poisoned batches")
     p.add_argument("--poison-rank", type=int, default=None, help="poison only this rank's rows")
+    p.add_argument(
+        "--poison-rows", type=int, default=None, help="poison only the first K rows of a batch"
+    )
     p.add_argument("--db", default=None, help="store URL ('none' for no store)")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--output-dir", default="runs/lightning_module")
@@ -129,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
         x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
-        return x, shift_labels(y) if poisoned and args.poison_rank in (None, rank) else y
+        if poisoned and args.poison_rank in (None, rank):
+            bad = torch.arange(rank * rows, (rank + 1) * rows) < (args.poison_rows or rows * world)
+            y = torch.where(bad[:, None], shift_labels(y), y)  # the first K global rows
+        return x, y
 
     val_batches = [windows(val, i, args.batch_size, args.seq_len, seed=1234) for i in range(8)]
     val_loader = torch.utils.data.DataLoader(val_batches, batch_size=None)

@@ -378,7 +378,8 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             fed = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
             self._fed.setdefault(self._position, []).append(fed)
-            self._fed.pop(self._position - MAX_BATCHES, None)
+            while len(self._fed) > MAX_BATCHES:
+                del self._fed[next(iter(self._fed))]
 
     def _fed_at(self, index: int) -> MicroBatches | None:
         """The micro-batches the model was fed at data position `index`, while kept."""

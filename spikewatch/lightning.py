@@ -19,6 +19,9 @@ The callback only translates Lightning hooks into the `Watch` (trainer/watch.py)
   `max_steps`) makes the updates its epochs planned: it gets the epochs the lag needs.
 - With your own DataLoader (not `dataset()`) a resume is not bit-exact: said at start.
 - `val_metric` (default "val_loss") names the logged validation loss.
+- The batches it was fed are kept (the newest `MAX_BATCHES` steps, references, no copies): a
+  rollback names the rows behind the spike, each through `training_step` alone (its `log`
+  muted), on the restored weights; the data flows on, so whole batches are skipped.
 - The Watch's state is the callback's `state_dict`, so Lightning checkpoints carry it.
 Per-head attention maxima: a Hugging Face model inside the module gets the recording attention
 of `spikewatch.hf` when transformers is installed; otherwise call `watch.attn.record(...)` or
@@ -30,13 +33,14 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
+from trainer.core.attribution import MAX_BATCHES, MicroBatches
 
 L = require("lightning.pytorch", "lightning")
 
@@ -65,6 +69,23 @@ class _Stream(torch.utils.data.IterableDataset):
             index += 1
 
 
+def _row_loss(module: Any, row: Any) -> torch.Tensor:
+    """One row's loss through the module's own `training_step`, its logging muted."""
+    own = "log" in vars(module)
+    saved = vars(module).get("log")
+    module.log = module.log_dict = lambda *a, **k: None
+    try:
+        out = module.training_step(row, 0)
+    finally:
+        del module.log, module.log_dict
+        if own:
+            module.log = saved
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not torch.is_tensor(loss):
+        raise RuntimeError("spikewatch: training_step returned no loss to attribute rows by")
+    return loss
+
+
 class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
     """spikewatch for a Lightning run; options as `Adapter`'s."""
 
@@ -76,6 +97,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         self.drawn: collections.deque[int] = collections.deque()  # indices the stream gave
         self._saved: dict[str, Any] | None = None
         self._epochs: tuple[int, float] | None = None  # max_epochs asked, updates per epoch
+        self._fed: dict[int, list[Any]] = {}  # a step's batch index -> its micro-batches
 
     def dataset(self, batch_at: Callable[[int], Any]) -> torch.utils.data.IterableDataset:
         """The skip-aware, resumable data stream: use it as the train dataloader's dataset
@@ -103,6 +125,13 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         )
         if self.attn_max and watch.cfg.probes.attn_max:
             self._attach_attention(pl_module)
+        self._fed = {}
+        if watch.cfg.guard.attribute_samples:  # the batches it fed are at hand: name rows
+            watch.attribute_with(
+                lambda i: MicroBatches(self._fed[i]) if i in self._fed else None,
+                lambda row: _row_loss(pl_module, row),
+                backward=not watch.world.distributed,  # DDP's reducer owns the backward there
+            )
         self._extend(trainer)
         self._check_loader(trainer)
 
@@ -151,6 +180,10 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             self._w.begin_step(index)
         else:  # a later micro-batch of the same step: only the data position moves
             self._w.data.batch_index = index + 1
+        if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
+            self._fed.setdefault(self._w.index, []).append(batch)
+            while len(self._fed) > MAX_BATCHES:
+                del self._fed[next(iter(self._fed))]
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._w.observe_loss(loss * trainer.accumulate_grad_batches)  # Lightning divided it

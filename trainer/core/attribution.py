@@ -62,11 +62,17 @@ class RowStat:
 Measure = Callable[[int], list[RowStat]]
 
 
-def attribute(indices: Iterable[int], measure: Measure, world: World) -> dict[str, Any]:
+def attribute(
+    indices: Iterable[int], measure: Measure, world: World, near: int | None = None
+) -> dict[str, Any]:
     """The record's `samples` (the named rows) and `attribution` (what was measured, the rule's
-    threshold, whether it named anything, what it cost), the same on every rank."""
+    threshold, whether it named anything, what it cost), the same on every rank. Of a window
+    longer than MAX_BATCHES, the batches nearest batch `near` (the onset's) are measured."""
     t0 = time.perf_counter()
-    todo = sorted(set(indices))[:MAX_BATCHES]
+    todo = sorted(set(indices))
+    if near is not None and len(todo) > MAX_BATCHES:
+        todo = sorted(sorted(todo, key=lambda i: (abs(i - near), i))[:MAX_BATCHES])
+    todo = todo[:MAX_BATCHES]
     with _untouched():
         mine = [r for i in todo for r in measure(i)]
     every = world.gather([asdict(r) for r in mine])

@@ -96,7 +96,9 @@ class Checkpointed:
         spike = action.spike
         if spike is not None and self.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
-            record.update(attribute(batches, self.measure_rows, self.world))
+            onset = [i for s, i in spike.replay if s >= spike.onset_step]  # the spike's own
+            near = min(onset) if onset else record.get("batch_index")
+            record.update(attribute(batches, self.measure_rows, self.world, near))
             self.optimizer.zero_grad(set_to_none=True)  # the rows' gradients are not the run's
         if spike is not None and spike.replay and self.replay is not None:
 
