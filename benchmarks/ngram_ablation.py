@@ -155,7 +155,7 @@ def _probe(model, opt, batch: dict, index: int, injected: set[str]) -> dict:
         loss.backward()
         grad = row_grad_norm(model.parameters())
         opt.zero_grad(set_to_none=True)
-        rows.append(RowStat(batch=index, row=r, loss=float(loss), grad_norm=grad,
+        rows.append(RowStat(batch=index, row=r, loss=float(loss.detach()), grad_norm=grad,
                             id=batch["id"][r]))  # fmt: skip
     bad = [r for r in rows if r.id in injected]
     good = [r for r in rows if r.id not in injected]

@@ -13,7 +13,7 @@ _CAUSES = {
     "data_x_state": "the data (it comes back on the same batches)",
     "transient": "transient (it does not come back on the same batches)",
     "state": "the optimizer state (it comes back on batches that trained well)",
-    "device": "the device (the same batch gives another result there)",
+    "device": "the device (the same rows give another loss on a replay or on another rank)",
     "unknown": "unknown",
 }
 
@@ -29,9 +29,13 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
     if ranks:
         parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} departed")
     if data.get("device_ranks"):
-        parts.append(
-            f"the device of rank(s) {', '.join(map(str, data['device_ranks']))} computed it"
-        )
+        how = {
+            "replay": "otherwise the first time",
+            "swap": "wrong: another rank computes its rows",
+        }
+        ranks_shown = ", ".join(map(str, data["device_ranks"]))
+        check = how.get(str(data.get("device_check")), "")
+        parts.append(f"the device of rank(s) {ranks_shown} computed it {check}".rstrip())
     if data.get("suspect_devices"):
         shown = ", ".join(map(str, data["suspect_devices"]))
         parts.append(

@@ -22,16 +22,14 @@ time, unfinished; its productive time is then the steps it kept.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from observatory.goodput.held import LaneRetention, Retention
 from observatory.goodput.model import Scenario, Tier
-from observatory.retention import keep
 
 __all__ = ["BUCKETS", "Lanes", "simulate"]
 
@@ -130,6 +128,7 @@ class _Run:
         self.lam = _param(scenarios, seeds, lambda s: 1 / s.mtbf_s)  # failures per running s
         self.rate = _param(scenarios, seeds, lambda s: s.spikes.per_1k_steps / 1000)
         self.tiers = {}
+        self.held: dict[str, LaneRetention] = {}
         for name in ("memory", "disk"):
             t = [s.tier(name) for s in scenarios]
             self.tiers[name] = {
@@ -142,6 +141,19 @@ class _Run:
                 "write": np.repeat([x.write_s if x else 0.0 for x in t], seeds),
                 "survives": np.repeat([bool(x and x.replicas >= 2) for x in t], seeds),
             }
+            rules = [
+                Retention(x.interval, x.retention, x.keep_last, x.max_kept) if x else None
+                for x in t
+            ]
+            horizon = max(s.steps for s in scenarios)
+            self.held[name] = LaneRetention([r for r in rules for _ in range(seeds)], horizon)
+        self.k2 = np.stack([self.tiers[n]["k"] for n in ("memory", "disk")])
+        self.stall2 = np.stack([self.tiers[n]["stall"] for n in ("memory", "disk")])
+        backs = [s.spikes.back_steps for s in scenarios]
+        self.backs = np.zeros((len(scenarios), max(map(len, backs))), np.int64)
+        for i, b in enumerate(backs):
+            self.backs[i, : len(b)] = b
+        self.n_backs = np.array([len(b) for b in backs])
         causes = scenarios[0].failures.causes
         self.cause_cum = np.cumsum([c.share for c in causes])
         self.cause_cum[-1] = 1.0
@@ -180,7 +192,9 @@ class _Run:
         all_lanes = np.arange(L)
         self.f_left = self._fail_gap(all_lanes)
         self.s_left = self._spike_gap(all_lanes)
-        self.pins: list[dict[str, set[int]]] = [{"memory": set(), "disk": set()} for _ in range(L)]
+        # rollback targets, pinned: per tier, each lane's steps (-1: a free slot)
+        self.pins = {name: np.full((L, 4), -1, np.int64) for name in ("memory", "disk")}
+        self.n_pins = {name: np.zeros(L, np.int64) for name in ("memory", "disk")}
         self.b = {k: np.zeros(L) for k in BUCKETS}
         self.count = {
             k: np.zeros(L, dtype=np.int64)
@@ -203,28 +217,31 @@ class _Run:
 
     # -- time ----------------------------------------------------------------------------------
 
-    def _saves(self, name: str, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
-        k = self.tiers[name]["k"][ia]
-        return (P + m) // k - P // k
+    def _stalls(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """The seconds the saves of steps P + 1 .. P + m stall, both tiers."""
+        k = self.k2[:, ia]
+        return (self.stall2[:, ia] * ((P + m) // k - P // k)).sum(axis=0)
 
     def _wall(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
-        w = m * self.step_s[ia]
-        for name, t in self.tiers.items():
-            w = w + t["stall"][ia] * self._saves(name, ia, P, m)
-        return w
+        return m * self.step_s[ia] + self._stalls(ia, P, m)
 
     def _steps_within(
         self, ia: np.ndarray, P: np.ndarray, tau: np.ndarray, cap: np.ndarray
     ) -> np.ndarray:
         """The most steps (with their saves) that end by `tau` seconds, below `cap`: bisection
         between tau / (step + every stall) and tau / step."""
-        s = self.step_s[ia]
-        most = s + sum(t["stall"][ia] for t in self.tiers.values())
-        lo = np.minimum(np.floor(tau / most), cap - 1).astype(np.int64)
-        hi = np.minimum(np.floor(tau / s), cap - 1).astype(np.int64)
+        s, k, st = self.step_s[ia], self.k2[:, ia], self.stall2[:, ia]
+        stall = st.sum(axis=0)
+        # m steps save between m/k - 1 and m/k + 1 times per tier: wall(m) = m r -+ stall
+        rate = s + (st / k).sum(axis=0)
+        lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - stall) / rate) - 1)
+        hi = np.minimum(np.floor(tau / s), np.floor((tau + stall) / rate) + 1)
+        lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
+        hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
+        base = P // k
         while (open_ := lo < hi).any():
             mid = (lo + hi + 1) // 2
-            ok = self._wall(ia, P, mid) <= tau
+            ok = mid * s + (st * ((P + mid) // k - base)).sum(axis=0) <= tau
             lo = np.where(open_ & ok, mid, lo)
             hi = np.where(open_ & ~ok, mid - 1, hi)
         return lo
@@ -249,18 +266,14 @@ class _Run:
             ends = ok & (m == to_end)  # the end comes first (or with a spike at the last step)
             active[ia[ends]] = False
             spikes = ok & ~ends
-            for lane in ia[spikes]:
-                self._spike(int(lane))
+            self._spike(ia[spikes])
         return self._lanes()
 
     def _advance(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray, wall: np.ndarray) -> None:
         self.t[ia] += wall
         self.f_left[ia] -= wall
         self.s_left[ia] -= m
-        for name, t in self.tiers.items():
-            self.b["unproductive_checkpoint_save_time"][ia] += t["stall"][ia] * self._saves(
-                name, ia, P, m
-            )
+        self.b["unproductive_checkpoint_save_time"][ia] += self._stalls(ia, P, m)
         self.P[ia] = P + m
         self.H[ia] = np.maximum(self.H[ia], P + m)
 
@@ -283,11 +296,12 @@ class _Run:
         mem_step = np.where(mem_ok, (Pf // mem["k"][ia]) * mem["k"][ia], -1)
         mem_step = np.where(mem_step > P, mem_step, -1)  # older ones: looked up below
         R = np.maximum(disk, mem_step)
-        for j, lane in enumerate(ia):
-            if mem_ok[j] and mem_step[j] < 0:
-                step = self._retained(int(lane), "memory", int(Pf[j]))
-                if step >= R[j]:  # a tie restores from memory: it is faster
-                    R[j], mem_step[j] = step, step
+        older = np.flatnonzero(mem_ok & (mem_step < 0))
+        if older.size:
+            step = self._retained(ia[older], "memory", Pf[older])
+            newer = step >= R[older]  # a tie restores from memory: it is faster
+            R[older] = np.where(newer, step, R[older])
+            mem_step[older] = np.where(newer, step, mem_step[older])
         from_mem = mem_ok & (mem_step == R) & (R > 0)  # step 0 is the start, not a snapshot
         restore = np.where(from_mem, mem["restore"][ia], self.tiers["disk"]["restore"][ia])
         lost_mem = mem["on"][ia] & ~mem_ok
@@ -312,57 +326,68 @@ class _Run:
         written = tau - self._wall(ia, P, np.maximum(S - P, 0))
         S = np.where((S > P) & (written < d["write"][ia]), S - k, S)
         out = S.copy()
-        for j in np.flatnonzero(S <= P):  # made before this stretch: retention decides (not
-            out[j] = self._retained(int(ia[j]), "disk", int(S[j]))  # the unwritten one above)
+        old = np.flatnonzero(S <= P)  # made before this stretch: retention decides (not the
+        if old.size:  # unwritten one above)
+            out[old] = self._retained(ia[old], "disk", S[old])
         return out
 
-    def _spike(self, lane: int) -> None:
-        sc = self.sc[self.scen[lane]]
-        backs = sc.spikes.back_steps
-        u = self.draws.take("back", self.seed[lane : lane + 1], self.i_spike[lane : lane + 1])[0]
-        self.i_spike[lane] += 1
-        limit = max(int(self.P[lane]) - backs[min(int(u * len(backs)), len(backs) - 1)], 0)
-        target, tier = 0, "disk"
-        ideal = 0
+    def _spike(self, ia: np.ndarray) -> None:
+        """Each lane of `ia` rolls back to its newest retained checkpoint at least its drawn
+        distance before the detection (memory on a tie: faster), pinned there."""
+        if not ia.size:
+            return
+        u = self.draws.take("back", self.seed[ia], self.i_spike[ia])
+        self.i_spike[ia] += 1
+        scen, P = self.scen[ia], self.P[ia]
+        pick = np.minimum((u * self.n_backs[scen]).astype(np.int64), self.n_backs[scen] - 1)
+        limit = np.maximum(P - self.backs[scen, pick], 0)
+        target = np.zeros_like(P)
+        from_mem = np.zeros(ia.size, dtype=bool)
+        ideal = np.zeros_like(P)
         for name in ("memory", "disk"):
-            if not self.tiers[name]["on"][lane]:
-                continue
-            step = self._retained(lane, name, limit)
-            if step > target or (step == target and name == "memory" and step > 0):
-                target, tier = step, name
-            k = int(self.tiers[name]["k"][lane])
-            floor = int(self.mem_floor[lane]) if name == "memory" else 0
-            if (limit // k) * k >= floor:
-                ideal = max(ideal, (limit // k) * k)
-        if target < ideal:
-            self.count["further"][lane] += 1
-            self.count["further_steps"][lane] += ideal - target
-        if target > 0:
-            self.pins[lane][tier].add(target)
-        restore = float(self.tiers[tier]["restore"][lane])
-        self.b["wasted_progress_from_spike_rollback"][lane] += (
-            self.P[lane] - target
-        ) * self.step_s[lane]
-        self.b["unproductive_checkpoint_restore_time"][lane] += restore
-        self.t[lane] += restore
-        self.P[lane] = target
-        self.mem_floor[lane] = min(self.mem_floor[lane], target + 1)
-        self.count["spikes"][lane] += 1
-        self.s_left[lane] = self._spike_gap(np.array([lane]))[0]
+            t = self.tiers[name]
+            on = t["on"][ia]
+            step = np.where(on, self._retained(ia, name, limit), 0)
+            better = on & ((step > target) | ((step == target) & (name == "memory") & (step > 0)))
+            target = np.where(better, step, target)
+            from_mem = np.where(better, name == "memory", from_mem)
+            newest = (limit // t["k"][ia]) * t["k"][ia]
+            floor = self.mem_floor[ia] if name == "memory" else 0
+            ideal = np.where(on & (newest >= floor), np.maximum(ideal, newest), ideal)
+        further = target < ideal
+        self.count["further"][ia] += further
+        self.count["further_steps"][ia] += np.where(further, ideal - target, 0)
+        for name, mine in (("memory", from_mem), ("disk", ~from_mem)):
+            self._pin(ia[mine & (target > 0)], name, target[mine & (target > 0)])
+        restore = np.where(from_mem, self.tiers["memory"]["restore"][ia], 0.0)
+        restore = np.where(from_mem, restore, self.tiers["disk"]["restore"][ia])
+        self.b["wasted_progress_from_spike_rollback"][ia] += (P - target) * self.step_s[ia]
+        self.b["unproductive_checkpoint_restore_time"][ia] += restore
+        self.t[ia] += restore
+        self.P[ia] = target
+        self.mem_floor[ia] = np.minimum(self.mem_floor[ia], target + 1)
+        self.count["spikes"][ia] += 1
+        self.s_left[ia] = self._spike_gap(ia)
 
-    def _retained(self, lane: int, name: str, limit: int) -> int:
-        """The newest checkpoint of a tier at or before `limit` that retention still holds, or
-        that a rollback pinned there (0 if none: the run's start is always there)."""
-        sc = self.sc[self.scen[lane]]
-        tier = sc.tier(name)
-        assert tier is not None
-        n = int(self.H[lane]) // tier.interval
-        held = _held(tier.interval, tier.retention, tier.keep_last, tier.max_kept, n)
-        i = bisect.bisect_right(held, limit // tier.interval) - 1
-        step = held[i] * tier.interval if i >= 0 else 0
-        step = max([step, *(p for p in self.pins[lane][name] if p <= limit)])
-        floor = int(self.mem_floor[lane]) if name == "memory" else 0
-        return step if step >= floor else 0
+    def _pin(self, ia: np.ndarray, name: str, steps: np.ndarray) -> None:
+        pins, n = self.pins[name], self.n_pins[name]
+        if ia.size and n[ia].max() >= pins.shape[1]:
+            self.pins[name] = pins = np.concatenate([pins, np.full_like(pins, -1)], axis=1)
+        pins[ia, n[ia]] = steps
+        n[ia] += 1
+
+    def _retained(self, ia: np.ndarray, name: str, limit: np.ndarray) -> np.ndarray:
+        """Per lane of `ia`, the newest checkpoint of a tier at or before `limit` that retention
+        still holds, or that a rollback pinned there (0 if none: the run's start is always
+        there). Lanes without the tier get 0."""
+        k = self.tiers[name]["k"][ia]
+        held = self.held[name].newest(ia, self.H[ia] // k, limit // k) * k
+        pins = self.pins[name][ia]
+        pinned = np.where(pins <= limit[:, None], pins, 0).max(axis=1, initial=0)
+        step = np.maximum(held, pinned)
+        if name == "memory":
+            step = np.where(step >= self.mem_floor[ia], step, 0)
+        return np.where(self.tiers[name]["on"][ia], step, 0)
 
     def _lanes(self) -> Lanes:
         self.b["productive"] = self.P * self.step_s  # the steps kept: all of them if it finished
@@ -384,38 +409,3 @@ def _stall(tier: Tier | None, sc: Scenario) -> float:
     if tier is None:
         return 0.0
     return tier.stall_s + max(0.0, tier.write_s - tier.interval * sc.step_s)
-
-
-def _held(
-    interval: int, retention: str, keep_last: int, max_kept: int | None, n: int
-) -> tuple[int, ...]:
-    """Save indices (step / interval) a tier holds after its n-th save, sorted."""
-    if retention == "last":
-        cap = keep_last if max_kept is None else min(keep_last, max_kept)
-        return tuple(range(max(n - cap + 1, 1), n + 1))
-    return _exponential(interval, keep_last, max_kept)[n]
-
-
-@functools.lru_cache(maxsize=1024)  # one per (interval, keep_last, cap): a grid has hundreds
-def _exponential(interval: int, keep_last: int, max_kept: int | None) -> _Growing:
-    return _Growing(interval, keep_last, max_kept)
-
-
-class _Growing:
-    """The exponential rule applied at every save, as the tiers apply it (not once at the end:
-    the two differ), computed once per (interval, keep_last, cap) as far as a query reaches."""
-
-    def __init__(self, interval: int, keep_last: int, max_kept: int | None) -> None:
-        self.k, self.keep_last, self.cap = interval, keep_last, max_kept
-        self.sets: list[tuple[int, ...]] = [()]
-        self.kept: set[int] = set()
-
-    def __getitem__(self, n: int) -> tuple[int, ...]:
-        while len(self.sets) <= n:
-            j = len(self.sets)
-            steps = keep({*self.kept, j * self.k}, j * self.k, keep_last=self.keep_last)
-            if self.cap is not None and len(steps) > self.cap:
-                steps = set(sorted(steps)[-self.cap :])
-            self.kept = steps
-            self.sets.append(tuple(sorted(s // self.k for s in steps)))
-        return self.sets[n]

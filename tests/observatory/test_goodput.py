@@ -437,3 +437,19 @@ def test_simulate_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_exponential_retention_in_closed_form_equals_the_rule_save_by_save() -> None:
+    from observatory.goodput.held import LaneRetention, Retention
+    from observatory.retention import keep
+
+    for k, K in ((1, 2), (3, 2), (50, 2), (64, 3), (500, 1), (7, 5)):
+        lanes = LaneRetention([Retention(k, "exponential", K, None)], horizon=2000 * k)
+        kept: set[int] = set()
+        for n in range(1, 2001):
+            kept = keep(kept | {n * k}, n * k, keep_last=K)
+            held = sorted(s // k for s in kept)
+            for limit in {held[0], held[len(held) // 2], n, max(n - K - 3, 0)}:
+                want = max([0, *(i for i in held if i <= limit)])
+                got = lanes.newest(np.array([0]), np.array([n]), np.array([limit]))[0]
+                assert got == want, (k, K, n, limit)
