@@ -31,6 +31,7 @@ the run directory and the checkpoints, and resumes; `close()` ends the run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import weakref
@@ -425,7 +426,9 @@ class Watch:
         theirs = moved(everyone[(world.rank + 1) % world.size], self._c.probes.device)
         self.attn.active = False
         with torch.no_grad():
-            return self._loss_fn(theirs).detach().float()
+            loss = self._loss_fn(theirs).detach().float()
+        world.reshard(self.model)
+        return loss
 
     def attribute_with(
         self,
@@ -457,7 +460,8 @@ class Watch:
         rows = [(part, r) for part in parts for r in range(rows_in(part))]
         backward, out = self._row_backward, []
         for n, (batch, r) in enumerate(rows):
-            with core.world.no_sync(), torch.set_grad_enabled(backward):
+            quiet = core.world.no_sync() if backward else contextlib.nullcontext()
+            with quiet, torch.set_grad_enabled(backward):  # this rank's row alone
                 loss = self._loss_fn(row_of(batch, r))
                 if backward:
                     loss.backward()

@@ -284,6 +284,7 @@ class Trainer:
                 dtype=self.cfg.train.dtype,
             )
         finally:
+            world.reshard(self.model)
             if wrong is not None:
                 wrong.remove()
 

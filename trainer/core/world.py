@@ -162,6 +162,17 @@ class World:
                 out = replace(out, attn_max=flat.view(t.attn_max.shape))
         return out
 
+    def reshard(self, model: torch.nn.Module) -> None:
+        """After a forward with no backward (fsdp2): the root keeps its parameters gathered
+        until a backward; give them back their shards (the optimizer holds those)."""
+        if self.strategy != "fsdp2":
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def every(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's scalar `x`, in rank order: (W,) on every rank."""
         if not self.distributed:
