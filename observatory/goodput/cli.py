@@ -11,7 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from observatory.goodput.engine import simulate
-from observatory.goodput.model import LLAMA3_PER_GPU_DAY, Cause, Failures, Scenario, Spikes, Tier
+from observatory.goodput.model import (
+    LLAMA3_MAINTENANCE_EVERY_S,
+    LLAMA3_PER_GPU_DAY,
+    LLAMA3_SDC_PER_GPU_DAY,
+    Cause,
+    Corruption,
+    Failures,
+    Maintenance,
+    Scenario,
+    Spikes,
+    Tier,
+)
 from observatory.goodput.plan import (
     best_interval,
     measure,
@@ -134,6 +145,35 @@ def add_parser(sub: Any) -> None:
         help="steps before detection the target must lie: N or N,M,... (default 100, or the run's)",
     )
     sp.add_argument("--skip", type=int, default=None, help="batches skipped per rollback (350)")
+    sp.add_argument(
+        "--spike-repeat",
+        type=float,
+        default=0.0,
+        help="chance a rolled-back spike comes back at its step (0: our fault runs)",
+    )
+    more = p.add_argument_group("more failure modes (docs/goodput.md: each default's source)")
+    more.add_argument(
+        "--recovery-failures", action="store_true", help="a restart or restore can fail too"
+    )
+    more.add_argument(
+        "--maintenance",
+        nargs="?",
+        const="llama3",
+        default=None,
+        help="planned stops every DURATION (alone: Llama 3's 47 in 54 days, every 27.6h)",
+    )
+    more.add_argument("--maintenance-window", default="30min", help="a planned stop's length")
+    more.add_argument(
+        "--sdc-rate",
+        default=None,
+        help="silent data corruptions per GPU-day, or 'llama3' (6 in 54 days on 16,384 GPUs)",
+    )
+    more.add_argument(
+        "--sdc-detect", default="1000", help="steps (or a duration) until a corruption is found"
+    )
+    more.add_argument(
+        "--straggler", type=float, default=0.0, help="every step this fraction slower (0.05)"
+    )
     tiers = p.add_argument_group("checkpoint tiers")
     tiers.add_argument("--tiers", default="memory,disk", help="memory,disk or disk")
     for name, d in (("memory", Scenario().tier("memory")), ("disk", Scenario().tier("disk"))):
@@ -156,6 +196,9 @@ def add_parser(sub: Any) -> None:
         )
         tiers.add_argument(f"--{name}-max-kept", type=int, default=None, help="a count budget")
     tiers.add_argument("--memory-replicas", type=int, default=2, help="2: survives a host's loss")
+    tiers.add_argument(
+        "--retention", default=None, help="both tiers' retention: exponential[:K] or last:K"
+    )
     out = p.add_argument_group("what to do")
     out.add_argument("--seeds", type=int, default=100)
     out.add_argument("--seed", type=int, default=0)
@@ -164,6 +207,15 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--db", default=None, help="store URL for --from-run")
     out.add_argument("--no-search", action="store_true", help="skip the disk interval search")
     out.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+SHOWN = (  # badput rows printed even at zero: the ones every run has
+    "wasted_progress_from_disruption",
+    "wasted_progress_from_spike_rollback",
+    "unproductive_checkpoint_save_time",
+    "unproductive_checkpoint_restore_time",
+    "infrastructure_recovery_from_disruption",
+)
 
 
 def _steps(text: str, step_s: float, what: str) -> int:
@@ -181,7 +233,7 @@ def _steps(text: str, step_s: float, what: str) -> int:
 
 
 def _retention(text: str) -> tuple[str, int]:
-    kind, _, k = text.partition(":")
+    kind, _, k = text.replace("-", ":").partition(":")
     if kind not in ("exponential", "last") or (k and not k.isdigit()):
         raise ValueError(f"retention is exponential[:K] or last:K, not {text!r}")
     return kind, int(k) if k else 2
@@ -227,6 +279,7 @@ def scenario_from_args(
     failures = Failures(
         per_gpu_day=FAILURE_MODELS[args.failure_model] if rate is None else rate,
         causes=_causes(args.causes) if args.causes else base.failures.causes,
+        during_recovery=args.recovery_failures,
     )
     backs = tuple(got.get("back_steps") or base.spikes.back_steps)
     if args.spike_back:
@@ -239,6 +292,7 @@ def scenario_from_args(
         per_1k_steps=per_1k if args.spikes_per_1k is None else args.spikes_per_1k,
         back_steps=backs,
         skip=base.spikes.skip if args.skip is None else args.skip,
+        repeat=args.spike_repeat,
     )
     names = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if set(names) - {"memory", "disk"} or "disk" not in names:
@@ -252,13 +306,37 @@ def scenario_from_args(
         failures=failures,
         spikes=spikes,
         tiers=tuple(tiers),
+        maintenance=Maintenance(
+            every_s=None
+            if args.maintenance is None
+            else LLAMA3_MAINTENANCE_EVERY_S
+            if args.maintenance == "llama3"
+            else parse_duration(args.maintenance),
+            window_s=parse_duration(args.maintenance_window),
+        ),
+        corruption=Corruption(
+            per_gpu_day=0.0
+            if args.sdc_rate is None
+            else LLAMA3_SDC_PER_GPU_DAY
+            if args.sdc_rate == "llama3"
+            else _rate(args.sdc_rate, "--sdc-rate"),
+            detect_steps=_steps(args.sdc_detect, step_s, "--sdc-detect"),
+        ),
+        straggler=args.straggler,
     )
+
+
+def _rate(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what} is a number per GPU-day or 'llama3', not {text!r}") from None
 
 
 def _tier(args: argparse.Namespace, name: str, step_s: float, got: dict[str, Any]) -> Tier:
     default = Scenario().tier(name)
     assert default is not None
-    kind, keep_last = _retention(getattr(args, f"{name}_retention"))
+    kind, keep_last = _retention(args.retention or getattr(args, f"{name}_retention"))
     stall = getattr(args, f"{name}_stall")
     return Tier(
         name,
@@ -344,7 +422,11 @@ def _text(out: dict[str, Any]) -> str:
         f"goodput {out['goodput']:.4f} (5-95%: {out['goodput_p5']:.4f}-{out['goodput_p95']:.4f} "
         f"over {out['seeds']} seeds), {out['wall_days']:.1f} days of wall time",
     ]
-    lines += [f"  {k:<40} {100 * v:6.2f}%" for k, v in out["badput"].items()]
+    lines += [f"  {k:<40} {100 * v:6.2f}%" for k, v in out["badput"].items() if v or k in SHOWN]
+    happened = {k: v for k, v in out.get("modes", {}).items() if v}
+    if happened:
+        shown = (f"{v:.1f} {k.replace('_', ' ')}" for k, v in happened.items())
+        lines.append("  " + ", ".join(shown))
     lines.append(
         f"{out['failures']:.0f} failures ({out['restores_from_memory']:.0f} restored from memory), "
         f"{out['spike_rollbacks']:.1f} spike rollbacks, {100 * out['rollbacks_further_back']:.1f}% "

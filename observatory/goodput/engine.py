@@ -30,6 +30,7 @@ import numpy as np
 
 from observatory.goodput.held import LaneRetention, Retention
 from observatory.goodput.model import Scenario, Tier
+from observatory.goodput.modes import MODE_COUNTS, Modes, expected_events
 
 __all__ = ["BUCKETS", "Lanes", "simulate"]
 
@@ -40,6 +41,9 @@ BUCKETS = (
     "unproductive_checkpoint_save_time",
     "unproductive_checkpoint_restore_time",
     "infrastructure_recovery_from_disruption",
+    "wasted_progress_from_corruption",  # steps back to before a silent data corruption
+    "planned_maintenance",  # a planned stop's window and restart
+    "straggler_slowdown",  # what a slow rank added to every step trained
 )
 _NEVER = np.iinfo(np.int64).max // 4
 MAX_EVENTS = 1_000_000  # failures and spikes a run is expected to meet
@@ -61,6 +65,7 @@ class Lanes:
     restores_from_memory: np.ndarray
     further_back: np.ndarray  # rollbacks whose newest pre-onset save was no longer retained
     further_steps: np.ndarray  # and how many steps further back they had to go
+    modes: dict[str, np.ndarray]  # what the optional failure modes did (MODE_COUNTS)
 
     @property
     def goodput(self) -> np.ndarray:
@@ -84,7 +89,7 @@ class _Draws:
     """Per seed, the same unit draws in every scenario, extended on demand: each stream of
     each seed has its own generator, so what a seed draws does not depend on the batch."""
 
-    STREAMS = ("fail", "spike", "cause", "back")
+    STREAMS = ("fail", "spike", "cause", "back", "recover", "repeat", "sdc")
 
     def __init__(self, seeds: int, seed: int, n: int) -> None:
         self.rngs = {
@@ -98,7 +103,7 @@ class _Draws:
     def _grow(self, n: int) -> None:
         for name, rngs in self.rngs.items():
             draw = [
-                r.random(n) if name in ("cause", "back") else r.standard_exponential(n)
+                r.random(n) if name in ("cause", "back", "repeat") else r.standard_exponential(n)
                 for r in rngs
             ]
             fresh = np.stack(draw)
@@ -117,13 +122,14 @@ def _param(scenarios: list[Scenario], seeds: int, get) -> np.ndarray:  # noqa: A
     return np.repeat(np.array([get(s) for s in scenarios], dtype=np.float64), seeds)
 
 
-class _Run:
+class _Run(Modes):
     def __init__(self, scenarios: list[Scenario], seeds: int, seed: int) -> None:
         self.sc, self.seeds = scenarios, seeds
         L = len(scenarios) * seeds
         self.scen = np.repeat(np.arange(len(scenarios)), seeds)
         self.seed = np.tile(np.arange(seeds), len(scenarios))
-        self.step_s = _param(scenarios, seeds, lambda s: s.step_s)
+        self.base_s = _param(scenarios, seeds, lambda s: s.step_s)  # a step without stragglers
+        self.step_s = self.base_s * _param(scenarios, seeds, lambda s: 1 + s.straggler)
         self.N = _param(scenarios, seeds, lambda s: s.steps).astype(np.int64)
         self.lam = _param(scenarios, seeds, lambda s: 1 / s.mtbf_s)  # failures per running s
         self.rate = _param(scenarios, seeds, lambda s: s.spikes.per_1k_steps / 1000)
@@ -162,13 +168,7 @@ class _Run:
         self.restart = np.where(
             np.isnan(own), _param(scenarios, seeds, lambda s: s.restart_s)[:, None], own
         )
-        expected = max(
-            max(
-                s.steps * s.step_s * 1.5 / s.mtbf_s + s.steps * s.spikes.per_1k_steps / 1000
-                for s in scenarios
-            ),
-            1.0,
-        )
+        expected = max(max(map(expected_events, scenarios)), 1.0)
         if expected > MAX_EVENTS:
             raise ValueError(
                 f"a run would meet about {expected:,.0f} failures and spikes: too many to "
@@ -198,8 +198,10 @@ class _Run:
         self.b = {k: np.zeros(L) for k in BUCKETS}
         self.count = {
             k: np.zeros(L, dtype=np.int64)
-            for k in ("failures", "spikes", "memory", "further", "further_steps")
+            for k in ("failures", "spikes", "memory", "further", "further_steps", *MODE_COUNTS)
         }
+        self.lost = np.zeros(L, dtype=np.int64)  # steps trained and thrown away
+        self.init_modes(scenarios, seeds)
 
     # -- draws -------------------------------------------------------------------------------
 
@@ -257,22 +259,28 @@ class _Run:
             ia = np.flatnonzero(active)
             P = self.P[ia]
             to_end = self.N[ia] - P
-            m = np.minimum(self.s_left[ia], to_end)
+            sdc = self.sdc_left(ia)  # steps to a corruption, or to its detection
+            m = np.minimum(np.minimum(self.s_left[ia], sdc), to_end)
             wall = self._wall(ia, P, m)
-            fails = self.f_left[ia] < wall
+            f_left, stop = self.f_left[ia], self.next_stop[ia] - self.t[ia]
+            fails = (f_left < wall) & (f_left <= stop)
+            stops = ~fails & (stop < wall)  # a planned stop comes first
             self._fail(ia[fails], P[fails], m[fails])
-            ok = ~fails
+            self.maintain(ia[stops], P[stops], m[stops], stop[stops])
+            ok = ~fails & ~stops
             self._advance(ia[ok], P[ok], m[ok], wall[ok])
             ends = ok & (m == to_end)  # the end comes first (or with a spike at the last step)
             active[ia[ends]] = False
-            spikes = ok & ~ends
+            spikes = ok & ~ends & (self.s_left[ia] == 0)  # its counter ran out
             self._spike(ia[spikes])
+            self.corrupt(ia[ok & ~ends & ~spikes & (m == sdc)])
         return self._lanes()
 
     def _advance(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray, wall: np.ndarray) -> None:
         self.t[ia] += wall
         self.f_left[ia] -= wall
         self.s_left[ia] -= m
+        self.count_down(ia, m)
         self.b["unproductive_checkpoint_save_time"][ia] += self._stalls(ia, P, m)
         self.P[ia] = P + m
         self.H[ia] = np.maximum(self.H[ia], P + m)
@@ -308,10 +316,13 @@ class _Run:
         # memory holds nothing from before a loss; a restore below the floor starts a lineage
         # whose new snapshots it holds
         self.mem_floor[ia] = np.where(lost_mem, R + 1, np.minimum(self.mem_floor[ia], R + 1))
-        self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * self.step_s[ia] + (tau - done)
-        self.b["infrastructure_recovery_from_disruption"][ia] += restart
+        again = self.recovery(ia, restart + restore)  # attempts that failed themselves
+        self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * self.base_s[ia] + (tau - done)
+        self.b["infrastructure_recovery_from_disruption"][ia] += restart + again
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
-        self.t[ia] += (tau - done) + restart + restore
+        self.t[ia] += (tau - done) + restart + restore + again
+        self.lost[ia] += Pf - R
+        self.cure(ia, R)
         self.P[ia] = R
         self.count["failures"][ia] += 1
         self.count["memory"][ia] += from_mem
@@ -329,18 +340,29 @@ class _Run:
         old = np.flatnonzero(S <= P)  # made before this stretch: retention decides (not the
         if old.size:  # unwritten one above)
             out[old] = self._retained(ia[old], "disk", S[old])
-        return out
+        stop = self.stop_save[ia]  # a planned stop's save, durable before the stop
+        return np.maximum(out, np.where(stop <= Pf, stop, 0))
 
     def _spike(self, ia: np.ndarray) -> None:
         """Each lane of `ia` rolls back to its newest retained checkpoint at least its drawn
-        distance before the detection (memory on a tie: faster), pinned there."""
+        distance before the detection; the spike may come back there (`Spikes.repeat`)."""
         if not ia.size:
             return
         u = self.draws.take("back", self.seed[ia], self.i_spike[ia])
         self.i_spike[ia] += 1
         scen, P = self.scen[ia], self.P[ia]
         pick = np.minimum((u * self.n_backs[scen]).astype(np.int64), self.n_backs[scen] - 1)
-        limit = np.maximum(P - self.backs[scen, pick], 0)
+        target = self.roll_back(ia, np.maximum(P - self.backs[scen, pick], 0), spike=True)
+        self.count["spikes"][ia] += 1
+        gap = self._spike_gap(ia)
+        again = self.draws.take("repeat", self.seed[ia], self.i_spike[ia]) < self.repeat[ia]
+        self.count["repeats"][ia] += again
+        self.s_left[ia] = np.where(again, np.maximum(P - target, 1), gap)
+
+    def roll_back(self, ia: np.ndarray, limit: np.ndarray, *, spike: bool) -> np.ndarray:
+        """Each lane of `ia` back to its newest retained checkpoint at or before `limit`
+        (memory on a tie: faster), pinned there; returns the targets."""
+        P = self.P[ia]
         target = np.zeros_like(P)
         from_mem = np.zeros(ia.size, dtype=bool)
         ideal = np.zeros_like(P)
@@ -354,20 +376,23 @@ class _Run:
             newest = (limit // t["k"][ia]) * t["k"][ia]
             floor = self.mem_floor[ia] if name == "memory" else 0
             ideal = np.where(on & (newest >= floor), np.maximum(ideal, newest), ideal)
-        further = target < ideal
-        self.count["further"][ia] += further
-        self.count["further_steps"][ia] += np.where(further, ideal - target, 0)
+        if spike:
+            further = target < ideal
+            self.count["further"][ia] += further
+            self.count["further_steps"][ia] += np.where(further, ideal - target, 0)
         for name, mine in (("memory", from_mem), ("disk", ~from_mem)):
             self._pin(ia[mine & (target > 0)], name, target[mine & (target > 0)])
         restore = np.where(from_mem, self.tiers["memory"]["restore"][ia], 0.0)
         restore = np.where(from_mem, restore, self.tiers["disk"]["restore"][ia])
-        self.b["wasted_progress_from_spike_rollback"][ia] += (P - target) * self.step_s[ia]
+        bucket = "spike_rollback" if spike else "corruption"
+        self.b[f"wasted_progress_from_{bucket}"][ia] += (P - target) * self.base_s[ia]
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
         self.t[ia] += restore
+        self.lost[ia] += P - target
         self.P[ia] = target
         self.mem_floor[ia] = np.minimum(self.mem_floor[ia], target + 1)
-        self.count["spikes"][ia] += 1
-        self.s_left[ia] = self._spike_gap(ia)
+        self.cure(ia, target)
+        return target
 
     def _pin(self, ia: np.ndarray, name: str, steps: np.ndarray) -> None:
         pins, n = self.pins[name], self.n_pins[name]
@@ -387,10 +412,13 @@ class _Run:
         step = np.maximum(held, pinned)
         if name == "memory":
             step = np.where(step >= self.mem_floor[ia], step, 0)
+        else:  # a planned stop's save
+            step = np.maximum(step, np.where(self.stop_save[ia] <= limit, self.stop_save[ia], 0))
         return np.where(self.tiers[name]["on"][ia], step, 0)
 
     def _lanes(self) -> Lanes:
-        self.b["productive"] = self.P * self.step_s  # the steps kept: all of them if it finished
+        self.b["productive"] = self.P * self.base_s  # the steps kept: all of them if it finished
+        self.b["straggler_slowdown"] = (self.P + self.lost) * (self.step_s - self.base_s)
         return Lanes(
             seeds=self.seeds,
             finished=self.P == self.N,
@@ -401,6 +429,7 @@ class _Run:
             restores_from_memory=self.count["memory"],
             further_back=self.count["further"],
             further_steps=self.count["further_steps"],
+            modes={k: self.count[k] for k in MODE_COUNTS},
         )
 
 

@@ -108,14 +108,16 @@ class LaneRetention:
             if lv is not None:
                 j = len(lv[0])
                 self.first[lane, :j], self.last[lane, :j], self.period[lane, :j] = lv
+        self.youngest = self.first.min(axis=0)  # per level column: no lane's level starts sooner
 
     def newest(self, ia: np.ndarray, n: np.ndarray, limit: np.ndarray) -> np.ndarray:
         """Per lane of `ia`, the newest save index <= `limit` held after save `n` (0: none)."""
         top = np.minimum(n, limit)
         out = np.where(top >= n - self.K[ia] + 1, np.maximum(top, 0), 0)
-        age0 = n[:, None] - self.first[ia]
-        i = age0 - (age0 - 1) % self.period[ia]
-        ok = (i >= 1) & (i >= n[:, None] - self.last[ia]) & (i <= limit[:, None])
+        J = int(np.searchsorted(self.youngest, n.max(initial=0), side="right"))  # reached
+        age0 = n[:, None] - self.first[ia, :J]
+        i = age0 - (age0 - 1) % self.period[ia, :J]
+        ok = (i >= 1) & (i >= n[:, None] - self.last[ia, :J]) & (i <= limit[:, None])
         out = np.maximum(out, np.where(ok, i, 0).max(axis=1, initial=0))
         for j in np.flatnonzero(self.capped[ia]):
             rule = self.rules[int(ia[j])]

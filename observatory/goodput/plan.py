@@ -49,6 +49,7 @@ def report(scenario: Scenario, lanes: Lanes, i: int = 0) -> dict[str, Any]:
             lanes.further_steps[s].sum() / max(lanes.further_back[s].sum(), 1)
         ),
         "batches_skipped": float(lanes.spikes[s].mean() * scenario.spikes.skip),
+        "modes": {k: float(v[s].mean()) for k, v in lanes.modes.items()},
     }
 
 
