@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from observatory.goodput.engine import simulate
+from observatory.goodput.engine import BUCKETS, simulate
 from observatory.goodput.model import (
     LLAMA3_MAINTENANCE_EVERY_S,
     LLAMA3_PER_GPU_DAY,
@@ -209,13 +209,7 @@ def add_parser(sub: Any) -> None:
     out.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-SHOWN = (  # badput rows printed even at zero: the ones every run has
-    "wasted_progress_from_disruption",
-    "wasted_progress_from_spike_rollback",
-    "unproductive_checkpoint_save_time",
-    "unproductive_checkpoint_restore_time",
-    "infrastructure_recovery_from_disruption",
-)
+SHOWN = BUCKETS[1:6]  # badput rows printed even at zero: the ones every run has
 
 
 def _steps(text: str, step_s: float, what: str) -> int:

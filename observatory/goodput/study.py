@@ -48,10 +48,16 @@ def study(sc: Scenario, *, seeds: int = 30, points: int = 11, seed: int = 0) -> 
         f"memory every {mem_grid[best_mem] * sc.step_s / 60:.1f} min (best) + disk": len(disk_grid)
         + best_mem,
     }
+    reports = {name: report(plans[i], lanes, i) for name, i in named.items()}
     return {
         "curves": curves,
-        "plans": {name: report(plans[i], lanes, i) for name, i in named.items()},
-        "buckets": list(BUCKETS[1:]),
+        "plans": reports,
+        # the five every run has, and a failure mode's only when it is on
+        "buckets": [
+            k
+            for k in BUCKETS[1:]
+            if k in BUCKETS[1:6] or any(r["badput"][k] > 0 for r in reports.values())
+        ],
         "young_daly": yd,
         "seeds": seeds,
         "runs": len(plans) * seeds,
