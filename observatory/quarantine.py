@@ -13,18 +13,20 @@ import argparse
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.orm import Session
-
-from observatory.store import queries
 from observatory.strict_json import tagged
+
+if TYPE_CHECKING:  # the store is imported when the command runs: `spikewatch` starts fast
+    from sqlalchemy.orm import Session
 
 __all__ = ["add_parser", "blocklist_lines", "read_blocklist"]
 
 
 def blocklist_lines(session: Session, *, run_id: str) -> list[str]:
     """The run's named samples as JSON lines (strict JSON: a NaN loss is the string "nan")."""
+    from observatory.store import queries
+
     rows = queries.samples(session, run_id=run_id)
     return [
         json.dumps(

@@ -53,10 +53,10 @@ GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves 
 
 @dataclasses.dataclass
 class Lanes:
-    """Per lane (scenario-major: lane = scenario * seeds + seed): wall seconds by bucket and
-    counts of what happened."""
+    """Per lane (scenario-major: scenario i's seeds are lanes `of(i)`): wall seconds by bucket
+    and counts of what happened."""
 
-    seeds: int
+    offsets: np.ndarray  # scenario i's lanes are offsets[i]:offsets[i + 1]
     finished: np.ndarray  # False: gave up after GIVE_UP times the failure-free time
     wall_s: np.ndarray
     buckets: dict[str, np.ndarray]
@@ -72,17 +72,21 @@ class Lanes:
         return self.buckets["productive"] / self.wall_s
 
     def of(self, scenario: int) -> slice:
-        return slice(scenario * self.seeds, (scenario + 1) * self.seeds)
+        return slice(int(self.offsets[scenario]), int(self.offsets[scenario + 1]))
 
 
-def simulate(scenarios: Sequence[Scenario], seeds: int = 100, seed: int = 0) -> Lanes:
-    """Every scenario under seeds `seed`, ..., `seed + seeds - 1`."""
-    if seeds < 1 or not scenarios:
+def simulate(
+    scenarios: Sequence[Scenario], seeds: int | Sequence[int] = 100, seed: int = 0
+) -> Lanes:
+    """Every scenario under seeds `seed`, ..., `seed + seeds - 1` (`seeds`: one count for all,
+    or one per scenario: plans of one question share one pass of the loop)."""
+    counts = np.broadcast_to(np.asarray(seeds, dtype=np.int64), (len(scenarios),))
+    if not scenarios or counts.min() < 1:
         raise ValueError("simulate needs at least one scenario and one seed")
     causes = scenarios[0].failures.causes
     if any(s.failures.causes != causes for s in scenarios):
         raise ValueError("the scenarios of one simulation share their failure causes")
-    return _Run(list(scenarios), seeds, seed).go()
+    return _Run(list(scenarios), counts, seed).go()
 
 
 class _Draws:
@@ -118,16 +122,16 @@ class _Draws:
         return self.cols[name][seed, idx]
 
 
-def _param(scenarios: list[Scenario], seeds: int, get) -> np.ndarray:  # noqa: ANN001
+def _param(scenarios: list[Scenario], seeds: np.ndarray, get) -> np.ndarray:  # noqa: ANN001
     return np.repeat(np.array([get(s) for s in scenarios], dtype=np.float64), seeds)
 
 
 class _Run(Modes):
-    def __init__(self, scenarios: list[Scenario], seeds: int, seed: int) -> None:
+    def __init__(self, scenarios: list[Scenario], seeds: np.ndarray, seed: int) -> None:
         self.sc, self.seeds = scenarios, seeds
-        L = len(scenarios) * seeds
+        L = int(seeds.sum())
         self.scen = np.repeat(np.arange(len(scenarios)), seeds)
-        self.seed = np.tile(np.arange(seeds), len(scenarios))
+        self.seed = np.concatenate([np.arange(n) for n in seeds])
         self.base_s = _param(scenarios, seeds, lambda s: s.step_s)  # a step without stragglers
         self.step_s = self.base_s * _param(scenarios, seeds, lambda s: 1 + s.straggler)
         self.N = _param(scenarios, seeds, lambda s: s.steps).astype(np.int64)
@@ -152,9 +156,12 @@ class _Run(Modes):
                 for x in t
             ]
             horizon = max(s.steps for s in scenarios)
-            self.held[name] = LaneRetention([r for r in rules for _ in range(seeds)], horizon)
+            lanes = [r for r, n in zip(rules, seeds, strict=True) for _ in range(n)]
+            self.held[name] = LaneRetention(lanes, horizon)
         self.k2 = np.stack([self.tiers[n]["k"] for n in ("memory", "disk")])
         self.stall2 = np.stack([self.tiers[n]["stall"] for n in ("memory", "disk")])
+        self.stall_sum = self.stall2.sum(axis=0)
+        self.rate_s = self.step_s + (self.stall2 / self.k2).sum(axis=0)  # a step with its saves
         backs = [s.spikes.back_steps for s in scenarios]
         self.backs = np.zeros((len(scenarios), max(map(len, backs))), np.int64)
         for i, b in enumerate(backs):
@@ -181,7 +188,8 @@ class _Run(Modes):
                         f"the {tier.name} tier would save {sc.steps // tier.interval:,} times "
                         f"(at most {MAX_SAVES:,}): lengthen its interval"
                     )
-        self.draws = _Draws(seeds, seed, int(expected * 1.3 + 10 * math.sqrt(expected) + 64))
+        n = int(expected * 1.3 + 10 * math.sqrt(expected) + 64)
+        self.draws = _Draws(int(seeds.max()), seed, n)
         # state
         self.t = np.zeros(L)
         self.P = np.zeros(L, dtype=np.int64)
@@ -233,9 +241,8 @@ class _Run(Modes):
         """The most steps (with their saves) that end by `tau` seconds, below `cap`: bisection
         between tau / (step + every stall) and tau / step."""
         s, k, st = self.step_s[ia], self.k2[:, ia], self.stall2[:, ia]
-        stall = st.sum(axis=0)
         # m steps save between m/k - 1 and m/k + 1 times per tier: wall(m) = m r -+ stall
-        rate = s + (st / k).sum(axis=0)
+        stall, rate = self.stall_sum[ia], self.rate_s[ia]
         lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - stall) / rate) - 1)
         hi = np.minimum(np.floor(tau / s), np.floor((tau + stall) / rate) + 1)
         lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
@@ -281,7 +288,7 @@ class _Run(Modes):
         self.f_left[ia] -= wall
         self.s_left[ia] -= m
         self.count_down(ia, m)
-        self.b["unproductive_checkpoint_save_time"][ia] += self._stalls(ia, P, m)
+        self.b["unproductive_checkpoint_save_time"][ia] += wall - m * self.step_s[ia]
         self.P[ia] = P + m
         self.H[ia] = np.maximum(self.H[ia], P + m)
 
@@ -420,7 +427,7 @@ class _Run(Modes):
         self.b["productive"] = self.P * self.base_s  # the steps kept: all of them if it finished
         self.b["straggler_slowdown"] = (self.P + self.lost) * (self.step_s - self.base_s)
         return Lanes(
-            seeds=self.seeds,
+            offsets=np.concatenate([[0], np.cumsum(self.seeds)]),
             finished=self.P == self.N,
             wall_s=self.t,
             buckets=self.b,

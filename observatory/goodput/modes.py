@@ -56,11 +56,11 @@ class Modes:
         def _advance(self, ia: Any, P: Any, m: Any, wall: Any) -> None: ...
         def roll_back(self, ia: Any, limit: Any, *, spike: bool) -> np.ndarray: ...
 
-    def init_modes(self, scenarios: list[Scenario], seeds: int) -> None:
+    def init_modes(self, scenarios: list[Scenario], seeds: np.ndarray) -> None:
         def per_lane(get: Any, dtype: Any = np.float64) -> np.ndarray:
             return np.repeat(np.array([get(s) for s in scenarios], dtype=dtype), seeds)
 
-        L = len(scenarios) * seeds
+        L = int(seeds.sum())
         self.repeat = per_lane(lambda s: s.spikes.repeat)
         self.recovers = per_lane(lambda s: s.failures.during_recovery, bool)
         self.stop_every = per_lane(lambda s: s.maintenance.every_s or np.inf)

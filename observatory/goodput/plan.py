@@ -17,6 +17,8 @@ from observatory.goodput.young_daly import daly, overhead, young
 __all__ = [
     "Best",
     "best_interval",
+    "interval_grid",
+    "pick_interval",
     "measure",
     "optimize",
     "report",
@@ -79,12 +81,22 @@ def best_interval(
     """The interval of `tier` with the best mean goodput, the other tiers as they are: a grid
     from a quarter to four times Young's interval (in log steps), then the vertex of a parabola
     through the best point and its neighbours in log interval (the curve is flat at the top)."""
+    grid, plans = interval_grid(scenario, tier, points)
+    return pick_interval(tier, grid, simulate(plans, seeds, seed))
+
+
+def interval_grid(scenario: Scenario, tier: str = "disk", points: int = 17) -> tuple[Any, list]:
+    """`best_interval`'s grid and its plans (to simulate with others in one pass)."""
     t = scenario.tier(tier)
     if t is None:
         raise ValueError(f"the scenario has no {tier} tier")
     grid = np.array(young_grid(scenario, t.stall_s, 1 / 4, 4, points))
-    lanes = simulate([scenario.with_tier(tier, interval=int(k)) for k in grid], seeds, seed)
-    g = np.array([lanes.goodput[lanes.of(i)].mean() for i in range(grid.size)])
+    return grid, [scenario.with_tier(tier, interval=int(k)) for k in grid]
+
+
+def pick_interval(tier: str, grid: Any, lanes: Lanes, first: int = 0) -> Best:
+    """The best of a simulated grid (plans `first`, `first + 1`, ... of `lanes`)."""
+    g = np.array([lanes.goodput[lanes.of(first + i)].mean() for i in range(grid.size)])
     i = int(g.argmax())
     best = float(grid[i])
     if 2 <= i <= grid.size - 3:
