@@ -204,7 +204,17 @@ def add_parser(sub: Any) -> None:
     out = p.add_argument_group("what to do")
     out.add_argument("--seeds", type=int, default=100)
     out.add_argument("--seed", type=int, default=0)
-    out.add_argument("--optimize", action="store_true", help="search intervals and tiers")
+    out.add_argument(
+        "--optimize",
+        action="store_true",
+        help="search the memory interval, disk interval and memory retention together",
+    )
+    out.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        help="with --optimize: snapshots host memory holds (its size / one snapshot's)",
+    )
     out.add_argument("--from-run", default=None, metavar="RUN", help="measured inputs from a run")
     out.add_argument("--db", default=None, help="store URL for --from-run")
     out.add_argument("--no-search", action="store_true", help="skip the disk interval search")
@@ -360,7 +370,9 @@ def run(args: argparse.Namespace) -> int:
     sc = scenario_from_args(args, out.get("measured"))
     t0 = time.perf_counter()
     if args.optimize:
-        found = optimize(sc, seed=args.seed)
+        if args.memory_budget is not None and args.memory_budget < 1:
+            raise ValueError("--memory-budget must be >= 1 snapshot")
+        found = optimize(sc, seed=args.seed, budget=args.memory_budget)
         sc = found.pop("scenario")
         out["optimize"] = {**found, "seconds": time.perf_counter() - t0}
     t1 = time.perf_counter()
@@ -442,10 +454,18 @@ def _text(out: dict[str, Any]) -> str:
             )
         lines.append(line)
     if "optimize" in out:
-        b = out["optimize"]["best"]
+        o = out["optimize"]
+        b = o["best"]
+        memory = (
+            "no memory tier"
+            if b["memory_interval"] is None
+            else f"memory every {b['memory_interval']} steps ({b['memory_retention']})"
+        )
+        budget = "" if o["budget"] is None else f" within {o['budget']} snapshots"
         lines.append(
-            f"best of {out['optimize']['configurations']} plans: memory every "
-            f"{b['memory_interval']} steps, disk every {b['disk_interval']} steps, goodput "
-            f"{b['goodput']:.4f} ({out['optimize']['seconds']:.1f} s)"
+            f"best of {o['configurations']} plans{budget}: {memory}, disk every "
+            f"{b['disk_interval']} steps: goodput {b['goodput']:.4f} against "
+            f"{o['given']['goodput']:.4f} for the plan as given ({100 * o['gain']:+.2f} points; "
+            f"{o['seconds']:.1f} s); the figures above are the best plan's"
         )
     return "\n".join(lines)

@@ -266,28 +266,35 @@ class _Run(Modes):
             ia = np.flatnonzero(active)
             P = self.P[ia]
             to_end = self.N[ia] - P
-            sdc = self.sdc_left(ia)  # steps to a corruption, or to its detection
-            m = np.minimum(np.minimum(self.s_left[ia], sdc), to_end)
+            m = np.minimum(self.s_left[ia], to_end)
+            if self.any_sdc:
+                sdc = self.sdc_left(ia)  # steps to a corruption, or to its detection
+                m = np.minimum(m, sdc)
             wall = self._wall(ia, P, m)
-            f_left, stop = self.f_left[ia], self.next_stop[ia] - self.t[ia]
-            fails = (f_left < wall) & (f_left <= stop)
-            stops = ~fails & (stop < wall)  # a planned stop comes first
+            fails = self.f_left[ia] < wall
+            ok = ~fails
+            if self.any_stops:
+                stop = self.next_stop[ia] - self.t[ia]
+                fails &= self.f_left[ia] <= stop
+                stops = ~fails & (stop < wall)  # a planned stop comes first
+                self.maintain(ia[stops], P[stops], m[stops], stop[stops])
+                ok = ~fails & ~stops
             self._fail(ia[fails], P[fails], m[fails])
-            self.maintain(ia[stops], P[stops], m[stops], stop[stops])
-            ok = ~fails & ~stops
             self._advance(ia[ok], P[ok], m[ok], wall[ok])
             ends = ok & (m == to_end)  # the end comes first (or with a spike at the last step)
             active[ia[ends]] = False
             spikes = ok & ~ends & (self.s_left[ia] == 0)  # its counter ran out
             self._spike(ia[spikes])
-            self.corrupt(ia[ok & ~ends & ~spikes & (m == sdc)])
+            if self.any_sdc:
+                self.corrupt(ia[ok & ~ends & ~spikes & (m == sdc)])
         return self._lanes()
 
     def _advance(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray, wall: np.ndarray) -> None:
         self.t[ia] += wall
         self.f_left[ia] -= wall
         self.s_left[ia] -= m
-        self.count_down(ia, m)
+        if self.any_sdc:
+            self.count_down(ia, m)
         self.b["unproductive_checkpoint_save_time"][ia] += wall - m * self.step_s[ia]
         self.P[ia] = P + m
         self.H[ia] = np.maximum(self.H[ia], P + m)
@@ -412,6 +419,9 @@ class _Run(Modes):
         """Per lane of `ia`, the newest checkpoint of a tier at or before `limit` that retention
         still holds, or that a rollback pinned there (0 if none: the run's start is always
         there). Lanes without the tier get 0."""
+        on = self.tiers[name]["on"][ia]
+        if not on.any():
+            return np.zeros(ia.size, np.int64)
         k = self.tiers[name]["k"][ia]
         held = self.held[name].newest(ia, self.H[ia] // k, limit // k) * k
         pins = self.pins[name][ia]
@@ -421,7 +431,7 @@ class _Run(Modes):
             step = np.where(step >= self.mem_floor[ia], step, 0)
         else:  # a planned stop's save
             step = np.maximum(step, np.where(self.stop_save[ia] <= limit, self.stop_save[ia], 0))
-        return np.where(self.tiers[name]["on"][ia], step, 0)
+        return np.where(on, step, 0)
 
     def _lanes(self) -> Lanes:
         self.b["productive"] = self.P * self.base_s  # the steps kept: all of them if it finished

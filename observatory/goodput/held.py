@@ -93,6 +93,7 @@ class LaneRetention:
         self.K = np.array([r.K if r else 0 for r in rules], np.int64)
         self.last_rule = np.array([bool(r and r.rule == "last") for r in rules])
         self.capped = np.array([bool(r and not r.closed) for r in rules])
+        self.any_capped = bool(self.capped.any())
         levels = [
             _levels_to(r.k, r.K, horizon // r.k + 1)
             if r and r.rule == "exponential" and r.closed
@@ -119,7 +120,7 @@ class LaneRetention:
         i = age0 - (age0 - 1) % self.period[ia, :J]
         ok = (i >= 1) & (i >= n[:, None] - self.last[ia, :J]) & (i <= limit[:, None])
         out = np.maximum(out, np.where(ok, i, 0).max(axis=1, initial=0))
-        for j in np.flatnonzero(self.capped[ia]):
+        for j in np.flatnonzero(self.capped[ia]) if self.any_capped else ():
             rule = self.rules[int(ia[j])]
             assert rule is not None
             out[j] = max(int(out[j]), _capped(rule, int(n[j]), int(limit[j])))

@@ -157,10 +157,14 @@ def optimize(
     seeds: int = 30,
     points: int = 9,
     seed: int = 0,
+    budget: int | None = None,
 ) -> dict[str, Any]:
-    """The best plan over a grid: disk interval x memory interval (a quarter to eight times
-    Young's interval for each tier's stall), and disk alone. Returns the best plan's report,
-    the grid's goodputs and the time the grid took."""
+    """The best plan over a grid of disk interval x memory interval (a quarter to eight times
+    Young's interval for each tier's stall) x the memory tier's retention, and disk alone, with
+    the memory tier holding at most `budget` snapshots (its host memory over one snapshot's
+    size; None: as the scenario's tier allows). Exponential retention holds K + log2(saves) + 1
+    at most, so under a budget its K is what fits; keep-last holds the budget. Returns the best
+    plan's report, the plan as given for comparison, the grid's goodputs and its size."""
     disk = scenario.tier("disk")
     mem = scenario.tier("memory")
     assert disk is not None
@@ -168,33 +172,50 @@ def optimize(
     mem_tier = mem or MEMORY
     mem_grid = young_grid(scenario, mem_tier.stall_s, 1 / 4, 8, points)
     alone = scenario.replace(tiers=(disk,))
-    plans: list[tuple[int | None, int]] = [(None, k) for k in disk_grid]
-    plans += [(km, kd) for km in mem_grid for kd in disk_grid if kd >= km]
-    scenarios = [
-        alone.with_tier("disk", interval=kd)
-        if km is None
-        else scenario.replace(
-            tiers=(
-                dataclasses.replace(mem_tier, interval=km),
-                dataclasses.replace(disk, interval=kd),
-            )
-        )
-        for km, kd in plans
+    candidates: list[tuple[Scenario, dict[str, Any]]] = [
+        (alone.with_tier("disk", interval=k), {"memory_interval": None, "disk_interval": k})
+        for k in disk_grid
     ]
-    lanes = simulate(scenarios, seeds, seed)
-    g = [float(lanes.goodput[lanes.of(i)].mean()) for i in range(len(plans))]
+    for km in mem_grid:
+        for rule, keep in _retentions(scenario.steps // km, km, budget, mem_tier):
+            tier = dataclasses.replace(
+                mem_tier, interval=km, retention=rule, keep_last=keep, max_kept=None
+            )
+            for kd in disk_grid:
+                if kd >= km:
+                    sc = scenario.replace(tiers=(tier, dataclasses.replace(disk, interval=kd)))
+                    plan = {"memory_interval": km, "disk_interval": kd}
+                    candidates.append((sc, plan | {"memory_retention": f"{rule}:{keep}"}))
+    lanes = simulate([scenario, *(sc for sc, _ in candidates)], seeds, seed)
+    g = [float(lanes.goodput[lanes.of(i + 1)].mean()) for i in range(len(candidates))]
     i = int(np.argmax(g))
-    km, kd = plans[i]
+    given = report(scenario, lanes, 0)
+    best = report(candidates[i][0], lanes, i + 1)
     return {
-        "best": {"memory_interval": km, "disk_interval": kd, **report(scenarios[i], lanes, i)},
-        "grid": [
-            {"memory_interval": a, "disk_interval": b, "goodput": x}
-            for (a, b), x in zip(plans, g, strict=True)
-        ],
-        "configurations": len(plans),
+        "best": candidates[i][1] | best,
+        "given": given,
+        "gain": best["goodput"] - given["goodput"],
+        "grid": [plan | {"goodput": x} for (_, plan), x in zip(candidates, g, strict=True)],
+        "configurations": len(candidates),
+        "budget": budget,
         "seeds": seeds,
-        "scenario": scenarios[i],
+        "scenario": candidates[i][0],
     }
+
+
+def _retentions(saves: int, k: int, budget: int | None, tier: Tier) -> list[tuple[str, int]]:
+    """The memory retentions a plan of `saves` saves every `k` steps may use within `budget`
+    snapshots: keep-last-budget, and exponential with the largest K whose newest K and one
+    save per level (ages whose age in steps has one bit length: goodput/held.py) fit."""
+    if budget is None:
+        return [("exponential", tier.keep_last), ("last", tier.keep_last)]
+    out = [("last", budget)]
+    for K in range(budget - 1, 0, -1):
+        levels = (max(saves, 1) * k).bit_length() - (K * k).bit_length() + 1
+        if K + levels <= budget:
+            out.append(("exponential", K))
+            break
+    return out
 
 
 def measure(session: Any, run_id: str) -> dict[str, Any]:

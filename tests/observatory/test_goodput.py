@@ -422,6 +422,40 @@ def test_optimize_finds_a_plan_at_least_as_good_as_the_default(capsys) -> None:
     assert found["goodput"] >= plain["goodput"] - 1e-3
     tiers = {t["name"]: t["interval"] for t in found["scenario"]["tiers"]}
     assert tiers["disk"] == opt["best"]["disk_interval"]
+    assert opt["gain"] == pytest.approx(opt["best"]["goodput"] - opt["given"]["goodput"])
+    assert {g.get("memory_retention") for g in opt["grid"]} >= {"exponential:2", "last:2"}
+
+
+def test_optimize_keeps_the_memory_tier_within_its_budget(capsys) -> None:
+    """Under a budget of 20 snapshots: keep-last-20, and exponential with the K that fits (its
+    newest K and one per level); every plan's memory tier holds at most 20 at any save."""
+    from observatory.goodput.held import LaneRetention, Retention
+
+    args = ["simulate", "--days", "10", "--gpus", "4096", "--seeds", "6", "--json"]
+    assert main([*args, "--no-search", "--optimize", "--memory-budget", "20"]) == 0
+    opt = json.loads(capsys.readouterr().out)["optimize"]
+    rules = {g["memory_retention"] for g in opt["grid"] if g["memory_interval"]}
+    assert "last:20" in rules and any(r.startswith("exponential:") for r in rules)
+    steps = round(10 * 86_400 / 6)
+    for g in opt["grid"]:
+        if g["memory_interval"] and g["memory_retention"].startswith("exponential"):
+            k, K = g["memory_interval"], int(g["memory_retention"].split(":")[1])
+            n = steps // k
+            lanes = LaneRetention([Retention(k, "exponential", K, None)], steps)
+            held = [  # how many saves it holds after save i: the newest held, then older
+                sum(1 for _ in _held_walk(lanes, i)) for i in range(1, n + 1, max(1, n // 50))
+            ]
+            assert max(held) <= 20, (g, max(held))
+
+
+def _held_walk(lanes, n: int):  # noqa: ANN001, ANN202
+    limit = n
+    while limit > 0:
+        i = int(lanes.newest(np.array([0]), np.array([n]), np.array([limit]))[0])
+        if i == 0:
+            return
+        yield i
+        limit = i - 1
 
 
 def test_simulate_never_imports_torch() -> None:
