@@ -135,8 +135,15 @@ def test_goodput_page_plots_the_plan_from_a_recorded_run(server, browser, record
     assert "spiky" in measured and f"{len(spikes)} spikes" in measured
     assert page.locator("#plans tr").count() == 4  # a header and three plans
     assert page.input_value("input[name=gpus]") == "1024"
+    before = page.inner_text("#plans")
     page.fill("input[name=gpus]", "4096")
+    page.click("#goodput-form button")  # redrawn in place: no navigation, plotly.js stays
+    page.wait_for_function("document.body.dataset.redrawn === '1'")
+    assert "gpus=4096" in page.url and page.inner_text("#plans") != before
+    assert page.locator("#chart-badput .barlayer .trace").count() == 5
+    assert "spiky" in page.inner_text("#measured")
+    page.fill("input[name=gpus]", "-3")
     page.click("#goodput-form button")
-    page.wait_for_url("**gpus=4096**")
-    page.wait_for_selector("#chart-goodput .main-svg")
+    page.wait_for_function("document.getElementById('goodput-error').textContent !== ''")
+    assert "gpus=4096" in page.url  # a bad value changes nothing but the message
     page.close()

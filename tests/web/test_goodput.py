@@ -76,3 +76,20 @@ def test_figures_are_built_from_the_study() -> None:
     assert len(bars) == len(s["buckets"]) == 5
     first = list(s["plans"])[0]
     assert sum(b["y"][0] for b in bars) == pytest.approx(100 * (1 - s["plans"][first]["goodput"]))
+
+
+def test_the_page_optimizes_and_takes_the_failure_modes(client) -> None:
+    """`optimize=1` adds the best plan of a search (as `simulate --optimize` finds it, on fewer
+    seeds) to the plans, within `memory-budget`; the failure modes are the command's options."""
+    params = {"gpus": "2048", "days": "5", "seeds": "4", "sdc-rate": "llama3", "straggler": "0.05"}
+    r = client.get("/api/goodput", params={**params, "optimize": "1", "memory-budget": "20"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    best = [name for name in out["plans"] if name.startswith("best of")]
+    assert len(best) == 1 and out["optimize"]["budget"] == 20
+    assert out["plans"][best[0]]["goodput"] == max(g["goodput"] for g in out["optimize"]["grid"])
+    assert {"wasted_progress_from_corruption", "straggler_slowdown"} <= set(out["buckets"])
+    page = client.get("/goodput", params={**params, "optimize": "1"})
+    assert page.status_code == 200 and 'id="optimized"' in page.text
+    bad = client.get("/api/goodput", params={**params, "memory-budget": "0"})
+    assert bad.status_code == 400 and "memory-budget" in bad.json()["detail"]
