@@ -49,6 +49,7 @@ _NEVER = np.iinfo(np.int64).max // 4
 MAX_EVENTS = 1_000_000  # failures and spikes a run is expected to meet
 MAX_SAVES = 300_000  # saves of one tier in one run (retention is kept per save)
 GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves included)
+_NARROW = 16  # a failure's step bracket this narrow is searched at once, not by bisection
 
 
 @dataclasses.dataclass
@@ -161,6 +162,8 @@ class _Run(Modes):
         self.k2 = np.stack([self.tiers[n]["k"] for n in ("memory", "disk")])
         self.stall2 = np.stack([self.tiers[n]["stall"] for n in ("memory", "disk")])
         self.stall_sum = self.stall2.sum(axis=0)
+        self.k_mem, self.k_disk = self.k2
+        self.st_mem, self.st_disk = self.stall2
         self.rate_s = self.step_s + (self.stall2 / self.k2).sum(axis=0)  # a step with its saves
         backs = [s.spikes.back_steps for s in scenarios]
         self.backs = np.zeros((len(scenarios), max(map(len, backs))), np.int64)
@@ -229,8 +232,9 @@ class _Run(Modes):
 
     def _stalls(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
         """The seconds the saves of steps P + 1 .. P + m stall, both tiers."""
-        k = self.k2[:, ia]
-        return (self.stall2[:, ia] * ((P + m) // k - P // k)).sum(axis=0)
+        km, kd = self.k_mem[ia], self.k_disk[ia]
+        end = P + m
+        return self.st_mem[ia] * (end // km - P // km) + self.st_disk[ia] * (end // kd - P // kd)
 
     def _wall(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
         return m * self.step_s[ia] + self._stalls(ia, P, m)
@@ -240,17 +244,24 @@ class _Run(Modes):
     ) -> np.ndarray:
         """The most steps (with their saves) that end by `tau` seconds, below `cap`: bisection
         between tau / (step + every stall) and tau / step."""
-        s, k, st = self.step_s[ia], self.k2[:, ia], self.stall2[:, ia]
+        s = self.step_s[ia]
         # m steps save between m/k - 1 and m/k + 1 times per tier: wall(m) = m r -+ stall
         stall, rate = self.stall_sum[ia], self.rate_s[ia]
         lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - stall) / rate) - 1)
         hi = np.minimum(np.floor(tau / s), np.floor((tau + stall) / rate) + 1)
         lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
         hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
-        base = P // k
+        width = int((hi - lo).max(initial=0))
+        if width <= _NARROW:  # every candidate at once: the usual case (saves cost seconds)
+            m = lo[:, None] + np.arange(width + 1)
+            end, km, kd = P[:, None] + m, self.k_mem[ia, None], self.k_disk[ia, None]
+            saves = self.st_mem[ia, None] * (end // km - P[:, None] // km)
+            saves += self.st_disk[ia, None] * (end // kd - P[:, None] // kd)
+            fits = (m * s[:, None] + saves <= tau[:, None]) & (m <= hi[:, None])
+            return lo + fits.sum(axis=1) - 1  # wall grows with m: the fitting ones come first
         while (open_ := lo < hi).any():
             mid = (lo + hi + 1) // 2
-            ok = mid * s + (st * ((P + mid) // k - base)).sum(axis=0) <= tau
+            ok = mid * s + self._stalls(ia, P, mid) <= tau
             lo = np.where(open_ & ok, mid, lo)
             hi = np.where(open_ & ~ok, mid - 1, hi)
         return lo
@@ -279,7 +290,10 @@ class _Run(Modes):
                 stops = ~fails & (stop < wall)  # a planned stop comes first
                 self.maintain(ia[stops], P[stops], m[stops], stop[stops])
                 ok = ~fails & ~stops
-            self._fail(ia[fails], P[fails], m[fails])
+            if fails.any():
+                self._fail(ia[fails], P[fails], m[fails])
+            if not ok.any():
+                continue
             self._advance(ia[ok], P[ok], m[ok], wall[ok])
             ends = ok & (m == to_end)  # the end comes first (or with a spike at the last step)
             active[ia[ends]] = False
@@ -330,13 +344,14 @@ class _Run(Modes):
         # memory holds nothing from before a loss; a restore below the floor starts a lineage
         # whose new snapshots it holds
         self.mem_floor[ia] = np.where(lost_mem, R + 1, np.minimum(self.mem_floor[ia], R + 1))
-        again = self.recovery(ia, restart + restore)  # attempts that failed themselves
+        again = self.recovery(ia, restart + restore) if self.any_recover else 0.0
         self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * self.base_s[ia] + (tau - done)
         self.b["infrastructure_recovery_from_disruption"][ia] += restart + again
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
         self.t[ia] += (tau - done) + restart + restore + again
         self.lost[ia] += Pf - R
-        self.cure(ia, R)
+        if self.any_sdc:
+            self.cure(ia, R)
         self.P[ia] = R
         self.count["failures"][ia] += 1
         self.count["memory"][ia] += from_mem
@@ -354,6 +369,8 @@ class _Run(Modes):
         old = np.flatnonzero(S <= P)  # made before this stretch: retention decides (not the
         if old.size:  # unwritten one above)
             out[old] = self._retained(ia[old], "disk", S[old])
+        if not self.any_stops:
+            return out
         stop = self.stop_save[ia]  # a planned stop's save, durable before the stop
         return np.maximum(out, np.where(stop <= Pf, stop, 0))
 
@@ -405,7 +422,8 @@ class _Run(Modes):
         self.lost[ia] += P - target
         self.P[ia] = target
         self.mem_floor[ia] = np.minimum(self.mem_floor[ia], target + 1)
-        self.cure(ia, target)
+        if self.any_sdc:
+            self.cure(ia, target)
         return target
 
     def _pin(self, ia: np.ndarray, name: str, steps: np.ndarray) -> None:
@@ -429,7 +447,7 @@ class _Run(Modes):
         step = np.maximum(held, pinned)
         if name == "memory":
             step = np.where(step >= self.mem_floor[ia], step, 0)
-        else:  # a planned stop's save
+        elif self.any_stops:  # a planned stop's save
             step = np.maximum(step, np.where(self.stop_save[ia] <= limit, self.stop_save[ia], 0))
         return np.where(on, step, 0)
 

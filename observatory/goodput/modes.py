@@ -78,6 +78,7 @@ class Modes:
         self.c_left = self._sdc_gap(np.arange(L))  # trained steps to the next corruption
         self.d_left = np.full(L, _NEVER, np.int64)  # ... to the detection of the current one
         self.any_sdc = bool((self.sdc_rate > 0).any())
+        self.any_recover = bool(self.recovers.any())
         self.any_stops = bool(np.isfinite(self.stop_every).any())
 
     def _sdc_gap(self, ia: np.ndarray) -> np.ndarray:
