@@ -49,7 +49,6 @@ _NEVER = np.iinfo(np.int64).max // 4
 MAX_EVENTS = 1_000_000  # failures and spikes a run is expected to meet
 MAX_SAVES = 300_000  # saves of one tier in one run (retention is kept per save)
 GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves included)
-_NARROW = 16  # a failure's step bracket this narrow is searched at once, not by bisection
 
 
 @dataclasses.dataclass
@@ -251,14 +250,6 @@ class _Run(Modes):
         hi = np.minimum(np.floor(tau / s), np.floor((tau + stall) / rate) + 1)
         lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
         hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
-        width = int((hi - lo).max(initial=0))
-        if width <= _NARROW:  # every candidate at once: the usual case (saves cost seconds)
-            m = lo[:, None] + np.arange(width + 1)
-            end, km, kd = P[:, None] + m, self.k_mem[ia, None], self.k_disk[ia, None]
-            saves = self.st_mem[ia, None] * (end // km - P[:, None] // km)
-            saves += self.st_disk[ia, None] * (end // kd - P[:, None] // kd)
-            fits = (m * s[:, None] + saves <= tau[:, None]) & (m <= hi[:, None])
-            return lo + fits.sum(axis=1) - 1  # wall grows with m: the fitting ones come first
         while (open_ := lo < hi).any():
             mid = (lo + hi + 1) // 2
             ok = mid * s + self._stalls(ia, P, mid) <= tau
