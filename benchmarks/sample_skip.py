@@ -10,6 +10,7 @@ rollback measured, the share of the clean rows in those batches that the sample 
 on and the batch skip throws away ("tokens kept"), and the final validation loss of each.
 
     python benchmarks/sample_skip.py [--steps 300] [--at 150] [--rows 1,2,3,4] [--jobs 2]
+        [--seeds 0,1,2]   (with several: each K's val difference, samples minus batches, per seed)
 
 Last line: {"rows_K": {"precision", "recall", "tokens_kept", "val_samples", "val_batches",
 "val_clean", "rollbacks"}, ...}.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -28,22 +30,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _run(job: tuple[int | None, bool, int, int, str]) -> dict:
+def _run(job: tuple[int | None, bool, int, int, str, int]) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from trainer.builtin.loop import fit
     from trainer.config import load_config
 
-    rows, samples, steps, at, root = job
+    rows, samples, steps, at, root, seed = job
     over = [f"train.max_steps={steps}", "train.progress=false", "checkpoint.interval=10"]
+    over.append(f"train.seed={seed}")
     over.append(f"eval.interval={steps}")
     if rows is not None:
         over.append(f'faults=[{{kind="shifted_labels", start={at}, length=10, rows={rows}}}]')
     if not samples:
         over.append("guard.skip_samples=false")
     name = "clean" if rows is None else f"r{rows}-{'samples' if samples else 'batches'}"
+    name += f"-s{seed}"
     r = fit(load_config("tiny_cpu", over), run_dir=Path(root) / name)
     return {
         "rows": rows,
+        "seed": seed,
         "samples": samples,
         "val": r.final_val_loss,
         "interventions": r.interventions,
@@ -78,13 +83,30 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=150)
     ap.add_argument("--rows", default="1,2,3,4")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--seeds", default="0", help="train.seed values; the table is the first's")
     args = ap.parse_args()
     ks = [int(k) for k in args.rows.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(None, True, args.steps, args.at, tmp)]
-        jobs += [(k, s, args.steps, args.at, tmp) for k in ks for s in (True, False)]
+        jobs = []
+        for seed in seeds:
+            jobs += [(None, True, args.steps, args.at, tmp, seed)]
+            jobs += [(k, s, args.steps, args.at, tmp, seed) for k in ks for s in (True, False)]
         with ProcessPoolExecutor(args.jobs) as pool:
-            done = list(pool.map(_run, jobs))
+            every = list(pool.map(_run, jobs))
+    if len(seeds) > 1:  # samples skipped minus batches skipped, final val, per K over seeds
+        for k in ks:
+            diffs = [
+                next(d for d in every if d["rows"] == k and d["samples"] and d["seed"] == s)["val"]
+                - next(d for d in every if d["rows"] == k and not d["samples"] and d["seed"] == s)[
+                    "val"
+                ]
+                for s in seeds
+            ]
+            mean, spread = statistics.mean(diffs), statistics.stdev(diffs)
+            print(f"K={k}: val(samples) - val(batches) per seed {[round(d, 4) for d in diffs]}, "
+                  f"mean {mean:+.4f} (sd {spread:.4f})")  # fmt: skip
+    done = [d for d in every if d["seed"] == seeds[0]]
     clean = done[0]["val"]
     out: dict[str, dict] = {}
     cols = "bad rows of 16 | rollbacks | precision | recall | tokens kept | val samples"
