@@ -45,7 +45,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.core.attribution import MAX_BATCHES, MicroBatches
+from trainer.core.attribution import FED_STEPS, MicroBatches
 from trainer.model.attn_max import AttnMax
 
 if TYPE_CHECKING:
@@ -378,7 +378,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             fed = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
             self._fed.setdefault(self._position, []).append(fed)
-            while len(self._fed) > MAX_BATCHES:
+            while len(self._fed) > FED_STEPS:
                 del self._fed[next(iter(self._fed))]
 
     def _fed_at(self, index: int) -> MicroBatches | None:

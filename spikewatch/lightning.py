@@ -19,7 +19,7 @@ The callback only translates Lightning hooks into the `Watch` (trainer/watch.py)
   `max_steps`) makes the updates its epochs planned: it gets the epochs the lag needs.
 - With your own DataLoader (not `dataset()`) a resume is not bit-exact: said at start.
 - `val_metric` (default "val_loss") names the logged validation loss.
-- The batches it was fed are kept (the newest `MAX_BATCHES` steps, references, no copies): a
+- The batches it was fed are kept (the newest `FED_STEPS` = 16 steps, references, no copies): a
   rollback names the rows behind the spike, each through `training_step` alone (its `log`
   muted), on the restored weights; the data flows on, so whole batches are skipped.
 - The Watch's state is the callback's `state_dict`, so Lightning checkpoints carry it.
@@ -40,7 +40,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.core.attribution import MAX_BATCHES, MicroBatches
+from trainer.core.attribution import FED_STEPS, MicroBatches
 
 L = require("lightning.pytorch", "lightning")
 
@@ -182,7 +182,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             self._w.data.batch_index = index + 1
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             self._fed.setdefault(self._w.index, []).append(batch)
-            while len(self._fed) > MAX_BATCHES:
+            while len(self._fed) > FED_STEPS:
                 del self._fed[next(iter(self._fed))]
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:

@@ -35,7 +35,15 @@ import torch
 from trainer.core.state import rng_states, set_rng_states
 from trainer.core.world import World
 
-__all__ = ["MAX_BATCHES", "MicroBatches", "RowStat", "attribute", "name_rows", "preview"]
+__all__ = [
+    "FED_STEPS",
+    "MAX_BATCHES",
+    "MicroBatches",
+    "RowStat",
+    "attribute",
+    "name_rows",
+    "preview",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,9 @@ SIGMA = 4.0
 GAP = 2.0  # the split must be a gap: at least this many deviations between the two groups
 FLOOR = 0.02  # the smallest robust deviation of log-losses (a perfectly uniform batch)
 MAX_BATCHES = 64  # the skip windows of repeated spikes grow; attribution looks at most this far
+# steps of fed batches a framework callback keeps for it (references on the device: a spike is
+# detected a few steps after its onset, and a big batch kept 64 times would be gigabytes)
+FED_STEPS = 16
 
 
 @dataclass(frozen=True)
