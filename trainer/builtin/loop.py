@@ -10,11 +10,12 @@ out rank 0's decision.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -163,12 +164,16 @@ class Trainer:
         self._seen.add(index)
         x = fault.x.to(self.device, non_blocking=True)
         y = fault.y.to(self.device, non_blocking=True)
-        wrong = (  # an injected device fault: this rank's output logits computed wrong
-            self.model.lm_head.register_forward_hook(lambda m, i, out: flip_bits(out))
-            if fault.bit_flip
-            else None
-        )
-        t = forward_backward(
+        with self._computed_wrong(fault):
+            t = self._forward_backward(step, x, y, probing, fault.nan_loss)
+        lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
+        return t, lr_mult * fault.lr_factor, x.numel() * world.size
+
+    def _forward_backward(
+        self, step: int, x: torch.Tensor, y: torch.Tensor, probing: bool, nan: bool
+    ) -> StepTensors:
+        cfg, world = self.cfg, self.world
+        return forward_backward(
             self.model if world.fwd is None else world.fwd,
             x,
             y,
@@ -178,14 +183,22 @@ class Trainer:
             or (probing and self.core.probes.wants_attn_max(step)),
             need_logit_stats=probing and self.core.probes.wants_logit_stats(step),
             grad_clip=cfg.optim.grad_clip,
-            poison_nan=fault.nan_loss,
+            poison_nan=nan,
             clip=world.clip,
             no_sync=world.no_sync,
         )
-        if wrong is not None:
-            wrong.remove()
-        lr_mult = lr_multiplier(cfg.schedule, step, cfg.train.max_steps) * self.core.run.lr_scale
-        return t, lr_mult * fault.lr_factor, x.numel() * world.size
+
+    @contextlib.contextmanager
+    def _computed_wrong(self, fault: FaultEffect) -> Iterator[None]:
+        """An injected device fault: this rank's output logits computed wrong meanwhile."""
+        if not fault.bit_flip:
+            yield
+            return
+        hook = self.model.lm_head.register_forward_hook(lambda m, i, out: flip_bits(out))
+        try:
+            yield
+        finally:
+            hook.remove()
 
     def _batch(
         self, index: int, step: int, owner: int | None = None
@@ -270,23 +283,17 @@ class Trainer:
         that rank would have computed, on this rank's device."""
         world = self.world
         fault, _ = self._batch(index, step, owner=(world.rank + 1) % world.size)
-        wrong = (
-            self.model.lm_head.register_forward_hook(lambda m, i, out: flip_bits(out))
-            if fault.bit_flip
-            else None
-        )
         try:
-            return forward_loss(
-                self.model,
-                fault.x.to(self.device),
-                fault.y.to(self.device),
-                micro_batch=world.micro_batch(self.cfg.data),
-                dtype=self.cfg.train.dtype,
-            )
+            with self._computed_wrong(fault):
+                return forward_loss(
+                    self.model,
+                    fault.x.to(self.device),
+                    fault.y.to(self.device),
+                    micro_batch=world.micro_batch(self.cfg.data),
+                    dtype=self.cfg.train.dtype,
+                )
         finally:
             world.reshard(self.model)
-            if wrong is not None:
-                wrong.remove()
 
     # -- evaluation -----------------------------------------------------------------------
     def _eval_due(self, last: int) -> bool:
