@@ -31,6 +31,7 @@ import numpy as np
 from observatory.goodput.held import LaneRetention, Retention
 from observatory.goodput.model import Scenario, Tier
 from observatory.goodput.modes import MODE_COUNTS, Modes, expected_events
+from observatory.goodput.scalar import run_lane
 
 __all__ = ["BUCKETS", "Lanes", "simulate"]
 
@@ -49,6 +50,9 @@ _NEVER = np.iinfo(np.int64).max // 4
 MAX_EVENTS = 1_000_000  # failures and spikes a run is expected to meet
 MAX_SAVES = 300_000  # saves of one tier in one run (retention is kept per save)
 GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves included)
+# when this few lanes are left, each runs on alone in plain Python (goodput/scalar.py): a round
+# of numpy calls costs more than that many lanes' events one by one
+ONE_BY_ONE = 8
 
 
 @dataclasses.dataclass
@@ -266,6 +270,10 @@ class _Run(Modes):
         while active.any():
             active &= self.t < give_up  # spikes or failures faster than the run can progress
             ia = np.flatnonzero(active)
+            if ia.size <= ONE_BY_ONE:
+                for i in ia.tolist():
+                    run_lane(self, i)
+                break
             P = self.P[ia]
             to_end = self.N[ia] - P
             m = np.minimum(self.s_left[ia], to_end)

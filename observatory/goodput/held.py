@@ -110,6 +110,7 @@ class LaneRetention:
                 j = len(lv[0])
                 self.first[lane, :j], self.last[lane, :j], self.period[lane, :j] = lv
         self.youngest = self.first.min(axis=0)  # per level column: no lane's level starts sooner
+        self._one: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
 
     def newest(self, ia: np.ndarray, n: np.ndarray, limit: np.ndarray) -> np.ndarray:
         """Per lane of `ia`, the newest save index <= `limit` held after save `n` (0: none)."""
@@ -124,6 +125,31 @@ class LaneRetention:
             rule = self.rules[int(ia[j])]
             assert rule is not None
             out[j] = max(int(out[j]), _capped(rule, int(n[j]), int(limit[j])))
+        return out
+
+    def newest_one(self, lane: int, n: int, limit: int) -> int:
+        """`newest` for one lane, in plain Python (goodput/scalar.py's). The levels hold ever
+        older saves: the first that holds one at or before `limit` holds the newest."""
+        got = self._one.get(lane)
+        if got is None:
+            reached = self.first[lane] < (1 << 62)
+            cols = (a[lane][reached].tolist() for a in (self.first, self.last, self.period))
+            got = self._one[lane] = (int(self.K[lane]), list(zip(*cols, strict=True)))
+        K, levels = got
+        top = min(n, limit)
+        out = max(top, 0) if top >= n - K + 1 else 0
+        for first, last, period in levels:
+            if first > n:
+                break
+            age0 = n - first
+            i = age0 - (age0 - 1) % period
+            if 1 <= i <= limit and i >= n - last:
+                out = max(out, i)
+                break
+        if self.capped[lane]:
+            rule = self.rules[lane]
+            assert rule is not None
+            out = max(out, _capped(rule, n, limit))
         return out
 
 
