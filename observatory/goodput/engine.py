@@ -53,6 +53,8 @@ GIVE_UP = 20  # a lane stops after this many times its failure-free time (saves 
 # when this few lanes are left, each runs on alone in plain Python (goodput/scalar.py): a round
 # of numpy calls costs more than that many lanes' events one by one
 ONE_BY_ONE = 8
+_CANDIDATES = 16  # a failure's step: every candidate at once up to this many, else bisection
+_UP_TO = np.arange(1, _CANDIDATES + 1)
 
 
 @dataclasses.dataclass
@@ -130,10 +132,28 @@ def _param(scenarios: list[Scenario], seeds: np.ndarray, get) -> np.ndarray:  # 
     return np.repeat(np.array([get(s) for s in scenarios], dtype=np.float64), seeds)
 
 
+class _At:
+    """A set of lanes' constants, gathered in two numpy calls (one per dtype) rather than one
+    call each: a round's cost is its number of numpy calls."""
+
+    __slots__ = ("N", "base_s", "kd", "km", "mem_on", "rate_s", "restore_d", "restore_m",
+                 "st_d", "st_m", "stall", "step_s", "survives", "write_d")  # fmt: skip
+
+    def __init__(self, f: np.ndarray, i: np.ndarray) -> None:
+        (self.step_s, self.base_s, self.st_m, self.st_d, self.stall, self.rate_s,
+         self.restore_m, self.restore_d, self.write_d) = f  # fmt: skip
+        self.km, self.kd, self.N, mem_on, survives = i
+        self.mem_on, self.survives = mem_on > 0, survives > 0
+
+
 class _Run(Modes):
+    """The lanes' constants and state, and the rounds that move every lane from its event to
+    its next one. A tier's per-lane arrays are laid end to end, memory then disk: the slot of
+    lane i's tier j is i + j L, so that both tiers' retention is looked up in one call."""
+
     def __init__(self, scenarios: list[Scenario], seeds: np.ndarray, seed: int) -> None:
         self.sc, self.seeds = scenarios, seeds
-        L = int(seeds.sum())
+        self.L = L = int(seeds.sum())
         self.scen = np.repeat(np.arange(len(scenarios)), seeds)
         self.seed = np.concatenate([np.arange(n) for n in seeds])
         self.base_s = _param(scenarios, seeds, lambda s: s.step_s)  # a step without stragglers
@@ -142,7 +162,7 @@ class _Run(Modes):
         self.lam = _param(scenarios, seeds, lambda s: 1 / s.mtbf_s)  # failures per running s
         self.rate = _param(scenarios, seeds, lambda s: s.spikes.per_1k_steps / 1000)
         self.tiers = {}
-        self.held: dict[str, LaneRetention] = {}
+        rules: list[Retention | None] = []
         for name in ("memory", "disk"):
             t = [s.tier(name) for s in scenarios]
             self.tiers[name] = {
@@ -155,19 +175,20 @@ class _Run(Modes):
                 "write": np.repeat([x.write_s if x else 0.0 for x in t], seeds),
                 "survives": np.repeat([bool(x and x.replicas >= 2) for x in t], seeds),
             }
-            rules = [
+            per_scenario = [
                 Retention(x.interval, x.retention, x.keep_last, x.max_kept) if x else None
                 for x in t
             ]
-            horizon = max(s.steps for s in scenarios)
-            lanes = [r for r, n in zip(rules, seeds, strict=True) for _ in range(n)]
-            self.held[name] = LaneRetention(lanes, horizon)
-        self.k2 = np.stack([self.tiers[n]["k"] for n in ("memory", "disk")])
-        self.stall2 = np.stack([self.tiers[n]["stall"] for n in ("memory", "disk")])
-        self.stall_sum = self.stall2.sum(axis=0)
-        self.k_mem, self.k_disk = self.k2
-        self.st_mem, self.st_disk = self.stall2
-        self.rate_s = self.step_s + (self.stall2 / self.k2).sum(axis=0)  # a step with its saves
+            rules += [r for r, n in zip(per_scenario, seeds, strict=True) for _ in range(n)]
+        self.held = LaneRetention(rules, max(s.steps for s in scenarios))  # by slot
+        mem, disk = self.tiers["memory"], self.tiers["disk"]
+        self.k_slot = np.concatenate([mem["k"], disk["k"]])
+        self.stall_sum = mem["stall"] + disk["stall"]
+        self.rate_s = self.step_s + (mem["stall"] / mem["k"] + disk["stall"] / disk["k"])
+        f = (self.step_s, self.base_s, mem["stall"], disk["stall"], self.stall_sum, self.rate_s,
+             mem["restore"], disk["restore"], disk["write"])  # fmt: skip
+        self.f_at = np.stack(f)
+        self.i_at = np.stack([mem["k"], disk["k"], self.N, mem["on"], mem["survives"]])
         backs = [s.spikes.back_steps for s in scenarios]
         self.backs = np.zeros((len(scenarios), max(map(len, backs))), np.int64)
         for i, b in enumerate(backs):
@@ -200,15 +221,19 @@ class _Run(Modes):
         self.t = np.zeros(L)
         self.P = np.zeros(L, dtype=np.int64)
         self.H = np.zeros(L, dtype=np.int64)
-        self.mem_floor = np.zeros(L, dtype=np.int64)
+        # per slot, the oldest step a tier may restore: memory holds nothing from before a lost
+        # host; the disk tier's stays 0
+        self.floor = np.zeros(2 * L, dtype=np.int64)
+        self.mem_floor = self.floor[:L]
         self.i_fail = np.zeros(L, dtype=np.int64)
         self.i_spike = np.zeros(L, dtype=np.int64)
         all_lanes = np.arange(L)
         self.f_left = self._fail_gap(all_lanes)
         self.s_left = self._spike_gap(all_lanes)
-        # rollback targets, pinned: per tier, each lane's steps (-1: a free slot)
-        self.pins = {name: np.full((L, 4), -1, np.int64) for name in ("memory", "disk")}
-        self.n_pins = {name: np.zeros(L, np.int64) for name in ("memory", "disk")}
+        # rollback targets, pinned: per slot, its steps (-1: a free slot)
+        self.pins = np.full((2 * L, 4), -1, np.int64)
+        self.n_pins = np.zeros(2 * L, np.int64)
+        self.pin_max = np.zeros(2 * L, np.int64)  # each slot's newest pin (0: none)
         self.b = {k: np.zeros(L) for k in BUCKETS}
         self.count = {
             k: np.zeros(L, dtype=np.int64)
@@ -216,6 +241,9 @@ class _Run(Modes):
         }
         self.lost = np.zeros(L, dtype=np.int64)  # steps trained and thrown away
         self.init_modes(scenarios, seeds)
+
+    def at(self, ia: np.ndarray) -> _At:
+        return _At(np.take(self.f_at, ia, axis=1), np.take(self.i_at, ia, axis=1))
 
     # -- draws -------------------------------------------------------------------------------
 
@@ -233,59 +261,80 @@ class _Run(Modes):
 
     # -- time ----------------------------------------------------------------------------------
 
-    def _stalls(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """The seconds the saves of steps P + 1 .. P + m stall, both tiers."""
-        km, kd = self.k_mem[ia], self.k_disk[ia]
-        end = P + m
-        return self.st_mem[ia] * (end // km - P // km) + self.st_disk[ia] * (end // kd - P // kd)
+    @staticmethod
+    def _wall(p: _At, P: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """The seconds steps P + 1 .. P + m take, with the stalls of both tiers' saves."""
+        end, km, kd = P + m, p.km, p.kd
+        return m * p.step_s + (p.st_m * (end // km - P // km) + p.st_d * (end // kd - P // kd))
 
-    def _wall(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray) -> np.ndarray:
-        return m * self.step_s[ia] + self._stalls(ia, P, m)
-
-    def _steps_within(
-        self, ia: np.ndarray, P: np.ndarray, tau: np.ndarray, cap: np.ndarray
-    ) -> np.ndarray:
-        """The most steps (with their saves) that end by `tau` seconds, below `cap`: bisection
-        between tau / (step + every stall) and tau / step."""
-        s = self.step_s[ia]
-        # m steps save between m/k - 1 and m/k + 1 times per tier: wall(m) = m r -+ stall
-        stall, rate = self.stall_sum[ia], self.rate_s[ia]
-        lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - stall) / rate) - 1)
-        hi = np.minimum(np.floor(tau / s), np.floor((tau + stall) / rate) + 1)
+    def _steps_within(self, p: _At, P: np.ndarray, tau: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        """The most steps (with their saves) that end by `tau` seconds, below `cap`: within a
+        bracket about stall / rate steps wide, every candidate at once when that is a few steps
+        (as it is unless saves stall far longer than a step), else by bisection."""
+        s, stall, rate = p.step_s, p.stall, p.rate_s
+        # wall(m) lies in (m rate + c - stall, m rate + c]: rate is a step with its saves'
+        # shares, c the shares the current interval of each tier has accrued by step P
+        c = p.st_m * (P % p.km) / p.km + p.st_d * (P % p.kd) / p.kd
+        lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - c) / rate) - 1)
+        hi = np.minimum(np.floor(tau / s), np.floor((tau - c + stall) / rate) + 1)
         lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
         hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
+        width = int((hi - lo).max(initial=0))
+        if width <= _CANDIDATES:  # wall(m) grows with m: the candidates that fit come first
+            j = _UP_TO[:width]  # m = lo + j, (n, width)
+            m = lo[:, None] + j
+            base = P + lo
+            stalls = [
+                st[:, None] * self._saves(base, P, k, j)
+                for st, k in ((p.st_m, p.km), (p.st_d, p.kd))
+            ]
+            fit = (m * s[:, None] + (stalls[0] + stalls[1]) <= tau[:, None]) & (m <= hi[:, None])
+            return lo + fit.sum(axis=1)
         while (open_ := lo < hi).any():
             mid = (lo + hi + 1) // 2
-            ok = mid * s + self._stalls(ia, P, mid) <= tau
+            ok = self._wall(p, P, mid) <= tau
             lo = np.where(open_ & ok, mid, lo)
             hi = np.where(open_ & ~ok, mid - 1, hi)
         return lo
 
+    @staticmethod
+    def _saves(base: np.ndarray, P: np.ndarray, k: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """A tier's saves in steps P + 1 .. base + j, per lane and j (`base` >= P): those up to
+        `base`, and then one more once base + j reaches the next, when j stays below the
+        interval (no division over the candidates)."""
+        if j.size and j[-1] >= k.min():
+            return (base[:, None] + j) // k[:, None] - (P // k)[:, None]
+        return (base // k - P // k)[:, None] + (j >= (k - base % k)[:, None])
+
     # -- the loop ------------------------------------------------------------------------------
 
     def go(self) -> Lanes:
-        active = np.ones(self.P.size, dtype=bool)
-        lanes = np.arange(self.P.size)
-        give_up = GIVE_UP * self._wall(lanes, np.zeros_like(self.P), self.N)  # saves included
-        while active.any():
+        L = self.L
+        active = np.ones(L, dtype=bool)
+        everyone = self.at(np.arange(L))
+        give_up = GIVE_UP * self._wall(everyone, np.zeros(L, np.int64), self.N)  # saves too
+        while True:
             active &= self.t < give_up  # spikes or failures faster than the run can progress
             ia = np.flatnonzero(active)
             if ia.size <= ONE_BY_ONE:
                 for i in ia.tolist():
                     run_lane(self, i)
-                break
+                return self._lanes()
+            p = self.at(ia)
             P = self.P[ia]
-            to_end = self.N[ia] - P
-            m = np.minimum(self.s_left[ia], to_end)
+            to_end = p.N - P
+            s_left = self.s_left[ia]
+            m = np.minimum(s_left, to_end)
             if self.any_sdc:
                 sdc = self.sdc_left(ia)  # steps to a corruption, or to its detection
                 m = np.minimum(m, sdc)
-            wall = self._wall(ia, P, m)
-            fails = self.f_left[ia] < wall
+            wall = self._wall(p, P, m)
+            f_left = self.f_left[ia]
+            fails = f_left < wall
             ok = ~fails
             if self.any_stops:
                 stop = self.next_stop[ia] - self.t[ia]
-                fails &= self.f_left[ia] <= stop
+                fails &= f_left <= stop
                 stops = ~fails & (stop < wall)  # a planned stop comes first
                 self.maintain(ia[stops], P[stops], m[stops], stop[stops])
                 ok = ~fails & ~stops
@@ -293,58 +342,72 @@ class _Run(Modes):
                 self._fail(ia[fails], P[fails], m[fails])
             if not ok.any():
                 continue
-            self._advance(ia[ok], P[ok], m[ok], wall[ok])
+            self._advance(ia[ok], p.step_s[ok], P[ok], m[ok], wall[ok])
             ends = ok & (m == to_end)  # the end comes first (or with a spike at the last step)
             active[ia[ends]] = False
-            spikes = ok & ~ends & (self.s_left[ia] == 0)  # its counter ran out
-            self._spike(ia[spikes])
+            spikes = ok & ~ends & (s_left == m)  # its counter ran out
+            if spikes.any():
+                self._spike(ia[spikes])
             if self.any_sdc:
                 self.corrupt(ia[ok & ~ends & ~spikes & (m == sdc)])
-        return self._lanes()
 
-    def _advance(self, ia: np.ndarray, P: np.ndarray, m: np.ndarray, wall: np.ndarray) -> None:
+    def _advance(
+        self, ia: np.ndarray, step_s: np.ndarray, P: np.ndarray, m: np.ndarray, wall: np.ndarray
+    ) -> None:
         self.t[ia] += wall
         self.f_left[ia] -= wall
         self.s_left[ia] -= m
         if self.any_sdc:
             self.count_down(ia, m)
-        self.b["unproductive_checkpoint_save_time"][ia] += wall - m * self.step_s[ia]
+        self.b["unproductive_checkpoint_save_time"][ia] += wall - m * step_s
         self.P[ia] = P + m
         self.H[ia] = np.maximum(self.H[ia], P + m)
 
     def _fail(self, ia: np.ndarray, P: np.ndarray, cap: np.ndarray) -> None:
-        if not ia.size:
-            return
+        p = self.at(ia)
         tau = self.f_left[ia]
-        m = self._steps_within(ia, P, tau, cap)
-        done = self._wall(ia, P, m)
-        self._advance(ia, P, m, done)
+        m = self._steps_within(p, P, tau, cap)
+        done = self._wall(p, P, m)
+        self._advance(ia, p.step_s, P, m, done)
         Pf = P + m
-        cause = np.searchsorted(
-            self.cause_cum, self.draws.take("cause", self.seed[ia], self.i_fail[ia])
-        )
-        cause = np.minimum(cause, self.cause_cum.size - 1)
+        u = self.draws.take("cause", self.seed[ia], self.i_fail[ia])
+        cause = np.minimum(np.searchsorted(self.cause_cum, u), self.cause_cum.size - 1)
         restart = self.restart[ia, cause]
-        disk = self._newest_durable(ia, P, Pf, tau)
-        mem = self.tiers["memory"]
-        mem_ok = mem["on"][ia] & (mem["survives"][ia] | ~self.host_lost[cause])
-        mem_step = np.where(mem_ok, (Pf // mem["k"][ia]) * mem["k"][ia], -1)
-        mem_step = np.where(mem_step > P, mem_step, -1)  # older ones: looked up below
+        # the newest durable disk save: one still being written does not count
+        kd = p.kd
+        disk = (Pf // kd) * kd
+        written = tau - self._wall(p, P, np.maximum(disk - P, 0))
+        disk = np.where((disk > P) & (written < p.write_d), disk - kd, disk)
+        # host memory's newest, if it survived the failure
+        mem_ok = p.mem_on & (p.survives | ~self.host_lost[cause])
+        mem_step = np.where(mem_ok, (Pf // p.km) * p.km, -1)
+        mem_step = np.where(mem_step > P, mem_step, -1)
+        # either tier's saves from before this stretch: retention decides, one lookup for both
+        old_d = np.flatnonzero(disk <= P)
+        old_m = np.flatnonzero(mem_ok & (mem_step < 0))
+        n_d = old_d.size
+        if n_d or old_m.size:
+            lanes = np.concatenate([ia[old_d], ia[old_m]])
+            slots = lanes + np.concatenate([np.full(n_d, self.L), np.zeros(old_m.size, int)])
+            got = self._retained(lanes, slots, np.concatenate([disk[old_d], Pf[old_m]]))
+            disk[old_d] = got[:n_d]
+        if self.any_stops:  # a planned stop's save, durable before the stop
+            stop = self.stop_save[ia]
+            disk = np.maximum(disk, np.where(stop <= Pf, stop, 0))
         R = np.maximum(disk, mem_step)
-        older = np.flatnonzero(mem_ok & (mem_step < 0))
-        if older.size:
-            step = self._retained(ia[older], "memory", Pf[older])
-            newer = step >= R[older]  # a tie restores from memory: it is faster
-            R[older] = np.where(newer, step, R[older])
-            mem_step[older] = np.where(newer, step, mem_step[older])
+        if old_m.size:
+            step = got[n_d:]
+            newer = step >= R[old_m]  # a tie restores from memory: it is faster
+            R[old_m] = np.where(newer, step, R[old_m])
+            mem_step[old_m] = np.where(newer, step, mem_step[old_m])
         from_mem = mem_ok & (mem_step == R) & (R > 0)  # step 0 is the start, not a snapshot
-        restore = np.where(from_mem, mem["restore"][ia], self.tiers["disk"]["restore"][ia])
-        lost_mem = mem["on"][ia] & ~mem_ok
+        restore = np.where(from_mem, p.restore_m, p.restore_d)
+        lost_mem = p.mem_on & ~mem_ok
         # memory holds nothing from before a loss; a restore below the floor starts a lineage
         # whose new snapshots it holds
         self.mem_floor[ia] = np.where(lost_mem, R + 1, np.minimum(self.mem_floor[ia], R + 1))
         again = self.recovery(ia, restart + restore) if self.any_recover else 0.0
-        self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * self.base_s[ia] + (tau - done)
+        self.b["wasted_progress_from_disruption"][ia] += (Pf - R) * p.base_s + (tau - done)
         self.b["infrastructure_recovery_from_disruption"][ia] += restart + again
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
         self.t[ia] += (tau - done) + restart + restore + again
@@ -356,35 +419,20 @@ class _Run(Modes):
         self.count["memory"][ia] += from_mem
         self.f_left[ia] = self._fail_gap(ia)
 
-    def _newest_durable(
-        self, ia: np.ndarray, P: np.ndarray, Pf: np.ndarray, tau: np.ndarray
-    ) -> np.ndarray:
-        d = self.tiers["disk"]
-        k = d["k"][ia]
-        S = (Pf // k) * k
-        written = tau - self._wall(ia, P, np.maximum(S - P, 0))
-        S = np.where((S > P) & (written < d["write"][ia]), S - k, S)
-        out = S.copy()
-        old = np.flatnonzero(S <= P)  # made before this stretch: retention decides (not the
-        if old.size:  # unwritten one above)
-            out[old] = self._retained(ia[old], "disk", S[old])
-        if not self.any_stops:
-            return out
-        stop = self.stop_save[ia]  # a planned stop's save, durable before the stop
-        return np.maximum(out, np.where(stop <= Pf, stop, 0))
-
     def _spike(self, ia: np.ndarray) -> None:
         """Each lane of `ia` rolls back to its newest retained checkpoint at least its drawn
         distance before the detection; the spike may come back there (`Spikes.repeat`)."""
-        if not ia.size:
-            return
         u = self.draws.take("back", self.seed[ia], self.i_spike[ia])
         self.i_spike[ia] += 1
         scen, P = self.scen[ia], self.P[ia]
-        pick = np.minimum((u * self.n_backs[scen]).astype(np.int64), self.n_backs[scen] - 1)
+        n = self.n_backs[scen]
+        pick = np.minimum((u * n).astype(np.int64), n - 1)
         target = self.roll_back(ia, np.maximum(P - self.backs[scen, pick], 0), spike=True)
         self.count["spikes"][ia] += 1
         gap = self._spike_gap(ia)
+        if not self.any_repeat:
+            self.s_left[ia] = gap
+            return
         again = self.draws.take("repeat", self.seed[ia], self.i_spike[ia]) < self.repeat[ia]
         self.count["repeats"][ia] += again
         self.s_left[ia] = np.where(again, np.maximum(P - target, 1), gap)
@@ -392,30 +440,25 @@ class _Run(Modes):
     def roll_back(self, ia: np.ndarray, limit: np.ndarray, *, spike: bool) -> np.ndarray:
         """Each lane of `ia` back to its newest retained checkpoint at or before `limit`
         (memory on a tie: faster), pinned there; returns the targets."""
+        p, n = self.at(ia), ia.size
         P = self.P[ia]
-        target = np.zeros_like(P)
-        from_mem = np.zeros(ia.size, dtype=bool)
-        ideal = np.zeros_like(P)
-        for name in ("memory", "disk"):
-            t = self.tiers[name]
-            on = t["on"][ia]
-            step = np.where(on, self._retained(ia, name, limit), 0)
-            better = on & ((step > target) | ((step == target) & (name == "memory") & (step > 0)))
-            target = np.where(better, step, target)
-            from_mem = np.where(better, name == "memory", from_mem)
-            newest = (limit // t["k"][ia]) * t["k"][ia]
-            floor = self.mem_floor[ia] if name == "memory" else 0
-            ideal = np.where(on & (newest >= floor), np.maximum(ideal, newest), ideal)
-        if spike:
+        both = np.concatenate([ia, ia])
+        got = self._retained(both, both + np.repeat([0, self.L], n), np.concatenate([limit] * 2))
+        mem, disk = got[:n], got[n:]
+        from_mem = p.mem_on & (mem > 0) & (mem >= disk)
+        target = np.where(from_mem, mem, disk)
+        if spike:  # the newest save at or before the limit, had retention kept everything
+            newest = (limit // p.km) * p.km
+            newest = np.where(p.mem_on & (newest >= self.mem_floor[ia]), newest, 0)
+            ideal = np.maximum(newest, (limit // p.kd) * p.kd)
             further = target < ideal
             self.count["further"][ia] += further
             self.count["further_steps"][ia] += np.where(further, ideal - target, 0)
-        for name, mine in (("memory", from_mem), ("disk", ~from_mem)):
-            self._pin(ia[mine & (target > 0)], name, target[mine & (target > 0)])
-        restore = np.where(from_mem, self.tiers["memory"]["restore"][ia], 0.0)
-        restore = np.where(from_mem, restore, self.tiers["disk"]["restore"][ia])
+        pinned = target > 0
+        self._pin(np.where(from_mem, ia, ia + self.L)[pinned], target[pinned])
+        restore = np.where(from_mem, p.restore_m, p.restore_d)
         bucket = "spike_rollback" if spike else "corruption"
-        self.b[f"wasted_progress_from_{bucket}"][ia] += (P - target) * self.base_s[ia]
+        self.b[f"wasted_progress_from_{bucket}"][ia] += (P - target) * p.base_s
         self.b["unproductive_checkpoint_restore_time"][ia] += restore
         self.t[ia] += restore
         self.lost[ia] += P - target
@@ -425,30 +468,32 @@ class _Run(Modes):
             self.cure(ia, target)
         return target
 
-    def _pin(self, ia: np.ndarray, name: str, steps: np.ndarray) -> None:
-        pins, n = self.pins[name], self.n_pins[name]
-        if ia.size and n[ia].max() >= pins.shape[1]:
-            self.pins[name] = pins = np.concatenate([pins, np.full_like(pins, -1)], axis=1)
-        pins[ia, n[ia]] = steps
-        n[ia] += 1
+    def _pin(self, slots: np.ndarray, steps: np.ndarray) -> None:
+        pins, n = self.pins, self.n_pins
+        if slots.size and n[slots].max() >= pins.shape[1]:
+            self.pins = pins = np.concatenate([pins, np.full_like(pins, -1)], axis=1)
+        pins[slots, n[slots]] = steps
+        n[slots] += 1
+        self.pin_max[slots] = np.maximum(self.pin_max[slots], steps)
 
-    def _retained(self, ia: np.ndarray, name: str, limit: np.ndarray) -> np.ndarray:
-        """Per lane of `ia`, the newest checkpoint of a tier at or before `limit` that retention
+    def _retained(self, lanes: np.ndarray, slots: np.ndarray, limit: np.ndarray) -> np.ndarray:
+        """Per slot (a lane's tier), the newest checkpoint at or before `limit` that retention
         still holds, or that a rollback pinned there (0 if none: the run's start is always
-        there). Lanes without the tier get 0."""
-        on = self.tiers[name]["on"][ia]
-        if not on.any():
-            return np.zeros(ia.size, np.int64)
-        k = self.tiers[name]["k"][ia]
-        held = self.held[name].newest(ia, self.H[ia] // k, limit // k) * k
-        pins = self.pins[name][ia]
-        pinned = np.where(pins <= limit[:, None], pins, 0).max(axis=1, initial=0)
+        there). A tier a lane does not have gives 0."""
+        k = self.k_slot[slots]
+        held = self.held.newest(slots, self.H[lanes] // k, limit // k) * k
+        newest = self.pin_max[slots]
+        pinned = np.where(newest <= limit, newest, 0)
+        past = np.flatnonzero(newest > limit)  # a pin newer than the limit: all pins decide
+        if past.size:
+            pins = self.pins[slots[past]]
+            pinned[past] = np.where(pins <= limit[past, None], pins, 0).max(axis=1, initial=0)
         step = np.maximum(held, pinned)
-        if name == "memory":
-            step = np.where(step >= self.mem_floor[ia], step, 0)
-        elif self.any_stops:  # a planned stop's save
-            step = np.maximum(step, np.where(self.stop_save[ia] <= limit, self.stop_save[ia], 0))
-        return np.where(on, step, 0)
+        step = np.where(step >= self.floor[slots], step, 0)
+        if self.any_stops:  # a planned stop's save (the memory slots' is never one)
+            stop = self.stop_slot[slots]
+            step = np.maximum(step, np.where(stop <= limit, stop, 0))
+        return step
 
     def _lanes(self) -> Lanes:
         self.b["productive"] = self.P * self.base_s  # the steps kept: all of them if it finished

@@ -115,16 +115,22 @@ class LaneRetention:
     def newest(self, ia: np.ndarray, n: np.ndarray, limit: np.ndarray) -> np.ndarray:
         """Per lane of `ia`, the newest save index <= `limit` held after save `n` (0: none)."""
         top = np.minimum(n, limit)
-        out = np.where(top >= n - self.K[ia] + 1, np.maximum(top, 0), 0)
-        J = int(np.searchsorted(self.youngest, n.max(initial=0), side="right"))  # reached
+        recent = top >= n - self.K[ia] + 1  # among the newest K: held, and none is newer
+        out = np.where(recent, np.maximum(top, 0), 0)
+        deep = np.flatnonzero(~recent)  # older: the levels (or the capped rule) decide
+        if not deep.size:
+            return out
+        ia, n, limit = ia[deep], n[deep], limit[deep]
+        J = int(np.searchsorted(self.youngest, n.max(), side="right"))  # levels reached
         age0 = n[:, None] - self.first[ia, :J]
         i = age0 - (age0 - 1) % self.period[ia, :J]
         ok = (i >= 1) & (i >= n[:, None] - self.last[ia, :J]) & (i <= limit[:, None])
-        out = np.maximum(out, np.where(ok, i, 0).max(axis=1, initial=0))
+        got = np.where(ok, i, 0).max(axis=1, initial=0)
         for j in np.flatnonzero(self.capped[ia]) if self.any_capped else ():
             rule = self.rules[int(ia[j])]
             assert rule is not None
-            out[j] = max(int(out[j]), _capped(rule, int(n[j]), int(limit[j])))
+            got[j] = max(int(got[j]), _capped(rule, int(n[j]), int(limit[j])))
+        out[deep] = got
         return out
 
     def newest_one(self, lane: int, n: int, limit: int) -> int:

@@ -51,9 +51,10 @@ class Modes:
         count: dict[str, np.ndarray]
         tiers: dict[str, dict[str, np.ndarray]]
 
-        def _steps_within(self, ia: Any, P: Any, tau: Any, cap: Any) -> np.ndarray: ...
-        def _wall(self, ia: Any, P: Any, m: Any) -> np.ndarray: ...
-        def _advance(self, ia: Any, P: Any, m: Any, wall: Any) -> None: ...
+        def at(self, ia: Any) -> Any: ...
+        def _steps_within(self, p: Any, P: Any, tau: Any, cap: Any) -> np.ndarray: ...
+        def _wall(self, p: Any, P: Any, m: Any) -> np.ndarray: ...
+        def _advance(self, ia: Any, step_s: Any, P: Any, m: Any, wall: Any) -> None: ...
         def roll_back(self, ia: Any, limit: Any, *, spike: bool) -> np.ndarray: ...
 
     def init_modes(self, scenarios: list[Scenario], seeds: np.ndarray) -> None:
@@ -62,12 +63,15 @@ class Modes:
 
         L = int(seeds.sum())
         self.repeat = per_lane(lambda s: s.spikes.repeat)
+        self.any_repeat = bool((self.repeat > 0).any())
         self.recovers = per_lane(lambda s: s.failures.during_recovery, bool)
         self.stop_every = per_lane(lambda s: s.maintenance.every_s or np.inf)
         self.stop_window = per_lane(lambda s: s.maintenance.window_s)
         self.stop_restart = per_lane(lambda s: s.restart_s)
         self.next_stop = self.stop_every.copy()
-        self.stop_save = np.zeros(L, np.int64)  # the last planned stop's save (a disk step)
+        # the last planned stop's save (a disk step), per slot of the engine (memory's: none)
+        self.stop_slot = np.zeros(2 * L, np.int64)
+        self.stop_save = self.stop_slot[L:]
         self.sdc_rate = per_lane(  # corruptions per trained step
             lambda s: s.corruption.per_gpu_day * s.gpus * s.step_s * (1 + s.straggler) / 86_400
         )
@@ -144,12 +148,13 @@ class Modes:
         if not ia.size:
             return
         stop = np.maximum(stop, 0.0)
-        m = self._steps_within(ia, P, stop, np.maximum(cap, 1))
-        done = self._wall(ia, P, m)
-        self._advance(ia, P, m, done)
+        p = self.at(ia)
+        m = self._steps_within(p, P, stop, np.maximum(cap, 1))
+        done = self._wall(p, P, m)
+        self._advance(ia, p.step_s, P, m, done)
         disk = self.tiers["disk"]
-        save = disk["stall"][ia] + disk["write"][ia]
-        restore = disk["restore"][ia]
+        save = p.st_d + disk["write"][ia]
+        restore = p.restore_d
         planned = (stop - done) + self.stop_window[ia] + self.stop_restart[ia]
         again = self.recovery(ia, self.stop_restart[ia] + restore)
         self.b["unproductive_checkpoint_save_time"][ia] += save

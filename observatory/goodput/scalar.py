@@ -51,7 +51,8 @@ class _Lane:
         self.cause_cum = run.cause_cum.tolist()
         self.host_lost = run.host_lost.tolist()
         self.restart = run.restart[i].tolist()
-        self.held = {"memory": run.held["memory"], "disk": run.held["disk"]}
+        self.held = run.held
+        self.slot = {"memory": i, "disk": i + run.L}  # engine._Run's slots of the lane's tiers
         # the optional modes (a lane without one behaves as the rounds do with it off)
         self.repeat, self.recovers = float(run.repeat[i]), bool(run.recovers[i])
         self.stop_every, self.stop_window = float(run.stop_every[i]), float(run.stop_window[i])
@@ -65,7 +66,7 @@ class _Lane:
         self.i_fail, self.i_spike = int(run.i_fail[i]), int(run.i_spike[i])
         self.f_left, self.s_left = float(run.f_left[i]), int(run.s_left[i])
         self.pins = {
-            name: run.pins[name][i, : run.n_pins[name][i]].tolist() for name in ("memory", "disk")
+            name: run.pins[slot, : run.n_pins[slot]].tolist() for name, slot in self.slot.items()
         }
         self.b = {k: float(v[i]) for k, v in run.b.items()}
         self.count = {k: int(v[i]) for k, v in run.count.items()}
@@ -271,7 +272,7 @@ class _Lane:
     def _retained(self, name: str, limit: int) -> int:
         """engine._Run._retained for one lane (its tier is on)."""
         k = self.km if name == "memory" else self.kd
-        step = self.held[name].newest_one(self.i, self.H // k, limit // k) * k
+        step = self.held.newest_one(self.slot[name], self.H // k, limit // k) * k
         for pin in self.pins[name]:
             if step < pin <= limit:
                 step = pin
