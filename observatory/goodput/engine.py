@@ -82,17 +82,33 @@ class Lanes:
 
 
 def simulate(
-    scenarios: Sequence[Scenario], seeds: int | Sequence[int] = 100, seed: int = 0
+    scenarios: Sequence[Scenario],
+    seeds: int | Sequence[int] = 100,
+    seed: int = 0,
+    *,
+    workers: int | None = None,
 ) -> Lanes:
     """Every scenario under seeds `seed`, ..., `seed + seeds - 1` (`seeds`: one count for all,
-    or one per scenario: plans of one question share one pass of the loop)."""
+    or one per scenario: plans of one question share one pass of the loop). Many lanes are
+    split over `workers` processes (None: this machine's cores, or
+    $SPIKEWATCH_SIMULATE_WORKERS; goodput/parallel.py); the outputs do not depend on it."""
     counts = np.broadcast_to(np.asarray(seeds, dtype=np.int64), (len(scenarios),))
     if not scenarios or counts.min() < 1:
         raise ValueError("simulate needs at least one scenario and one seed")
     causes = scenarios[0].failures.causes
     if any(s.failures.causes != causes for s in scenarios):
         raise ValueError("the scenarios of one simulation share their failure causes")
-    return _Run(list(scenarios), counts, seed).go()
+    from observatory.goodput.parallel import split
+
+    return split(list(scenarios), counts, seed, workers)
+
+
+def run_part(
+    scenarios: list[Scenario], seeds: np.ndarray, seed: int, first: np.ndarray | None = None
+) -> Lanes:
+    """Scenario i's seeds `seed + first[i]`, ..., `seed + first[i] + seeds[i] - 1`, in this
+    process (first: 0 for every scenario)."""
+    return _Run(scenarios, seeds, seed, first).go()
 
 
 class _Draws:
@@ -101,9 +117,10 @@ class _Draws:
 
     STREAMS = ("fail", "spike", "cause", "back", "recover", "repeat", "sdc")
 
-    def __init__(self, seeds: int, seed: int, n: int) -> None:
+    def __init__(self, seeds: range, seed: int, n: int) -> None:
+        """Rows for seeds `seed + i`, i in `seeds`."""
         self.rngs = {
-            name: [np.random.default_rng([seed + i, 0x5EED, j]) for i in range(seeds)]
+            name: [np.random.default_rng([seed + i, 0x5EED, j]) for i in seeds]
             for j, name in enumerate(self.STREAMS)
         }
         self.cols: dict[str, np.ndarray] = {}
@@ -151,11 +168,16 @@ class _Run(Modes):
     its next one. A tier's per-lane arrays are laid end to end, memory then disk: the slot of
     lane i's tier j is i + j L, so that both tiers' retention is looked up in one call."""
 
-    def __init__(self, scenarios: list[Scenario], seeds: np.ndarray, seed: int) -> None:
+    def __init__(
+        self, scenarios: list[Scenario], seeds: np.ndarray, seed: int, first: np.ndarray | None
+    ) -> None:
         self.sc, self.seeds = scenarios, seeds
         self.L = L = int(seeds.sum())
         self.scen = np.repeat(np.arange(len(scenarios)), seeds)
-        self.seed = np.concatenate([np.arange(n) for n in seeds])
+        first = np.zeros(len(scenarios), np.int64) if first is None else first
+        rows = range(int(first.min()), int((first + seeds).max()))  # the seeds drawn for
+        self.seed = np.concatenate([np.arange(a, a + n) for a, n in zip(first, seeds, strict=True)])
+        self.seed -= rows.start  # each lane's row of the draws
         self.base_s = _param(scenarios, seeds, lambda s: s.step_s)  # a step without stragglers
         self.step_s = self.base_s * _param(scenarios, seeds, lambda s: 1 + s.straggler)
         self.N = _param(scenarios, seeds, lambda s: s.steps).astype(np.int64)
@@ -216,7 +238,7 @@ class _Run(Modes):
                         f"(at most {MAX_SAVES:,}): lengthen its interval"
                     )
         n = int(expected * 1.3 + 10 * math.sqrt(expected) + 64)
-        self.draws = _Draws(int(seeds.max()), seed, n)
+        self.draws = _Draws(rows, seed, n)
         # state
         self.t = np.zeros(L)
         self.P = np.zeros(L, dtype=np.int64)
