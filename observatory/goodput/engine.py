@@ -297,8 +297,8 @@ class _Run(Modes):
         # wall(m) lies in (m rate + c - stall, m rate + c]: rate is a step with its saves'
         # shares, c the shares the current interval of each tier has accrued by step P
         c = p.st_m * (P % p.km) / p.km + p.st_d * (P % p.kd) / p.kd
-        lo = np.maximum(np.floor(tau / (s + stall)), np.floor((tau - c) / rate) - 1)
-        hi = np.minimum(np.floor(tau / s), np.floor((tau - c + stall) / rate) + 1)
+        lo = np.floor((tau - c) / rate) - 1
+        hi = np.floor((tau - c + stall) / rate) + 1
         lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
         hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
         width = int((hi - lo).max(initial=0))

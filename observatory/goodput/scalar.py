@@ -118,16 +118,24 @@ class _Lane:
         return m * self.step_s + stalls
 
     def _steps_within(self, P: int, tau: float, cap: int) -> int:
-        """engine._Run._steps_within for one lane."""
+        """engine._Run._steps_within for one lane: the same bracket, searched step by step
+        when it is narrow (a failure's step is then at most a few steps past its bottom)."""
         s, stall, rate = self.step_s, self.stall_sum, self.rate_s
-        lo = max(math.floor(tau / (s + stall)), math.floor((tau - stall) / rate) - 1)
-        hi = min(math.floor(tau / s), math.floor((tau + stall) / rate) + 1)
+        km, kd, st_m, st_d = self.km, self.kd, self.st_m, self.st_d
+        qm, rm = divmod(P, km)
+        qd, rd = divmod(P, kd)
+        c = st_m * rm / km + st_d * rd / kd
+        lo = max(math.floor(tau / (s + stall)), math.floor((tau - c) / rate) - 1)
+        hi = min(math.floor(tau / s), math.floor((tau - c + stall) / rate) + 1)
         lo = min(max(lo, 0), cap - 1)
         hi = max(min(hi, cap - 1), lo)
         while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._wall(P, mid) <= tau:
+            mid = lo + 1 if hi - lo <= 4 else (lo + hi + 1) // 2
+            end = P + mid
+            if mid * s + (st_m * (end // km - qm) + st_d * (end // kd - qd)) <= tau:
                 lo = mid
+            elif mid == lo + 1:
+                break
             else:
                 hi = mid - 1
         return lo
@@ -176,8 +184,9 @@ class _Lane:
             else:
                 self.c_left -= m
         self.b["unproductive_checkpoint_save_time"] += wall - m * self.step_s
-        self.P = P + m
-        self.H = max(self.H, P + m)
+        self.P = P = P + m
+        if P > self.H:
+            self.H = P
 
     def _fail(self, P: int, cap: int) -> None:
         tau = self.f_left
