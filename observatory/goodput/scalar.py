@@ -16,6 +16,8 @@ import math
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
+from observatory.goodput.state import GIVE_UP
+
 if TYPE_CHECKING:
     from observatory.goodput.engine import _Run
 
@@ -143,7 +145,7 @@ class _Lane:
     # -- the loop ------------------------------------------------------------------------------
 
     def go(self) -> None:
-        give_up = 20 * self._wall(0, self.N)  # engine.GIVE_UP times the failure-free time
+        give_up = GIVE_UP * self._wall(0, self.N)  # saves included
         while self.t < give_up:
             P = self.P
             to_end = self.N - P

@@ -1,0 +1,338 @@
+"""The lane engine's rounds: every active lane moves from its event to its next one at once.
+
+A round is one fixed sequence of numpy calls over the active lanes' columns, each update masked
+by what the lane met (a failure, a planned stop, a spike, a corruption or its detection, the
+end), rather than a sequence per kind of event over that kind's lanes: a numpy call costs about
+a microsecond whatever its size, and with many lanes every kind comes up in every round. The
+retention lookups, which are dear per lane, are made for the lanes that need one, both tiers
+and every kind of event in one call. The lanes' state is gathered once a round (two matrices)
+and written back once; with every lane active it is used in place. When few lanes are left,
+each finishes alone in plain Python (goodput/scalar.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from observatory.goodput.modes import corrupt, cure, maintain, recovery
+from observatory.goodput.scalar import run_lane
+from observatory.goodput.state import GIVE_UP, R, gaps, steps
+
+if TYPE_CHECKING:
+    from observatory.goodput.engine import _At, _Run
+
+__all__ = ["Block", "go"]
+
+# when this few lanes are left, each runs on alone in plain Python (goodput/scalar.py): a round
+# of numpy calls costs more than that many lanes' events one by one
+ONE_BY_ONE = 8
+_CANDIDATES = 16  # a failure's step: every candidate at once up to this many, else bisection
+_UP_TO = np.arange(1, _CANDIDATES + 1)
+
+
+class Block:
+    """The lanes `ia` for one round: their columns of the state matrices (the matrices
+    themselves when every lane is active), and their constants."""
+
+    __slots__ = ("F", "I", "full", "ia", "p", "run")
+
+    def __init__(self, run: _Run, ia: np.ndarray, p: _At, full: bool) -> None:
+        self.run, self.ia, self.p, self.full = run, ia, p, full
+        self.F = run.F if full else np.take(run.F, ia, axis=1)
+        self.I = run.I if full else np.take(run.I, ia, axis=1)
+
+    def write_back(self) -> None:
+        if not self.full:
+            self.run.F[:, self.ia] = self.F
+            self.run.I[:, self.ia] = self.I
+
+
+def go(run: _Run) -> None:
+    """Every lane of `run` to its end (or until it gives up)."""
+    L = run.L
+    active = np.ones(L, dtype=bool)
+    everyone = run.at(np.arange(L))
+    give_up = GIVE_UP * wall(everyone, np.zeros(L, np.int64), run.N)  # saves included
+    while True:
+        active &= run.t < give_up  # spikes or failures faster than the run can progress
+        ia = np.flatnonzero(active)
+        if ia.size <= ONE_BY_ONE:
+            for i in ia.tolist():
+                run_lane(run, i)
+            return
+        full = ia.size == L
+        b = Block(run, ia, everyone if full else run.at(ia), full)
+        ended = _round(b)
+        b.write_back()
+        active[ia[ended]] = False
+
+
+def _round(b: Block) -> np.ndarray:
+    """Each lane of `b` to its next event, and through it; returns the lanes that ended."""
+    run, p, F, I = b.run, b.p, b.F, b.I  # noqa: E741
+    P = I[R.P].copy()
+    # the stretch to the next event counted in steps: a spike, a corruption, the end
+    to_end = p.N - P
+    m = np.minimum(I[R.s_left], to_end)
+    if run.any_sdc:  # steps to a corruption, or to its detection
+        sdc = np.where(I[R.sdc_at] >= 0, I[R.d_left], I[R.c_left])
+        m = np.minimum(m, sdc)
+    w = wall(p, P, m)
+    f_left = F[R.f_left]
+    fail = f_left < w  # a failure comes first
+    stops: np.ndarray | None = None
+    stop = f_left
+    if run.any_stops:
+        stop = F[R.next_stop] - F[R.t]
+        fail &= f_left <= stop
+        stops = ~fail & (stop < w)  # a planned stop comes first
+        if not stops.any():
+            stops = None
+    event = fail if stops is None else fail | stops
+    tau = f_left  # the seconds into the stretch that the event comes
+    if event.any():  # the steps that fit before it
+        if stops is None:
+            tau, cap = np.where(fail, f_left, 0.0), m
+        else:
+            tau = np.where(fail, f_left, np.where(stops, np.maximum(stop, 0.0), 0.0))
+            cap = np.where(stops, np.maximum(m, 1), m)
+        m = np.where(event, steps_within(p, P, tau, cap), m)
+        w = wall(p, P, m)
+    # every lane trains its steps
+    F[R.t] += w
+    F[R.f_left] -= w
+    I[R.s_left] -= m
+    if run.any_sdc:
+        wrong = I[R.sdc_at] >= 0
+        I[R.d_left] -= np.where(wrong, m, 0)
+        I[R.c_left] -= np.where(wrong, 0, m)
+    F[R.save] += w - m * p.step_s
+    P1 = P + m
+    I[R.P] = P1
+    np.maximum(I[R.H], P1, out=I[R.H])
+    if stops is not None:
+        at = np.flatnonzero(stops)
+        maintain(b, at, tau[at], w[at])
+    # what each lane met
+    trained = ~event
+    ended = trained & (m == to_end)  # the end comes first (or with a spike at the last step)
+    spike = trained & ~ended & (I[R.s_left] == 0)  # its counter ran out
+    found = None
+    if run.any_sdc:
+        hit = trained & ~ended & ~spike & (m == sdc)
+        begins = hit & (I[R.sdc_at] < 0)
+        if begins.any():
+            corrupt(b, np.flatnonzero(begins))
+        found = hit & ~begins  # detected: back to before it
+        if not found.any():
+            found = None
+    back = spike if found is None else spike | found
+    any_fail, any_back = bool(fail.any()), bool(back.any())
+    if any_fail or any_back:
+        _restore(
+            b, P, P1, fail if any_fail else None, spike, found, back if any_back else None, tau, w
+        )
+    return ended
+
+
+def _restore(
+    b: Block,
+    P: np.ndarray,
+    P1: np.ndarray,
+    fail: np.ndarray | None,
+    spike: np.ndarray,
+    found: np.ndarray | None,
+    back: np.ndarray | None,
+    tau: np.ndarray,
+    w: np.ndarray,
+) -> None:
+    """Lanes that failed (`fail`) restore the newest durable checkpoint that survived; lanes
+    that met a spike or found a corruption (`back`) roll back to the newest retained one at or
+    before a limit, pinned there. P: each lane's step when its stretch began, P1 now."""
+    run, p, F, I = b.run, b.p, b.F, b.I  # noqa: E741
+    n, km, kd = P.size, p.km, p.kd
+    zero = np.zeros(n, np.int64)
+    old_d = old_m = S = limit = zero
+    if fail is not None:
+        u = run.draws.take("cause", p.seed, I[R.i_fail])
+        cause = np.minimum(np.searchsorted(run.cause_cum, u), run.cause_cum.size - 1)
+        restart = run.restart[b.ia, cause]
+        # the newest durable disk save: one still being written does not count
+        S = (P1 // kd) * kd
+        written = tau - wall(p, P, np.maximum(S - P, 0))
+        S = np.where((S > P) & (written < p.write_d), S - kd, S)
+        # host memory's newest, if it survived the failure
+        mem_ok = p.mem_on & (p.survives | ~run.host_lost[cause])
+        mem_step = np.where(mem_ok, (P1 // km) * km, -1)
+        mem_step = np.where(mem_step > P, mem_step, -1)
+        old_d = fail & (S <= P)  # saves from before this stretch: retention decides
+        old_m = fail & mem_ok & (mem_step < 0)
+    if back is not None:
+        u = run.draws.take("back", p.seed, I[R.i_spike])
+        I[R.i_spike] += spike
+        n_backs = run.n_backs[p.scen]
+        pick = np.minimum((u * n_backs).astype(np.int64), n_backs - 1)
+        limit = np.maximum(P1 - run.backs[p.scen, pick], 0)
+        if found is not None:
+            limit = np.where(found, I[R.sdc_at], limit)
+    # one lookup for every lane and tier that needs one
+    d_at = np.flatnonzero(old_d if back is None else back | old_d)
+    m_at = np.flatnonzero(old_m if back is None else (back & p.mem_on) | old_m)
+    lim_d = S if back is None else (limit if fail is None else np.where(back, limit, S))
+    lim_m = P1 if back is None else (limit if fail is None else np.where(back, limit, P1))
+    got = retained(
+        b,
+        np.concatenate([d_at, m_at]),
+        np.concatenate([np.ones(d_at.size, bool), np.zeros(m_at.size, bool)]),
+        np.concatenate([lim_d[d_at], lim_m[m_at]]),
+    )
+    ret_d, ret_m = zero.copy(), zero.copy()
+    ret_d[d_at], ret_m[m_at] = got[: d_at.size], got[d_at.size :]
+    new_P = P1
+    restore: np.ndarray | float = 0.0
+    dt: np.ndarray | float = 0.0
+    floor = I[R.mem_floor]
+    if back is not None:
+        from_mem = p.mem_on & (ret_m > 0) & (ret_m >= ret_d)  # memory on a tie: faster
+        target = np.where(from_mem, ret_m, ret_d)
+        if spike.any():  # the newest save at or before the limit, had retention kept all
+            newest = (limit // km) * km
+            newest = np.where(p.mem_on & (newest >= floor), newest, 0)
+            ideal = np.maximum(newest, (limit // kd) * kd)
+            further = spike & (target < ideal)
+            I[R.further] += further
+            I[R.further_steps] += np.where(further, ideal - target, 0)
+        at = np.flatnonzero(back & (target > 0))
+        pin(run, b.ia[at] + run.L * ~from_mem[at], target[at])
+        new_P = np.where(back, target, new_P)
+        restore = dt = np.where(back, np.where(from_mem, p.restore_m, p.restore_d), 0.0)
+        F[R.spike_rollback] += np.where(spike, (P1 - target) * p.base_s, 0.0)
+        if found is not None:
+            F[R.corruption] += np.where(found, (P1 - target) * p.base_s, 0.0)
+            I[R.corruption_rollbacks] += found
+        I[R.spikes] += spike
+        new_floor = np.where(back, np.minimum(floor, target + 1), floor)
+    else:
+        new_floor = floor
+    if fail is not None:
+        disk = np.where(old_d, ret_d, S)
+        if run.any_stops:  # a planned stop's save, durable before the stop
+            stop = I[R.stop_save]
+            disk = np.maximum(disk, np.where(stop <= P1, stop, 0))
+        to = np.maximum(disk, mem_step)
+        newer = old_m & (ret_m >= to)  # a tie restores from memory: it is faster
+        to = np.where(newer, ret_m, to)
+        mem_step = np.where(newer, ret_m, mem_step)
+        from_mem = mem_ok & (mem_step == to) & (to > 0)  # step 0 is the start, not a snapshot
+        restore_f = np.where(from_mem, p.restore_m, p.restore_d)
+        again: np.ndarray | float = 0.0
+        if run.any_recover:
+            at = np.flatnonzero(fail)
+            again = np.zeros(n)
+            again[at] = recovery(b, at, (restart + restore_f)[at])
+        inflight = tau - w  # the part-step the failure interrupted
+        F[R.disruption] += np.where(fail, (P1 - to) * p.base_s + inflight, 0.0)
+        F[R.infra] += np.where(fail, restart + again, 0.0)
+        restore = np.where(fail, restore_f, restore)
+        dt = np.where(fail, inflight + restart + restore_f + again, dt)
+        new_P = np.where(fail, to, new_P)
+        # memory holds nothing from before a loss; a restore below the floor starts a lineage
+        # whose new snapshots it holds
+        new_floor = np.where(fail, np.minimum(floor, to + 1), new_floor)
+        new_floor = np.where(fail & p.mem_on & ~mem_ok, to + 1, new_floor)
+        I[R.failures] += fail
+        I[R.memory] += fail & from_mem
+    F[R.restore] += restore
+    F[R.t] += dt
+    I[R.lost] += P1 - new_P
+    I[R.mem_floor] = new_floor
+    I[R.P] = new_P
+    if run.any_sdc:
+        moved = [x for x in (fail, back) if x is not None]
+        cure(b, new_P, np.logical_or.reduce(moved))
+    if fail is not None:  # the next failure
+        e = run.draws.take("fail", p.seed, I[R.i_fail])
+        F[R.f_left] = np.where(fail, gaps(e, p.lam), F[R.f_left])
+        I[R.i_fail] += fail
+    if back is not None and spike.any():  # the next spike; or this one again
+        gap = steps(run.draws.take("spike", p.seed, I[R.i_spike]), p.rate)
+        if run.any_repeat:
+            again_ = spike & (run.draws.take("repeat", p.seed, I[R.i_spike]) < p.repeat)
+            I[R.repeats] += again_
+            gap = np.where(again_, np.maximum(P1 - target, 1), gap)
+        I[R.s_left] = np.where(spike, gap, I[R.s_left])
+
+
+def retained(b: Block, at: np.ndarray, disk: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """Per lane `at` of the block and tier (`disk`, else memory), the newest checkpoint at or
+    before `limit` that retention still holds, or that a rollback pinned there (0 if none: the
+    run's start is always there). A tier a lane does not have gives 0."""
+    run = b.run
+    slots = b.ia[at] + run.L * disk
+    k = run.k_slot[slots]
+    held = run.held.newest(slots, b.I[R.H, at] // k, limit // k) * k
+    newest = run.pin_max[slots]
+    pinned = np.where(newest <= limit, newest, 0)
+    past = np.flatnonzero(newest > limit)  # a pin newer than the limit: all pins decide
+    if past.size:
+        pins = run.pins[slots[past]]
+        pinned[past] = np.where(pins <= limit[past, None], pins, 0).max(axis=1, initial=0)
+    step = np.maximum(held, pinned)
+    step = np.where(step >= np.where(disk, 0, b.I[R.mem_floor, at]), step, 0)
+    if run.any_stops:  # a planned stop's save (a disk save)
+        stop = np.where(disk, b.I[R.stop_save, at], 0)
+        step = np.maximum(step, np.where(stop <= limit, stop, 0))
+    return step
+
+
+def pin(run: _Run, slots: np.ndarray, steps: np.ndarray) -> None:
+    pins, n = run.pins, run.n_pins
+    if slots.size and n[slots].max() >= pins.shape[1]:
+        run.pins = pins = np.concatenate([pins, np.full_like(pins, -1)], axis=1)
+    pins[slots, n[slots]] = steps
+    n[slots] += 1
+    run.pin_max[slots] = np.maximum(run.pin_max[slots], steps)
+
+
+def wall(p: _At, P: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The seconds steps P + 1 .. P + m take, with the stalls of both tiers' saves."""
+    end, km, kd = P + m, p.km, p.kd
+    return m * p.step_s + (p.st_m * (end // km - P // km) + p.st_d * (end // kd - P // kd))
+
+
+def steps_within(p: _At, P: np.ndarray, tau: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """The most steps (with their saves) that end by `tau` seconds, below `cap`: within a
+    bracket about stall / rate steps wide, every candidate at once when that is a few steps
+    (as it is unless saves stall far longer than a step), else by bisection."""
+    # wall(m) lies in (m rate + c - stall, m rate + c]: rate is a step with its saves'
+    # shares, c the shares the current interval of each tier has accrued by step P
+    c = p.st_m * (P % p.km) / p.km + p.st_d * (P % p.kd) / p.kd
+    lo = np.floor((tau - c) / p.rate_s) - 1
+    hi = np.floor((tau - c + p.stall) / p.rate_s) + 1
+    lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
+    hi = np.maximum(np.minimum(hi, cap - 1), lo).astype(np.int64)
+    width = int((hi - lo).max(initial=0))
+    if width <= _CANDIDATES:  # wall(m) grows with m: the candidates that fit come first
+        j = _UP_TO[:width]  # m = lo + j, (n, width)
+        m = lo[:, None] + j
+        base = P + lo
+        stalls = [st[:, None] * _saves(base, P, k, j) for st, k in ((p.st_m, p.km), (p.st_d, p.kd))]
+        fit = (m * p.step_s[:, None] + (stalls[0] + stalls[1]) <= tau[:, None]) & (m <= hi[:, None])
+        return lo + fit.sum(axis=1)
+    while (open_ := lo < hi).any():
+        mid = (lo + hi + 1) // 2
+        ok = wall(p, P, mid) <= tau
+        lo = np.where(open_ & ok, mid, lo)
+        hi = np.where(open_ & ~ok, mid - 1, hi)
+    return lo
+
+
+def _saves(base: np.ndarray, P: np.ndarray, k: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """A tier's saves in steps P + 1 .. base + j, per lane and j (`base` >= P): those up to
+    `base`, and then one more once base + j reaches the next, when j stays below the interval
+    (no division over the candidates)."""
+    if j.size and j[-1] >= k.min():
+        return (base[:, None] + j) // k[:, None] - (P // k)[:, None]
+    return (base // k - P // k)[:, None] + (j >= (k - base % k)[:, None])
