@@ -137,6 +137,12 @@ class _Draws:
             self._grow(self.n)
         return self.cols[name][seed, idx]
 
+    def reach(self, n: int) -> None:
+        """Draws up to index n - 1 in every stream (a caller that knows its indices stay
+        below n then reads `cols` directly)."""
+        while n > self.n:
+            self._grow(self.n)
+
 
 def _param(scenarios: list[Scenario], seeds: np.ndarray, get, dtype=np.float64) -> np.ndarray:  # noqa: ANN001
     return np.repeat(np.array([get(s) for s in scenarios], dtype=dtype), seeds)
@@ -152,14 +158,15 @@ class _At:
     """A set of lanes' constants, gathered in one numpy call per dtype: a round's cost is its
     number of numpy calls."""
 
-    __slots__ = (*CONST_F, *CONST_I, "f", "i")
+    __slots__ = (*CONST_F, *CONST_I, "f", "i", "kd_min", "km_min")
 
-    def __init__(self, f: np.ndarray, i: np.ndarray) -> None:
+    def __init__(self, f: np.ndarray, i: np.ndarray, k_min: tuple[int, int]) -> None:
         self.f, self.i = f, i
+        self.km_min, self.kd_min = k_min  # each tier's shortest interval of all lanes
         for name, row in zip(CONST_F, f, strict=True):
             setattr(self, name, row)
         for name, row in zip(CONST_I, i, strict=True):
-            setattr(self, name, row)
+            setattr(self, name, row > 0 if name in ("mem_on", "survives") else row)
 
     if TYPE_CHECKING:  # the rows, by name
 
@@ -221,6 +228,7 @@ class _Run:
         self.held = LaneRetention(rules, max(s.steps for s in scenarios))  # by slot
         mem, disk = self.tiers["memory"], self.tiers["disk"]
         self.k_slot = np.concatenate([mem["k"], disk["k"]])
+        self.k_min = int(mem["k"].min()), int(disk["k"].min())
         self.stall_sum = mem["stall"] + disk["stall"]
         self.rate_s = self.step_s + (mem["stall"] / mem["k"] + disk["stall"] / disk["k"])
         backs = [s.spikes.back_steps for s in scenarios]
@@ -251,6 +259,7 @@ class _Run:
                     )
         n = int(expected * 1.3 + 10 * math.sqrt(expected) + 64)
         self.draws = _Draws(rows, seed, n)
+        self._causes = np.zeros((0, 0), np.int64)
         init_modes(self, scenarios, seeds)
         values = {"step_s": self.step_s, "base_s": self.base_s, "st_m": mem["stall"],
                   "st_d": disk["stall"], "stall": self.stall_sum, "rate_s": self.rate_s,
@@ -287,8 +296,16 @@ class _Run:
         self.n_pins = np.zeros(2 * L, np.int64)
         self.pin_max = np.zeros(2 * L, np.int64)  # each slot's newest pin (0: none)
 
+    def causes(self) -> np.ndarray:
+        """The cause of every failure draw (seed x index), as the draws now reach."""
+        if self._causes.shape[1] != self.draws.n:
+            u = self.draws.cols["cause"]
+            cause = np.searchsorted(self.cause_cum, u)
+            self._causes = np.minimum(cause, self.cause_cum.size - 1)
+        return self._causes
+
     def at(self, ia: np.ndarray) -> _At:
-        return _At(np.take(self.f_at, ia, axis=1), np.take(self.i_at, ia, axis=1))
+        return _At(np.take(self.f_at, ia, axis=1), np.take(self.i_at, ia, axis=1), self.k_min)
 
     def go(self) -> Lanes:
         from observatory.goodput.rounds import go

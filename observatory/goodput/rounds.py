@@ -55,13 +55,17 @@ def go(run: _Run) -> None:
     active = np.ones(L, dtype=bool)
     everyone = run.at(np.arange(L))
     give_up = GIVE_UP * wall(everyone, np.zeros(L, np.int64), run.N)  # saves included
+    rounds = 0
     while True:
         active &= run.t < give_up  # spikes or failures faster than the run can progress
-        ia = np.flatnonzero(active)
+        ia = active.nonzero()[0]
         if ia.size <= ONE_BY_ONE:
             for i in ia.tolist():
                 run_lane(run, i)
             return
+        # a lane draws at most one failure, cause, spike, distance and repeat a round
+        rounds += 1
+        run.draws.reach(rounds + 2)
         full = ia.size == L
         b = Block(run, ia, everyone if full else run.at(ia), full)
         ended = _round(b)
@@ -73,14 +77,15 @@ def _round(b: Block) -> np.ndarray:
     """Each lane of `b` to its next event, and through it; returns the lanes that ended."""
     run, p, F, I = b.run, b.p, b.F, b.I  # noqa: E741
     P = I[R.P].copy()
+    s_left, f_left = I[R.s_left], F[R.f_left]  # views: updated in place below
     # the stretch to the next event counted in steps: a spike, a corruption, the end
     to_end = p.N - P
-    m = np.minimum(I[R.s_left], to_end)
+    m = np.minimum(s_left, to_end)
     if run.any_sdc:  # steps to a corruption, or to its detection
         sdc = np.where(I[R.sdc_at] >= 0, I[R.d_left], I[R.c_left])
         m = np.minimum(m, sdc)
-    w = wall(p, P, m)
-    f_left = F[R.f_left]
+    q = P // p.km, P // p.kd  # each tier's saves up to P
+    w = wall(p, P, m, q)
     fail = f_left < w  # a failure comes first
     stops: np.ndarray | None = None
     stop = f_left
@@ -88,52 +93,56 @@ def _round(b: Block) -> np.ndarray:
         stop = F[R.next_stop] - F[R.t]
         fail &= f_left <= stop
         stops = ~fail & (stop < w)  # a planned stop comes first
-        if not stops.any():
+        if not np.count_nonzero(stops):
             stops = None
     event = fail if stops is None else fail | stops
     tau = f_left  # the seconds into the stretch that the event comes
-    if event.any():  # the steps that fit before it
+    if np.count_nonzero(event):  # the steps that fit before it
         if stops is None:
             tau, cap = np.where(fail, f_left, 0.0), m
         else:
             tau = np.where(fail, f_left, np.where(stops, np.maximum(stop, 0.0), 0.0))
             cap = np.where(stops, np.maximum(m, 1), m)
-        m = np.where(event, steps_within(p, P, tau, cap), m)
-        w = wall(p, P, m)
+        m = np.where(event, steps_within(p, P, tau, cap, q), m)
+        w = wall(p, P, m, q)
     # every lane trains its steps
-    F[R.t] += w
-    F[R.f_left] -= w
-    I[R.s_left] -= m
+    t = F[R.t]
+    t += w
+    f_left -= w
+    s_left -= m
     if run.any_sdc:
         wrong = I[R.sdc_at] >= 0
-        I[R.d_left] -= np.where(wrong, m, 0)
-        I[R.c_left] -= np.where(wrong, 0, m)
-    F[R.save] += w - m * p.step_s
+        d_left, c_left = I[R.d_left], I[R.c_left]
+        d_left -= np.where(wrong, m, 0)
+        c_left -= np.where(wrong, 0, m)
+    save = F[R.save]
+    save += w - m * p.step_s
     P1 = P + m
     I[R.P] = P1
-    np.maximum(I[R.H], P1, out=I[R.H])
+    H = I[R.H]
+    np.maximum(H, P1, out=H)
     if stops is not None:
-        at = np.flatnonzero(stops)
+        at = stops.nonzero()[0]
         maintain(b, at, tau[at], w[at])
     # what each lane met
     trained = ~event
     ended = trained & (m == to_end)  # the end comes first (or with a spike at the last step)
-    spike = trained & ~ended & (I[R.s_left] == 0)  # its counter ran out
+    spike = trained & ~ended & (s_left == 0)  # its counter ran out
     found = None
     if run.any_sdc:
         hit = trained & ~ended & ~spike & (m == sdc)
         begins = hit & (I[R.sdc_at] < 0)
-        if begins.any():
-            corrupt(b, np.flatnonzero(begins))
+        if np.count_nonzero(begins):
+            corrupt(b, begins.nonzero()[0])
         found = hit & ~begins  # detected: back to before it
-        if not found.any():
+        if not np.count_nonzero(found):
             found = None
     back = spike if found is None else spike | found
-    any_fail, any_back = bool(fail.any()), bool(back.any())
-    if any_fail or any_back:
-        _restore(
-            b, P, P1, fail if any_fail else None, spike, found, back if any_back else None, tau, w
-        )
+    failed = fail if np.count_nonzero(fail) else None
+    spiked = bool(np.count_nonzero(spike))
+    rolled = back if spiked or found is not None else None
+    if failed is not None or rolled is not None:
+        _restore(b, P, P1, failed, spike if spiked else None, found, rolled, tau, w, q)
     return ended
 
 
@@ -142,80 +151,84 @@ def _restore(
     P: np.ndarray,
     P1: np.ndarray,
     fail: np.ndarray | None,
-    spike: np.ndarray,
+    spike: np.ndarray | None,
     found: np.ndarray | None,
     back: np.ndarray | None,
     tau: np.ndarray,
     w: np.ndarray,
+    q: tuple[np.ndarray, np.ndarray],
 ) -> None:
     """Lanes that failed (`fail`) restore the newest durable checkpoint that survived; lanes
     that met a spike or found a corruption (`back`) roll back to the newest retained one at or
     before a limit, pinned there. P: each lane's step when its stretch began, P1 now."""
     run, p, F, I = b.run, b.p, b.F, b.I  # noqa: E741
     n, km, kd = P.size, p.km, p.kd
-    zero = np.zeros(n, np.int64)
-    old_d = old_m = S = limit = zero
+    cols = run.draws.cols
+    floor = I[R.mem_floor]
     if fail is not None:
-        u = run.draws.take("cause", p.seed, I[R.i_fail])
-        cause = np.minimum(np.searchsorted(run.cause_cum, u), run.cause_cum.size - 1)
+        cause = run.causes()[p.seed, I[R.i_fail]]
         restart = run.restart[b.ia, cause]
         # the newest durable disk save: one still being written does not count
         S = (P1 // kd) * kd
-        written = tau - wall(p, P, np.maximum(S - P, 0))
+        written = tau - wall(p, P, np.maximum(S - P, 0), q)
         S = np.where((S > P) & (written < p.write_d), S - kd, S)
         # host memory's newest, if it survived the failure
         mem_ok = p.mem_on & (p.survives | ~run.host_lost[cause])
         mem_step = np.where(mem_ok, (P1 // km) * km, -1)
         mem_step = np.where(mem_step > P, mem_step, -1)
-        old_d = fail & (S <= P)  # saves from before this stretch: retention decides
+        # saves from before this stretch: retention decides (a disk save only matters when no
+        # memory snapshot of this stretch is newer)
+        old_d = fail & (S <= P) & (mem_step < 0)
         old_m = fail & mem_ok & (mem_step < 0)
     if back is not None:
-        u = run.draws.take("back", p.seed, I[R.i_spike])
-        I[R.i_spike] += spike
+        i_spike = I[R.i_spike]
+        u = cols["back"][p.seed, i_spike]
+        if spike is not None:
+            i_spike += spike
         n_backs = run.n_backs[p.scen]
         pick = np.minimum((u * n_backs).astype(np.int64), n_backs - 1)
         limit = np.maximum(P1 - run.backs[p.scen, pick], 0)
         if found is not None:
             limit = np.where(found, I[R.sdc_at], limit)
     # one lookup for every lane and tier that needs one
-    d_at = np.flatnonzero(old_d if back is None else back | old_d)
-    m_at = np.flatnonzero(old_m if back is None else (back & p.mem_on) | old_m)
-    lim_d = S if back is None else (limit if fail is None else np.where(back, limit, S))
-    lim_m = P1 if back is None else (limit if fail is None else np.where(back, limit, P1))
-    got = retained(
-        b,
-        np.concatenate([d_at, m_at]),
-        np.concatenate([np.ones(d_at.size, bool), np.zeros(m_at.size, bool)]),
-        np.concatenate([lim_d[d_at], lim_m[m_at]]),
-    )
-    ret_d, ret_m = zero.copy(), zero.copy()
-    ret_d[d_at], ret_m[m_at] = got[: d_at.size], got[d_at.size :]
-    new_P = P1
+    if fail is None:
+        d_at = m_at = back.nonzero()[0]  # type: ignore[union-attr]
+        m_at = m_at[p.mem_on[m_at]]
+        limits = [limit[d_at], limit[m_at]]
+    elif back is None:
+        d_at, m_at = old_d.nonzero()[0], old_m.nonzero()[0]
+        limits = [S[d_at], P1[m_at]]
+    else:
+        d_at, m_at = (back | old_d).nonzero()[0], ((back & p.mem_on) | old_m).nonzero()[0]
+        limits = [np.where(back, limit, S)[d_at], np.where(back, limit, P1)[m_at]]
+    nd = d_at.size
+    got = retained(b, np.concatenate([d_at, m_at]), nd, np.concatenate(limits))
+    ret_d, ret_m = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    ret_d[d_at], ret_m[m_at] = got[:nd], got[nd:]
+    new_P, new_floor = P1, floor
     restore: np.ndarray | float = 0.0
     dt: np.ndarray | float = 0.0
-    floor = I[R.mem_floor]
     if back is not None:
         from_mem = p.mem_on & (ret_m > 0) & (ret_m >= ret_d)  # memory on a tie: faster
         target = np.where(from_mem, ret_m, ret_d)
-        if spike.any():  # the newest save at or before the limit, had retention kept all
+        thrown = (P1 - target) * p.base_s
+        if spike is not None:  # the newest save at or before the limit, had retention kept all
             newest = (limit // km) * km
             newest = np.where(p.mem_on & (newest >= floor), newest, 0)
             ideal = np.maximum(newest, (limit // kd) * kd)
             further = spike & (target < ideal)
             I[R.further] += further
             I[R.further_steps] += np.where(further, ideal - target, 0)
-        at = np.flatnonzero(back & (target > 0))
+            F[R.spike_rollback] += np.where(spike, thrown, 0.0)
+            I[R.spikes] += spike
+        at = (back & (target > 0)).nonzero()[0]
         pin(run, b.ia[at] + run.L * ~from_mem[at], target[at])
         new_P = np.where(back, target, new_P)
         restore = dt = np.where(back, np.where(from_mem, p.restore_m, p.restore_d), 0.0)
-        F[R.spike_rollback] += np.where(spike, (P1 - target) * p.base_s, 0.0)
         if found is not None:
-            F[R.corruption] += np.where(found, (P1 - target) * p.base_s, 0.0)
+            F[R.corruption] += np.where(found, thrown, 0.0)
             I[R.corruption_rollbacks] += found
-        I[R.spikes] += spike
         new_floor = np.where(back, np.minimum(floor, target + 1), floor)
-    else:
-        new_floor = floor
     if fail is not None:
         disk = np.where(old_d, ret_d, S)
         if run.any_stops:  # a planned stop's save, durable before the stop
@@ -229,7 +242,7 @@ def _restore(
         restore_f = np.where(from_mem, p.restore_m, p.restore_d)
         again: np.ndarray | float = 0.0
         if run.any_recover:
-            at = np.flatnonzero(fail)
+            at = fail.nonzero()[0]
             again = np.zeros(n)
             again[at] = recovery(b, at, (restart + restore_f)[at])
         inflight = tau - w  # the part-step the failure interrupted
@@ -253,36 +266,43 @@ def _restore(
         moved = [x for x in (fail, back) if x is not None]
         cure(b, new_P, np.logical_or.reduce(moved))
     if fail is not None:  # the next failure
-        e = run.draws.take("fail", p.seed, I[R.i_fail])
-        F[R.f_left] = np.where(fail, gaps(e, p.lam), F[R.f_left])
-        I[R.i_fail] += fail
-    if back is not None and spike.any():  # the next spike; or this one again
-        gap = steps(run.draws.take("spike", p.seed, I[R.i_spike]), p.rate)
+        i_fail, f_left = I[R.i_fail], F[R.f_left]
+        e = cols["fail"][p.seed, i_fail]
+        F[R.f_left] = np.where(fail, gaps(e, p.lam), f_left)
+        i_fail += fail
+    if spike is not None:  # the next spike; or this one again
+        i_spike = I[R.i_spike]
+        gap = steps(cols["spike"][p.seed, i_spike], p.rate)
         if run.any_repeat:
-            again_ = spike & (run.draws.take("repeat", p.seed, I[R.i_spike]) < p.repeat)
+            again_ = spike & (cols["repeat"][p.seed, i_spike] < p.repeat)
             I[R.repeats] += again_
             gap = np.where(again_, np.maximum(P1 - target, 1), gap)
         I[R.s_left] = np.where(spike, gap, I[R.s_left])
 
 
-def retained(b: Block, at: np.ndarray, disk: np.ndarray, limit: np.ndarray) -> np.ndarray:
-    """Per lane `at` of the block and tier (`disk`, else memory), the newest checkpoint at or
-    before `limit` that retention still holds, or that a rollback pinned there (0 if none: the
-    run's start is always there). A tier a lane does not have gives 0."""
+def retained(b: Block, at: np.ndarray, nd: int, limit: np.ndarray) -> np.ndarray:
+    """Per lane `at` of the block, its disk tier for the first `nd` and its memory tier for the
+    rest, the newest checkpoint at or before `limit` that retention still holds, or that a
+    rollback pinned there (0 if none: the run's start is always there). A tier a lane does not
+    have gives 0."""
     run = b.run
-    slots = b.ia[at] + run.L * disk
+    slots = b.ia[at]
+    slots[:nd] += run.L
     k = run.k_slot[slots]
     held = run.held.newest(slots, b.I[R.H, at] // k, limit // k) * k
     newest = run.pin_max[slots]
     pinned = np.where(newest <= limit, newest, 0)
-    past = np.flatnonzero(newest > limit)  # a pin newer than the limit: all pins decide
+    past = (newest > limit).nonzero()[0]  # a pin newer than the limit: all pins decide
     if past.size:
         pins = run.pins[slots[past]]
         pinned[past] = np.where(pins <= limit[past, None], pins, 0).max(axis=1, initial=0)
     step = np.maximum(held, pinned)
-    step = np.where(step >= np.where(disk, 0, b.I[R.mem_floor, at]), step, 0)
+    floor = b.I[R.mem_floor, at]
+    floor[:nd] = 0  # memory's (the disk tier has none)
+    step = np.where(step >= floor, step, 0)
     if run.any_stops:  # a planned stop's save (a disk save)
-        stop = np.where(disk, b.I[R.stop_save, at], 0)
+        stop = b.I[R.stop_save, at]
+        stop[nd:] = 0
         step = np.maximum(step, np.where(stop <= limit, stop, 0))
     return step
 
@@ -296,19 +316,27 @@ def pin(run: _Run, slots: np.ndarray, steps: np.ndarray) -> None:
     run.pin_max[slots] = np.maximum(run.pin_max[slots], steps)
 
 
-def wall(p: _At, P: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """The seconds steps P + 1 .. P + m take, with the stalls of both tiers' saves."""
+def wall(
+    p: _At, P: np.ndarray, m: np.ndarray, q: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
+    """The seconds steps P + 1 .. P + m take, with the stalls of both tiers' saves (q: each
+    tier's saves up to P, P // interval, if known)."""
     end, km, kd = P + m, p.km, p.kd
-    return m * p.step_s + (p.st_m * (end // km - P // km) + p.st_d * (end // kd - P // kd))
+    qm, qd = (P // km, P // kd) if q is None else q
+    return m * p.step_s + (p.st_m * (end // km - qm) + p.st_d * (end // kd - qd))
 
 
-def steps_within(p: _At, P: np.ndarray, tau: np.ndarray, cap: np.ndarray) -> np.ndarray:
+def steps_within(
+    p: _At, P: np.ndarray, tau: np.ndarray, cap: np.ndarray, q: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
     """The most steps (with their saves) that end by `tau` seconds, below `cap`: within a
     bracket about stall / rate steps wide, every candidate at once when that is a few steps
-    (as it is unless saves stall far longer than a step), else by bisection."""
+    (as it is unless saves stall far longer than a step), else by bisection. q: each tier's
+    saves up to P."""
     # wall(m) lies in (m rate + c - stall, m rate + c]: rate is a step with its saves'
     # shares, c the shares the current interval of each tier has accrued by step P
-    c = p.st_m * (P % p.km) / p.km + p.st_d * (P % p.kd) / p.kd
+    rm, rd = P - q[0] * p.km, P - q[1] * p.kd
+    c = p.st_m * rm / p.km + p.st_d * rd / p.kd
     lo = np.floor((tau - c) / p.rate_s) - 1
     hi = np.floor((tau - c + p.stall) / p.rate_s) + 1
     lo = np.minimum(np.maximum(lo, 0), cap - 1).astype(np.int64)
@@ -317,22 +345,24 @@ def steps_within(p: _At, P: np.ndarray, tau: np.ndarray, cap: np.ndarray) -> np.
     if width <= _CANDIDATES:  # wall(m) grows with m: the candidates that fit come first
         j = _UP_TO[:width]  # m = lo + j, (n, width)
         m = lo[:, None] + j
-        base = P + lo
-        stalls = [st[:, None] * _saves(base, P, k, j) for st, k in ((p.st_m, p.km), (p.st_d, p.kd))]
+        stalls = [
+            st[:, None] * _saves(P + lo, qk, k, j, kmin)
+            for st, qk, k, kmin in ((p.st_m, q[0], p.km, p.km_min), (p.st_d, q[1], p.kd, p.kd_min))
+        ]
         fit = (m * p.step_s[:, None] + (stalls[0] + stalls[1]) <= tau[:, None]) & (m <= hi[:, None])
-        return lo + fit.sum(axis=1)
-    while (open_ := lo < hi).any():
+        return lo + np.count_nonzero(fit, axis=1)
+    while np.count_nonzero(open_ := lo < hi):
         mid = (lo + hi + 1) // 2
-        ok = wall(p, P, mid) <= tau
+        ok = wall(p, P, mid, q) <= tau
         lo = np.where(open_ & ok, mid, lo)
         hi = np.where(open_ & ~ok, mid - 1, hi)
     return lo
 
 
-def _saves(base: np.ndarray, P: np.ndarray, k: np.ndarray, j: np.ndarray) -> np.ndarray:
-    """A tier's saves in steps P + 1 .. base + j, per lane and j (`base` >= P): those up to
-    `base`, and then one more once base + j reaches the next, when j stays below the interval
-    (no division over the candidates)."""
-    if j.size and j[-1] >= k.min():
-        return (base[:, None] + j) // k[:, None] - (P // k)[:, None]
-    return (base // k - P // k)[:, None] + (j >= (k - base % k)[:, None])
+def _saves(base: np.ndarray, q: np.ndarray, k: np.ndarray, j: np.ndarray, kmin: int) -> np.ndarray:
+    """A tier's saves after P (q = P // k of them before it) up to step base + j, per lane and
+    j (`base` >= P): those up to `base`, then one more once base + j reaches the next, when j
+    stays below every lane's interval (no division over the candidates)."""
+    if j.size and j[-1] >= kmin:
+        return (base[:, None] + j) // k[:, None] - q[:, None]
+    return (base // k - q)[:, None] + (j >= (k - base % k)[:, None])
