@@ -10,6 +10,7 @@ import pytest
 
 from observatory.goodput import Failures, Scenario, Spikes, Tier, simulate
 from observatory.goodput import engine as engine_mod
+from observatory.goodput import rounds
 from observatory.goodput.model import Corruption, Maintenance
 
 from .test_goodput import CAUSES, _small
@@ -97,8 +98,8 @@ def _outputs(lanes: engine_mod.Lanes) -> dict[str, np.ndarray]:
 
 def _run(plans: list[Scenario], one_by_one: int, monkeypatch: pytest.MonkeyPatch) -> dict:
     with monkeypatch.context() as m:
-        m.setattr(engine_mod, "ONE_BY_ONE", one_by_one)
-        return _outputs(simulate(plans, seeds=5, seed=11))
+        m.setattr(rounds, "ONE_BY_ONE", one_by_one)
+        return _outputs(simulate(plans, seeds=5, seed=11, workers=1))
 
 
 @pytest.mark.parametrize("family", list(PLANS))
