@@ -27,13 +27,27 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+class _RichOnFirstUse(logging.Handler):
+    """Rich's handler, imported when the first record comes: a command that logs nothing
+    (`simulate`, `scan --json`) does not pay for importing rich."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rich: logging.Handler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._rich is None:
+            from rich.console import Console
+            from rich.logging import RichHandler
+
+            self._rich = RichHandler(show_path=False, console=Console(stderr=True))
+        self._rich.handle(record)
+
+
 def _configure_logging(verbose: bool) -> None:
     """The one place output is set up; under torchrun the other ranks only report errors."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
     level = logging.DEBUG if verbose else logging.INFO
-    handler = RichHandler(show_path=False, console=Console(stderr=True))
+    handler = _RichOnFirstUse()
     for name in ("trainer", "observatory", "spikewatch"):  # ours only, never the root logger
         pkg = logging.getLogger(name)
         pkg.setLevel(level if _is_main_rank() else logging.ERROR)

@@ -110,11 +110,12 @@ class _Draws:
 
     STREAMS = ("fail", "spike", "cause", "back", "recover", "repeat", "sdc")
 
-    def __init__(self, seeds: range, seed: int, n: int) -> None:
-        """Rows for seeds `seed + i`, i in `seeds`."""
+    def __init__(self, seeds: range, seed: int, n: int, streams: tuple[str, ...]) -> None:
+        """Rows for seeds `seed + i`, i in `seeds`, of the `streams` the run uses."""
         self.rngs = {
             name: [np.random.default_rng([seed + i, 0x5EED, j]) for i in seeds]
             for j, name in enumerate(self.STREAMS)
+            if name in streams
         }
         self.cols: dict[str, np.ndarray] = {}
         self.n = 0
@@ -258,9 +259,11 @@ class _Run:
                         f"(at most {MAX_SAVES:,}): lengthen its interval"
                     )
         n = int(expected * 1.3 + 10 * math.sqrt(expected) + 64)
-        self.draws = _Draws(rows, seed, n)
-        self._causes = np.zeros((0, 0), np.int64)
         init_modes(self, scenarios, seeds)
+        streams = [name for name, used in (("recover", self.any_recover),
+                   ("repeat", self.any_repeat), ("sdc", self.any_sdc)) if used]  # fmt: skip
+        self.draws = _Draws(rows, seed, n, ("fail", "spike", "cause", "back", *streams))
+        self._causes = np.zeros((0, 0), np.int64)
         values = {"step_s": self.step_s, "base_s": self.base_s, "st_m": mem["stall"],
                   "st_d": disk["stall"], "stall": self.stall_sum, "rate_s": self.rate_s,
                   "restore_m": mem["restore"], "restore_d": disk["restore"],
@@ -289,8 +292,10 @@ class _Run:
         self.f_left[:] = gaps(self.draws.take("fail", self.seed, self.i_fail), self.lam)
         self.i_fail += 1
         self.s_left[:] = steps(self.draws.take("spike", self.seed, self.i_spike), everyone.rate)
-        self.c_left[:] = steps(self.draws.take("sdc", self.seed, self.i_sdc), self.sdc_rate)
-        self.i_sdc += 1
+        self.c_left[:] = NEVER  # trained steps to the next corruption
+        if self.any_sdc:
+            self.c_left[:] = steps(self.draws.take("sdc", self.seed, self.i_sdc), self.sdc_rate)
+            self.i_sdc += 1
         # rollback targets, pinned: per slot, its steps (-1: a free slot)
         self.pins = np.full((2 * L, 4), -1, np.int64)
         self.n_pins = np.zeros(2 * L, np.int64)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
 import os
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +21,9 @@ import numpy as np
 from observatory.goodput.engine import BUCKETS, Lanes, run_part
 
 if TYPE_CHECKING:
+    import multiprocessing.context
+    from concurrent.futures import Future, ProcessPoolExecutor
+
     from observatory.goodput.model import Scenario
 
 __all__ = ["split", "workers_default"]
@@ -65,6 +66,8 @@ def split(scenarios: list[Scenario], seeds: np.ndarray, seed: int, workers: int 
 
 
 def _submit(scenarios: list[Scenario], seed: int, shares: list) -> list[Future | None]:
+    from concurrent.futures import ProcessPoolExecutor  # only when lanes are split
+
     global _pool, _pool_size
     with _lock:
         try:
@@ -98,6 +101,8 @@ def _result(
 
 
 def _context() -> multiprocessing.context.BaseContext:
+    import multiprocessing
+
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         return multiprocessing.get_context("fork")

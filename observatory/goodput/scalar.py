@@ -13,7 +13,6 @@ output exactly), so a change to the model is made in both or that test fails.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from observatory.goodput.state import GIVE_UP
@@ -78,6 +77,7 @@ class _Lane:
         self.i_recover = int(run.i_recover[i])
         self.c_left, self.d_left = int(run.c_left[i]), int(run.d_left[i])
         self.rows: dict[str, list[float]] = {}
+        self.causes: list[int] = []
 
     def write_back(self) -> None:
         run, i = self.run, self.i
@@ -191,20 +191,32 @@ class _Lane:
             self.H = P
 
     def _fail(self, P: int, cap: int) -> None:
+        """The rounds' failure for one lane (the time-critical path, written out)."""
         tau = self.f_left
         m = self._steps_within(P, tau, cap)
-        done = self._wall(P, m)
-        self._advance(P, m, done)
+        km, kd = self.km, self.kd
+        qm, qd = P // km, P // kd
         Pf = P + m
-        u = self._u("cause", self.i_fail)
-        cause = min(bisect_left(self.cause_cum, u), len(self.cause_cum) - 1)
+        done = m * self.step_s + (self.st_m * (Pf // km - qm) + self.st_d * (Pf // kd - qd))
+        self._advance(P, m, done)
+        i = self.i_fail
+        cause = self.causes[i] if i < len(self.causes) else self._cause()
         restart = self.restart[cause]
-        R = self._newest_durable(P, Pf, tau)
+        # the newest durable disk save: one still being written does not count
+        S = (Pf // kd) * kd
+        if S > P:
+            stalls = self.st_m * (S // km - qm) + self.st_d * (S // kd - qd)
+            if tau - ((S - P) * self.step_s + stalls) < self.write_d:
+                S -= kd
         mem_ok = self.mem_on and (self.survives or not self.host_lost[cause])
-        mem_step = (Pf // self.km) * self.km if mem_ok else -1
+        mem_step = (Pf // km) * km if mem_ok else -1
         if mem_step <= P:
             mem_step = -1  # older ones: looked up below
-        R = max(R, mem_step)
+        if S <= P and mem_step < 0:  # before this stretch (a newer memory snapshot wins)
+            S = self._retained("disk", S)
+        if self.any_stops and self.stop_save <= Pf:
+            S = max(S, self.stop_save)
+        R = max(S, mem_step)
         if mem_ok and mem_step < 0:
             step = self._retained("memory", Pf)
             if step >= R:  # a tie restores from memory: it is faster
@@ -213,31 +225,28 @@ class _Lane:
         restore = self.restore_m if from_mem else self.restore_d
         if self.mem_on and not mem_ok:
             self.mem_floor = R + 1
-        else:
-            self.mem_floor = min(self.mem_floor, R + 1)
+        elif R < self.mem_floor:
+            self.mem_floor = R + 1
         again = self._recovery(restart + restore) if self.any_recover else 0.0
-        self.b["wasted_progress_from_disruption"] += (Pf - R) * self.base_s + (tau - done)
-        self.b["infrastructure_recovery_from_disruption"] += restart + again
-        self.b["unproductive_checkpoint_restore_time"] += restore
+        b = self.b
+        b["wasted_progress_from_disruption"] += (Pf - R) * self.base_s + (tau - done)
+        b["infrastructure_recovery_from_disruption"] += restart + again
+        b["unproductive_checkpoint_restore_time"] += restore
         self.t += (tau - done) + restart + restore + again
         self.lost += Pf - R
         if self.any_sdc:
             self._cure(R)
         self.P = R
         self.count["failures"] += 1
-        self.count["memory"] += from_mem
+        if from_mem:
+            self.count["memory"] += 1
         self.f_left = self._fail_gap()
 
-    def _newest_durable(self, P: int, Pf: int, tau: float) -> int:
-        k = self.kd
-        S = (Pf // k) * k
-        written = tau - self._wall(P, max(S - P, 0))
-        if S > P and written < self.write_d:
-            S -= k
-        out = self._retained("disk", S) if S <= P else S
-        if not self.any_stops:
-            return out
-        return max(out, self.stop_save if self.stop_save <= Pf else 0)
+    def _cause(self) -> int:
+        """The cause of failure draw i_fail (engine._Run.causes), as far as the draws reach."""
+        self._u("cause", self.i_fail)  # the draws reach it
+        self.causes = self.run.causes()[self.seed].tolist()
+        return self.causes[self.i_fail]
 
     def _spike(self) -> None:
         u = self._u("back", self.i_spike)
@@ -247,7 +256,7 @@ class _Lane:
         target = self._roll_back(max(P - back, 0), spike=True)
         self.count["spikes"] += 1
         gap = self._spike_gap()
-        again = self._u("repeat", self.i_spike) < self.repeat
+        again = self.repeat > 0 and self._u("repeat", self.i_spike) < self.repeat
         self.count["repeats"] += again
         self.s_left = max(P - target, 1) if again else gap
 

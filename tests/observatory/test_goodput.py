@@ -195,7 +195,7 @@ def test_the_vectorised_engine_agrees_with_a_step_by_step_reference(sc: Scenario
     seeds = 12
     lanes = simulate([sc], seeds=seeds, seed=7)
     assert lanes.finished.all()
-    draws = _Draws(range(seeds), 7, 1)
+    draws = _Draws(range(seeds), 7, 1, _Draws.STREAMS)
     draws._grow(400)
     for i in range(seeds):
         ref = _reference(sc, draws, i)

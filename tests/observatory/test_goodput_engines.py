@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from observatory.goodput import Failures, Scenario, Spikes, Tier, simulate
+from observatory.goodput import Failures, Scenario, Spikes, Tier, rounds, simulate
 from observatory.goodput import engine as engine_mod
-from observatory.goodput import rounds
 from observatory.goodput.model import Corruption, Maintenance
 
 from .test_goodput import CAUSES, _small
