@@ -33,15 +33,18 @@ _UP_TO = np.arange(1, _CANDIDATES + 1)
 
 
 class Block:
-    """The lanes `ia` for one round: their columns of the state matrices (the matrices
-    themselves when every lane is active), and their constants."""
+    """The lanes `ia` the rounds move: their columns of the state matrices (the matrices
+    themselves while every lane is in it), and their constants. It is kept from round to
+    round, and narrowed to the lanes still moving once a quarter of it has ended: a lane that
+    ended stays in it, inert (no steps to train, no event to meet), until then."""
 
     __slots__ = ("F", "I", "full", "ia", "p", "run")
 
-    def __init__(self, run: _Run, ia: np.ndarray, p: _At, full: bool) -> None:
-        self.run, self.ia, self.p, self.full = run, ia, p, full
-        self.F = run.F if full else np.take(run.F, ia, axis=1)
-        self.I = run.I if full else np.take(run.I, ia, axis=1)
+    def __init__(self, run: _Run, ia: np.ndarray) -> None:
+        self.run, self.ia, self.full = run, ia, ia.size == run.L
+        self.p = run.at(ia)
+        self.F = run.F if self.full else np.take(run.F, ia, axis=1)
+        self.I = run.I if self.full else np.take(run.I, ia, axis=1)
 
     def write_back(self) -> None:
         if not self.full:
@@ -51,26 +54,29 @@ class Block:
 
 def go(run: _Run) -> None:
     """Every lane of `run` to its end (or until it gives up)."""
-    L = run.L
-    active = np.ones(L, dtype=bool)
-    everyone = run.at(np.arange(L))
-    give_up = GIVE_UP * wall(everyone, np.zeros(L, np.int64), run.N)  # saves included
+    b = Block(run, np.arange(run.L))
+    give_up = GIVE_UP * wall(b.p, np.zeros(run.L, np.int64), run.N)  # saves included
+    ended = np.zeros(run.L, dtype=bool)
     rounds = 0
     while True:
-        active &= run.t < give_up  # spikes or failures faster than the run can progress
-        ia = active.nonzero()[0]
-        if ia.size <= ONE_BY_ONE:
-            for i in ia.tolist():
+        moving = ~ended & (b.F[R.t] < give_up)  # spikes or failures faster than progress stop
+        n = np.count_nonzero(moving)
+        if n <= ONE_BY_ONE:
+            b.write_back()
+            for i in b.ia[moving].tolist():
                 run_lane(run, i)
             return
+        if n < b.ia.size and (n <= 0.75 * b.ia.size or np.count_nonzero(~ended & ~moving)):
+            keep = moving.nonzero()[0]  # a lane that gave up is not inert: it leaves now
+            b.write_back()
+            b, give_up, ended = Block(run, b.ia[keep]), give_up[keep], ended[keep]
         # a lane draws at most one failure, cause, spike, distance and repeat a round
         rounds += 1
         run.draws.reach(rounds + 2)
-        full = ia.size == L
-        b = Block(run, ia, everyone if full else run.at(ia), full)
-        ended = _round(b)
-        b.write_back()
-        active[ia[ended]] = False
+        met_end = _round(b)
+        if np.count_nonzero(met_end):
+            ended |= met_end
+            b.F[R.next_stop, met_end] = np.inf  # no planned stop for a lane that ended
 
 
 def _round(b: Block) -> np.ndarray:
