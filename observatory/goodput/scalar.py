@@ -120,17 +120,20 @@ class _Lane:
         return m * self.step_s + stalls
 
     def _steps_within(self, P: int, tau: float, cap: int) -> int:
-        """engine._Run._steps_within for one lane: the same bracket, searched step by step
-        when it is narrow (a failure's step is then at most a few steps past its bottom)."""
-        s, stall, rate = self.step_s, self.stall_sum, self.rate_s
-        km, kd, st_m, st_d = self.km, self.kd, self.st_m, self.st_d
+        """The rounds' steps_within for one lane: the same bracket, searched up from its
+        bottom a step at a time while it is narrow, else halved."""
+        s, km, kd, st_m, st_d = self.step_s, self.km, self.kd, self.st_m, self.st_d
         qm, rm = divmod(P, km)
         qd, rd = divmod(P, kd)
-        c = st_m * rm / km + st_d * rd / kd
-        lo = max(math.floor(tau / (s + stall)), math.floor((tau - c) / rate) - 1)
-        hi = min(math.floor(tau / s), math.floor((tau - c + stall) / rate) + 1)
-        lo = min(max(lo, 0), cap - 1)
-        hi = max(min(hi, cap - 1), lo)
+        x = (tau - (st_m * rm / km + st_d * rd / kd)) / self.rate_s
+        lo = math.floor(x) - 1
+        hi = math.floor(x + self.stall_sum / self.rate_s) + 1
+        if lo > cap - 1:
+            lo = cap - 1
+        if lo < 0:
+            lo = 0
+        if hi > cap - 1:
+            hi = cap - 1
         while lo < hi:
             mid = lo + 1 if hi - lo <= 4 else (lo + hi + 1) // 2
             end = P + mid
