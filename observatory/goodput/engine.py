@@ -151,7 +151,7 @@ def _param(scenarios: list[Scenario], seeds: np.ndarray, get, dtype=np.float64) 
 
 # a lane's constants, gathered the same way
 CONST_F = ("step_s", "base_s", "st_m", "st_d", "stall", "rate_s", "restore_m", "restore_d",
-           "write_d", "lam", "rate", "repeat")  # fmt: skip
+           "write_d", "lam", "rate", "repeat", "lam_div", "rate_div")  # fmt: skip
 CONST_I = ("km", "kd", "N", "mem_on", "survives", "seed", "scen")
 
 
@@ -268,7 +268,9 @@ class _Run:
                   "st_d": disk["stall"], "stall": self.stall_sum, "rate_s": self.rate_s,
                   "restore_m": mem["restore"], "restore_d": disk["restore"],
                   "write_d": disk["write"], "lam": self.lam, "rate": self.rate,
-                  "repeat": self.repeat, "km": mem["k"], "kd": disk["k"], "N": self.N,
+                  "repeat": self.repeat, "lam_div": np.where(self.lam > 0, self.lam, 1.0),
+                  "rate_div": np.where(self.rate > 0, self.rate, 1.0), "km": mem["k"],
+                  "kd": disk["k"], "N": self.N,
                   "mem_on": mem["on"], "survives": mem["survives"], "seed": self.seed,
                   "scen": self.scen}  # fmt: skip
         self.f_at = np.stack([values[k] for k in CONST_F])

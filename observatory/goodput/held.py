@@ -117,7 +117,7 @@ class LaneRetention:
         top = np.minimum(n, limit)
         recent = top >= n - self.K[ia] + 1  # among the newest K: held, and none is newer
         out = np.where(recent, np.maximum(top, 0), 0)
-        deep = np.flatnonzero(~recent)  # older: the levels (or the capped rule) decide
+        deep = (~recent).nonzero()[0]  # older: the levels (or the capped rule) decide
         if not deep.size:
             return out
         ia, n, limit = ia[deep], n[deep], limit[deep]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,9 +67,15 @@ def split(scenarios: list[Scenario], seeds: np.ndarray, seed: int, workers: int 
     return _merge(parts)
 
 
-def _submit(scenarios: list[Scenario], seed: int, shares: list) -> list[Future | None]:
+def _submit(scenarios: list[Scenario], seed: int, shares: list) -> list[Any]:
     from concurrent.futures import ProcessPoolExecutor  # only when lanes are split
 
+    if threading.active_count() == 1 and hasattr(os, "fork"):
+        try:  # one thread (the CLI): a child forked for each share, none kept
+            return [_Forked(run_part, scenarios, c, seed, f) for c, f in shares]
+        except OSError as e:
+            log.warning("goodput: simulating in one process (%s)", e)
+            return [None] * len(shares)
     global _pool, _pool_size
     with _lock:
         try:
@@ -83,7 +91,7 @@ def _submit(scenarios: list[Scenario], seed: int, shares: list) -> list[Future |
 
 
 def _result(
-    future: Future | None,
+    future: Future | _Forked | None,
     scenarios: list[Scenario],
     counts: np.ndarray,
     seed: int,
@@ -98,6 +106,36 @@ def _result(
             with _lock:
                 _pool = None
     return run_part(scenarios, counts, seed, first)
+
+
+class _Forked:
+    """A share run in a child forked for it alone: no pool to start, feed or join at exit."""
+
+    def __init__(self, fn: Callable[..., Lanes], *args: Any) -> None:
+        r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: run, send the result (or the error), leave at once
+            os.close(r)
+            try:
+                out: Any = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the parent
+                out = e
+            with os.fdopen(w, "wb") as f:
+                pickle.dump(out, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os._exit(0)
+        os.close(w)
+        self.r = r
+
+    def result(self) -> Lanes:
+        with os.fdopen(self.r, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        if not data:
+            raise RuntimeError("the simulation process ended without a result")
+        out = pickle.loads(data)
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
 
 def _context() -> multiprocessing.context.BaseContext:

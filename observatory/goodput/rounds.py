@@ -18,7 +18,7 @@ import numpy as np
 
 from observatory.goodput.modes import corrupt, cure, maintain, recovery
 from observatory.goodput.scalar import run_lane
-from observatory.goodput.state import GIVE_UP, R, gaps, steps
+from observatory.goodput.state import GIVE_UP, NEVER, R
 
 if TYPE_CHECKING:
     from observatory.goodput.engine import _At, _Run
@@ -274,11 +274,12 @@ def _restore(
     if fail is not None:  # the next failure
         i_fail, f_left = I[R.i_fail], F[R.f_left]
         e = cols["fail"][p.seed, i_fail]
-        F[R.f_left] = np.where(fail, gaps(e, p.lam), f_left)
+        F[R.f_left] = np.where(fail, np.where(p.lam > 0, e / p.lam_div, np.inf), f_left)
         i_fail += fail
     if spike is not None:  # the next spike; or this one again
         i_spike = I[R.i_spike]
-        gap = steps(cols["spike"][p.seed, i_spike], p.rate)
+        e = np.ceil(cols["spike"][p.seed, i_spike] / p.rate_div)
+        gap = np.where(p.rate > 0, np.minimum(e, NEVER), NEVER).astype(np.int64)
         if run.any_repeat:
             again_ = spike & (cols["repeat"][p.seed, i_spike] < p.repeat)
             I[R.repeats] += again_
@@ -356,7 +357,7 @@ def steps_within(
             for st, qk, k, kmin in ((p.st_m, q[0], p.km, p.km_min), (p.st_d, q[1], p.kd, p.kd_min))
         ]
         fit = (m * p.step_s[:, None] + (stalls[0] + stalls[1]) <= tau[:, None]) & (m <= hi[:, None])
-        return lo + np.count_nonzero(fit, axis=1)
+        return lo + fit.sum(axis=1)
     while np.count_nonzero(open_ := lo < hi):
         mid = (lo + hi + 1) // 2
         ok = wall(p, P, mid, q) <= tau
