@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from observatory.goodput.parallel import warm
 from observatory.store.queries import NotFoundError, session_factory
 from web.routes import compare, control, goodput, pages, runs
 from web.schemas import errors
@@ -37,6 +38,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = session_factory(settings.db_url)
+    warm()  # the goodput page's helper processes, started ahead (goodput/parallel.py)
     reader = [Depends(control.require_read_token)]
     read_errors = errors(400, 401, 403, 404)
     app.include_router(runs.router, dependencies=reader, responses=read_errors)

@@ -2,10 +2,16 @@
 seeds, and the shares are put back in order. A seed draws the same numbers in any process
 (engine._Draws: a generator per seed and stream), so the outputs do not depend on the split.
 
-The other processes are a pool kept for the life of this one: forked from it when it runs no
-other thread (the CLI: a fork costs milliseconds), else started from a fork server that has
-imported the engine (a web server's threads must not be forked). A pool that breaks is
-dropped, and its share is run here instead, with a warning.
+How the other processes come depends on this one:
+- one thread (the CLI, a script): a child forked for each share, which sends its lanes back
+  through a pipe and exits (a fork costs milliseconds; nothing is kept, nothing to join);
+- threads (a web server): a thread must not be forked, so helpers: Python processes that run
+  this module's `serve` (their main module is this one, never the program's: multiprocessing's
+  pools import the program's main module in each worker, and a script without a main guard
+  would run again there), kept for the life of this process and fed shares through pipes. A
+  helper still starting, or busy with another question, is not waited for: its share is run
+  here. `warm()` starts them ahead (the dashboard's app does).
+A share whose process fails is run here instead, with a warning.
 """
 
 from __future__ import annotations
@@ -14,29 +20,29 @@ import atexit
 import logging
 import os
 import pickle
+import select
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from observatory.goodput.engine import BUCKETS, Lanes, run_part
 
 if TYPE_CHECKING:
-    import multiprocessing.context
-    from concurrent.futures import Future, ProcessPoolExecutor
-
     from observatory.goodput.model import Scenario
 
-__all__ = ["split", "workers_default"]
+__all__ = ["serve", "split", "warm", "workers_default"]
 
 log = logging.getLogger(__name__)
 
 ENV = "SPIKEWATCH_SIMULATE_WORKERS"
 MIN_SHARE = 96  # lanes a process must get to be worth its share: below, a round is mostly
 # numpy's per-call cost, which a second process pays again
-_pool: ProcessPoolExecutor | None = None
-_pool_size = 0
+_READY = b"R"
+_helpers: list[_Helper] = []
 _lock = threading.Lock()
 
 
@@ -53,71 +59,69 @@ def workers_default() -> int:
 
 
 def split(scenarios: list[Scenario], seeds: np.ndarray, seed: int, workers: int | None) -> Lanes:
-    """engine.simulate's lanes, in `workers` processes (this one included) when there are
-    enough of them."""
+    """engine.simulate's lanes, in up to `workers` processes (this one included) when there
+    are enough of them."""
     n = min(workers or workers_default(), int(seeds.sum()) // MIN_SHARE)
+    forking = _forking()
+    helpers = [] if n <= 1 or forking else _idle_helpers(n - 1)
+    if not forking:
+        n = len(helpers) + 1
     if n <= 1:
         return run_part(scenarios, seeds, seed)
     cuts = (seeds[:, None] * np.arange(n + 1)) // n  # scenario i's share k: cuts[i, k:k+2]
     shares = [(cuts[:, k + 1] - cuts[:, k], cuts[:, k]) for k in range(n)]
-    futures = _submit(scenarios, seed, shares[1:])
+    others: list[_Forked | _Helper | None] = []
+    for k, (counts, first) in enumerate(shares[1:]):
+        args = (scenarios, counts, seed, first)
+        try:
+            others.append(_Forked(args) if forking else helpers[k].send(args))
+        except OSError as e:
+            log.warning("goodput: a share runs in this process (%s)", e)
+            others.append(None)
     parts = [run_part(scenarios, shares[0][0], seed, shares[0][1])]
-    for (counts, first), future in zip(shares[1:], futures, strict=True):
-        parts.append(_result(future, scenarios, counts, seed, first))
+    for (counts, first), other in zip(shares[1:], others, strict=True):
+        parts.append(_result(other, scenarios, counts, seed, first))
     return _merge(parts)
 
 
-def _submit(scenarios: list[Scenario], seed: int, shares: list) -> list[Any]:
-    from concurrent.futures import ProcessPoolExecutor  # only when lanes are split
-
-    if threading.active_count() == 1 and hasattr(os, "fork"):
-        try:  # one thread (the CLI): a child forked for each share, none kept
-            return [_Forked(run_part, scenarios, c, seed, f) for c, f in shares]
-        except OSError as e:
-            log.warning("goodput: simulating in one process (%s)", e)
-            return [None] * len(shares)
-    global _pool, _pool_size
-    with _lock:
-        try:
-            if _pool is None or _pool_size < len(shares):
-                if _pool is not None:
-                    _pool.shutdown(wait=False)
-                _pool, _pool_size = ProcessPoolExecutor(len(shares), _context()), len(shares)
-            return [_pool.submit(run_part, scenarios, c, seed, f) for c, f in shares]
-        except (OSError, RuntimeError) as e:  # no processes to be had: this one does it all
-            log.warning("goodput: simulating in one process (%s)", e)
-            _pool = None
-            return [None] * len(shares)
+def _forking() -> bool:
+    """Shares in forked children: this process runs no other thread (a thread must not be
+    forked) and can fork."""
+    return threading.active_count() == 1 and hasattr(os, "fork")
 
 
 def _result(
-    future: Future | _Forked | None,
+    other: _Forked | _Helper | None,
     scenarios: list[Scenario],
     counts: np.ndarray,
     seed: int,
     first: np.ndarray,
 ) -> Lanes:
-    global _pool
-    if future is not None:
+    if other is not None:
         try:
-            return future.result()
-        except Exception as e:  # noqa: BLE001 - a broken pool: its share is run here
+            return other.result()
+        except Exception as e:  # noqa: BLE001 - a share that failed elsewhere is run here
             log.warning("goodput: a simulation process failed (%s); running its share here", e)
-            with _lock:
-                _pool = None
     return run_part(scenarios, counts, seed, first)
 
 
-class _Forked:
-    """A share run in a child forked for it alone: no pool to start, feed or join at exit."""
+def _receive(f: IO[bytes]) -> Lanes:
+    out = pickle.load(f)
+    if isinstance(out, BaseException):
+        raise out
+    return out
 
-    def __init__(self, fn: Callable[..., Lanes], *args: Any) -> None:
+
+class _Forked:
+    """A share run in a child forked for it alone."""
+
+    def __init__(self, args: tuple) -> None:
         r, w = os.pipe()
         self.pid = os.fork()
-        if self.pid == 0:  # the child: run, send the result (or the error), leave at once
+        if self.pid == 0:  # the child: run, send the lanes (or the error), leave at once
             os.close(r)
             try:
-                out: Any = fn(*args)
+                out: Any = run_part(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the parent
                 out = e
             with os.fdopen(w, "wb") as f:
@@ -127,28 +131,95 @@ class _Forked:
         self.r = r
 
     def result(self) -> Lanes:
-        with os.fdopen(self.r, "rb") as f:
-            data = f.read()
-        os.waitpid(self.pid, 0)
-        if not data:
-            raise RuntimeError("the simulation process ended without a result")
-        out = pickle.loads(data)
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        try:
+            with os.fdopen(self.r, "rb") as f:
+                return _receive(f)
+        except EOFError:
+            raise RuntimeError("the simulation process ended without its lanes") from None
+        finally:
+            os.waitpid(self.pid, 0)
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    import multiprocessing
+class _Helper:
+    """A process running `serve`; `lock` is held from a share's send until its result."""
 
-    methods = multiprocessing.get_all_start_methods()
-    if "fork" in methods and threading.active_count() == 1:
-        return multiprocessing.get_context("fork")
-    if "forkserver" in methods:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["observatory.goodput.engine"])
-        return ctx
-    return multiprocessing.get_context("spawn")
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env |= {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd = [sys.executable, "-c", "from observatory.goodput.parallel import serve; serve()"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.lock = threading.Lock()
+        self.ready = False
+
+    def idle(self) -> bool:
+        """Started and free (then held by the caller until its result comes)."""
+        if self.proc.poll() is not None or not self.lock.acquire(blocking=False):
+            return False
+        if not self.ready:
+            assert self.proc.stdout is not None
+            if select.select([self.proc.stdout], [], [], 0)[0]:
+                self.ready = self.proc.stdout.read(1) == _READY
+        if not self.ready:
+            self.lock.release()
+        return self.ready
+
+    def send(self, args: tuple) -> _Helper:
+        assert self.proc.stdin is not None
+        try:
+            pickle.dump(args, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def result(self) -> Lanes:
+        assert self.proc.stdout is not None
+        try:
+            return _receive(self.proc.stdout)
+        except EOFError:
+            raise RuntimeError("the simulation helper ended") from None
+        finally:
+            self.lock.release()
+
+
+def warm(n: int | None = None) -> None:
+    """Start the helpers a process with threads splits lanes over (`n`: all but this
+    process's share of workers_default()), without waiting for them."""
+    with _lock:
+        _helpers[:] = [h for h in _helpers if h.proc.poll() is None]
+        want = (workers_default() if n is None else n + 1) - 1
+        while len(_helpers) < want:
+            try:
+                _helpers.append(_Helper())
+            except OSError as e:
+                log.warning("goodput: no simulation helper (%s)", e)
+                return
+
+
+def _idle_helpers(n: int) -> list[_Helper]:
+    warm()
+    with _lock:
+        return [h for h in _helpers if h.idle()][:n]
+
+
+def serve() -> None:
+    """A helper's loop: shares in on stdin, lanes (or the error) out on stdout, until EOF."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write where the lanes go
+    stdout.write(_READY)
+    stdout.flush()
+    while True:
+        try:
+            args = pickle.load(stdin)
+        except EOFError:
+            return
+        try:
+            out: Any = run_part(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            out = e
+        pickle.dump(out, stdout, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.flush()
 
 
 def _merge(parts: list[Lanes]) -> Lanes:
@@ -163,7 +234,7 @@ def _merge(parts: list[Lanes]) -> Lanes:
         ]
     )
 
-    def cat(get) -> np.ndarray:  # noqa: ANN001
+    def cat(get: Callable[[Lanes], np.ndarray]) -> np.ndarray:
         return np.concatenate([get(p) for p in parts])[order]
 
     counts = sum(np.diff(p.offsets) for p in parts)
@@ -171,17 +242,18 @@ def _merge(parts: list[Lanes]) -> Lanes:
         offsets=np.concatenate([[0], np.cumsum(counts)]),
         finished=cat(lambda p: p.finished),
         wall_s=cat(lambda p: p.wall_s),
-        buckets={k: cat(lambda p, k=k: p.buckets[k]) for k in BUCKETS},
+        buckets={k: cat(lambda p: p.buckets[k]) for k in BUCKETS},  # noqa: B023 - called here
         failures=cat(lambda p: p.failures),
         spikes=cat(lambda p: p.spikes),
         restores_from_memory=cat(lambda p: p.restores_from_memory),
         further_back=cat(lambda p: p.further_back),
         further_steps=cat(lambda p: p.further_steps),
-        modes={k: cat(lambda p, k=k: p.modes[k]) for k in parts[0].modes},
+        modes={k: cat(lambda p: p.modes[k]) for k in parts[0].modes},  # noqa: B023
     )
 
 
 @atexit.register
 def _close() -> None:
-    if _pool is not None:
-        _pool.shutdown(wait=False, cancel_futures=True)
+    for h in _helpers:
+        if h.proc.poll() is None:
+            h.proc.kill()
