@@ -446,7 +446,15 @@ def _text(out: dict[str, Any]) -> str:
     if "daly_interval_s" in yd:
         young_min, daly_min = yd["young_interval_s"] / 60, yd["daly_interval_s"] / 60
         line = f"Young / Daly: disk every {young_min:.1f} / {daly_min:.1f} min"
-        if "simulated_best_interval_s" in yd:
+        if yd.get("simulated_best_at_edge"):  # the grid's end: a bound, not an optimum
+            bound = "or longer" if yd["simulated_best_at_edge"] == "longest" else "or shorter"
+            line += (
+                f"; simulated best disk interval (other tiers as set) "
+                f"{yd['simulated_best_interval_s'] / 60:.1f} min {bound} (the "
+                f"{yd['simulated_best_at_edge']} tried, {100 * yd['simulated_vs_daly']:+.0f}% "
+                f"from Daly)"
+            )
+        elif "simulated_best_interval_s" in yd:
             line += (
                 f"; simulated best disk interval (other tiers as set) "
                 f"{yd['simulated_best_interval_s'] / 60:.1f} min "

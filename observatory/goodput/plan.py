@@ -63,6 +63,14 @@ class Best:
     intervals: list[int]
     goodputs: list[float]
 
+    @property
+    def edge(self) -> str | None:
+        """'longest' or 'shortest' when the best is the grid's end: the optimum may lie past
+        it (with a memory tier that survives failures, the disk interval hardly matters and
+        the longest tried wins), so it is a bound, not an optimum."""
+        i = self.goodputs.index(max(self.goodputs))
+        return "longest" if i == len(self.goodputs) - 1 else "shortest" if i == 0 else None
+
 
 # The memory tier a plan tries when the scenario has none: Gemini-style, replicated on a peer.
 MEMORY = Tier("memory", 50, stall_s=1.0, restore_s=30.0, replicas=2)
@@ -147,6 +155,7 @@ def young_daly(scenario: Scenario, best: Best | None = None) -> dict[str, Any]:
         out |= {
             "simulated_best_interval_s": sim,
             "simulated_vs_daly": sim / daly(c, m) - 1,
+            "simulated_best_at_edge": best.edge,  # None: within the grid
         }
     return out
 

@@ -27,7 +27,7 @@ __all__ = ["Block", "go"]
 
 # when this few lanes are left, each runs on alone in plain Python (goodput/scalar.py): a round
 # of numpy calls costs more than that many lanes' events one by one
-ONE_BY_ONE = 64
+ONE_BY_ONE = 32
 _CANDIDATES = 16  # a failure's step: every candidate at once up to this many, else bisection
 _UP_TO = np.arange(1, _CANDIDATES + 1)
 

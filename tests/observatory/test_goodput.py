@@ -271,6 +271,15 @@ def test_the_must_show_disk_interval_agrees_with_young_daly(capsys) -> None:
     assert main(args) == 0
     yd = json.loads(capsys.readouterr().out)["young_daly"]
     assert abs(yd["simulated_vs_daly"]) < 0.10
+    assert yd["simulated_best_at_edge"] is None  # an optimum inside the grid
+
+
+def test_a_best_interval_at_the_grid_end_is_said_to_be_a_bound(capsys) -> None:
+    """With the memory tier surviving every failure (the defaults), the disk interval hardly
+    matters and the longest tried wins: the CLI says so rather than call it an optimum."""
+    assert main(["simulate", "--seeds", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "min or longer (the longest tried" in text
 
 
 def test_keep_last_k_loses_the_pre_onset_target_under_palm_spikes() -> None:
