@@ -1,18 +1,22 @@
 """The goodput simulator's speed and its study (docs/goodput.md).
 
 - speed (issue 40's targets, medians, each as a time and a ratio to its target): one 54-day,
-  16,384-GPU run (Llama 3's defaults; target 50 ms); `spikewatch simulate` with its defaults,
-  end to end in a fresh interpreter (1 s); what `GET /api/goodput` computes with its defaults
-  (1 s); the closed-form retention against the rule save by save, in this process; and a grid
-  of 100 plans (10 memory x 10 disk intervals) x 100 seeds, timed once;
+  16,384-GPU run (Llama 3's defaults; target 50 ms), and the same lane through the numpy
+  rounds, interleaved; `spikewatch simulate` with its defaults, end to end in a fresh
+  interpreter (1 s), and in one process ($SPIKEWATCH_SIMULATE_WORKERS=1); with `--baseline REV`
+  the same command at another revision (a git worktree), interleaved, as a ratio; what
+  `GET /api/goodput` computes with its defaults (1 s); the closed-form retention against the
+  rule save by save, in this process; a grid of 100 plans (10 memory x 10 disk intervals) x
+  100 seeds, timed once;
 - validation: Young/Daly's setting (spikes off, one disk tier) against the closed forms;
 - the study: Llama 3's row; a PaLM-like spike regime with keep-last-k against exponential
   retention; a 70B model on 1,024 GPUs with a host-memory tier sized from
   benchmarks/snapshot.py's shape (12 bytes per parameter: fp32 weights and two Adam moments).
 
-    python benchmarks/simulate.py [--seeds 100]
+    python benchmarks/simulate.py [--seeds 100] [--reps 7] [--baseline REV]
 
-Last line: {"one_run_s": s, "cli_defaults_s": s, "api_defaults_s": s, "vs_target": {...},
+Last line: {"one_run_s": s, "one_run_rounds_s": s, "cli_defaults_s": s, "cli_one_process_s": s,
+"cli_baseline_s": s, "cli_vs_baseline": r, "api_defaults_s": s, "vs_target": {...},
 "grid_s": s, "grid_runs": n, "llama3_goodput": g, ...}.
 """
 
@@ -35,28 +39,27 @@ from observatory.goodput.plan import best_interval, report, young_daly  # noqa: 
 TARGETS = {"one_run_s": 0.050, "cli_defaults_s": 1.0, "api_defaults_s": 1.0}
 
 
-def timing(seeds: int) -> dict:
+def timing(seeds: int, reps: int, baseline: str | None) -> dict:
     """The issue's targets (medians; the machine is noisy), each as a time and as a ratio to
     its target; and, in this process, the closed-form retention against the rule applied save
     by save (the engine before it), on the default tiers' save counts."""
-    import subprocess
-
+    from observatory.goodput import rounds
     from observatory.goodput.held import LaneRetention, Retention, _growing
     from observatory.goodput.study import study
 
     sc = Scenario()
     simulate([sc], seeds=1)  # warm: numpy's first calls
-    one = []
-    for _ in range(9):
+    one, one_rounds = [], []
+    for _ in range(9):  # one lane: alone in plain Python, against the numpy rounds
         t = time.perf_counter()
         simulate([sc], seeds=1)
         one.append(time.perf_counter() - t)
-    cli = []
-    for _ in range(5):
+        rounds.ONE_BY_ONE, keep = 0, rounds.ONE_BY_ONE
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "trainer.cli", "simulate"], check=True,
-                       capture_output=True, cwd=Path(__file__).parents[1])  # fmt: skip
-        cli.append(time.perf_counter() - t)
+        simulate([sc], seeds=1)
+        one_rounds.append(time.perf_counter() - t)
+        rounds.ONE_BY_ONE = keep
+    cli = _cli_times(reps, baseline)
     api = []
     for i in range(3):  # what GET /api/goodput computes with its defaults (a fresh plan each)
         t = time.perf_counter()
@@ -85,7 +88,8 @@ def timing(seeds: int) -> dict:
     best = grid[max(range(len(grid)), key=g.__getitem__)]
     out = {
         "one_run_s": median(one),
-        "cli_defaults_s": median(cli),
+        "one_run_rounds_s": median(one_rounds),
+        **{k: median(v) for k, v in cli.items()},
         "api_defaults_s": median(api),
         "retention_closed_s": closed,
         "retention_save_by_save_s": by_save,
@@ -95,7 +99,46 @@ def timing(seeds: int) -> dict:
         "grid_best_goodput": max(g),
     }
     out["vs_target"] = {k: out[k] / v for k, v in TARGETS.items()}
+    if baseline:
+        out["cli_vs_baseline"] = median([a / b for a, b in zip(cli["cli_defaults_s"],
+                                                               cli["cli_baseline_s"],
+                                                               strict=True)])  # fmt: skip
     return out
+
+
+def _cli_times(reps: int, baseline: str | None) -> dict[str, list[float]]:
+    """`spikewatch simulate` with its defaults in fresh interpreters: as it comes, in one
+    process, and (`baseline`) at another revision, interleaved."""
+    import os
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, "-m", "trainer.cli", "simulate"]
+
+    def run(env: dict[str, str], cwd: Path) -> float:
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, cwd=cwd, env=env)
+        return time.perf_counter() - t
+
+    env = dict(os.environ)
+    kinds = {"cli_defaults_s": (env, root), "cli_one_process_s": (
+        env | {"SPIKEWATCH_SIMULATE_WORKERS": "1"}, root)}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        if baseline:
+            subprocess.run(["git", "worktree", "add", "--detach", tmp, baseline], cwd=root,
+                           check=True, capture_output=True)  # fmt: skip
+            kinds["cli_baseline_s"] = (env | {"PYTHONPATH": tmp}, Path(tmp))
+        try:
+            times: dict[str, list[float]] = {k: [] for k in kinds}
+            for _ in range(reps):
+                for k, (e, cwd) in kinds.items():
+                    times[k].append(run(e, cwd))
+        finally:
+            if baseline:
+                subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=root,
+                               check=False, capture_output=True)  # fmt: skip
+    return times
 
 
 def young_daly_check(seeds: int) -> dict:
@@ -177,13 +220,23 @@ def seventy_b(seeds: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=100)
+    p.add_argument("--reps", type=int, default=7, help="fresh interpreters per CLI timing")
+    p.add_argument("--baseline", default=None, help="a git revision to time the CLI of too")
     args = p.parse_args()
     print(json.dumps(machine()))  # noqa: T201
-    out = timing(args.seeds)
+    out = timing(args.seeds, args.reps, args.baseline)
     grid = f"{out['grid_runs']:,} runs (100 plans x {args.seeds} seeds)"
     for k, target in TARGETS.items():
         ratio = out["vs_target"][k]
         print(f"{k}: {out[k]:.3f} s, {ratio:.2f}x the {target:g} s target")  # noqa: T201
+    rounds_ = out["one_run_rounds_s"] / out["one_run_s"]
+    print(f"one run through the numpy rounds: {out['one_run_rounds_s']:.3f} s ({rounds_:.0f}x)")  # noqa: T201
+    print(f"cli in one process: {out['cli_one_process_s']:.3f} s")  # noqa: T201
+    if args.baseline:
+        print(  # noqa: T201
+            f"cli at {args.baseline}: {out['cli_baseline_s']:.3f} s; this revision takes "
+            f"{out['cli_vs_baseline']:.2f}x its time (interleaved)"
+        )
     speedup = out["retention_save_by_save_s"] / out["retention_closed_s"]
     print(f"retention, closed form vs save by save: {speedup:.0f}x faster")  # noqa: T201
     print(f"{grid}: {out['grid_s']:.1f} s")  # noqa: T201
