@@ -174,14 +174,16 @@ def _restore(
     if fail is not None:
         cause = run.causes()[p.seed, I[R.i_fail]]
         restart = run.restart[b.ia, cause]
-        # the newest durable disk save: one still being written does not count
-        S = (P1 // kd) * kd
-        written = tau - wall(p, P, np.maximum(S - P, 0), q)
-        S = np.where((S > P) & (written < p.write_d), S - kd, S)
         # host memory's newest, if it survived the failure
         mem_ok = p.mem_on & (p.survives | ~run.host_lost[cause])
         mem_step = np.where(mem_ok, (P1 // km) * km, -1)
         mem_step = np.where(mem_step > P, mem_step, -1)
+        # the newest durable disk save: one still being written does not count (asked only
+        # where it could be newer than memory's)
+        S = (P1 // kd) * kd
+        if np.count_nonzero(fail & (S > P) & (S > mem_step)):
+            written = tau - wall(p, P, np.maximum(S - P, 0), q)
+            S = np.where((S > P) & (written < p.write_d), S - kd, S)
         # saves from before this stretch: retention decides (a disk save only matters when no
         # memory snapshot of this stretch is newer)
         old_d = fail & (S <= P) & (mem_step < 0)
