@@ -31,6 +31,7 @@ __all__ = [
     "Scenario",
     "Spikes",
     "Tier",
+    "expected_events",
 ]
 
 
@@ -239,3 +240,12 @@ class Scenario:
             for t in self.tiers
         ]
         return dataclasses.replace(self, tiers=tuple(tiers))
+
+
+def expected_events(sc: Scenario) -> float:
+    """Failures, spikes, planned stops and corruptions a run is expected to meet."""
+    run_s = sc.steps * sc.step_s * (1 + sc.straggler)
+    stops = run_s * 1.5 / sc.maintenance.every_s if sc.maintenance.every_s else 0.0
+    sdc = sc.corruption.per_gpu_day * sc.gpus * run_s / 86_400
+    spikes = sc.steps * sc.spikes.per_1k_steps / 1000 / (1 - sc.spikes.repeat)
+    return run_s * 1.5 / sc.mtbf_s + spikes + stops + 2 * sdc

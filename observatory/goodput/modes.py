@@ -1,5 +1,7 @@
 """The failure modes a run can switch on beyond failures and spikes (issue 40), as the engine's
-lanes carry them (observatory/goodput/engine.py; docs/goodput.md gives each default's source):
+rounds carry them on a block of lanes (goodput/rounds.py; goodput/scalar.py carries them for one
+lane; their per-lane constants are set in goodput/lanes.py; docs/goodput.md gives each default's
+source):
 
 - failures while restarting and restoring: a recovery is exposed to the job's failure rate, and
   one that fails loses its time so far and starts over (`Failures.during_recovery`);
@@ -16,47 +18,16 @@ lanes carry them (observatory/goodput/engine.py; docs/goodput.md gives each defa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from observatory.goodput.model import Scenario
 from observatory.goodput.state import NEVER, R, steps
 
 if TYPE_CHECKING:
-    from observatory.goodput.rounds import Block
+    from observatory.goodput.lanes import Block
 
-__all__ = ["corrupt", "cure", "expected_events", "init_modes", "maintain"]
-
-
-def expected_events(sc: Scenario) -> float:
-    """Failures, spikes, planned stops and corruptions a run is expected to meet."""
-    run_s = sc.steps * sc.step_s * (1 + sc.straggler)
-    stops = run_s * 1.5 / sc.maintenance.every_s if sc.maintenance.every_s else 0.0
-    sdc = sc.corruption.per_gpu_day * sc.gpus * run_s / 86_400
-    spikes = sc.steps * sc.spikes.per_1k_steps / 1000 / (1 - sc.spikes.repeat)
-    return run_s * 1.5 / sc.mtbf_s + spikes + stops + 2 * sdc
-
-
-def init_modes(run: Any, scenarios: list[Scenario], seeds: np.ndarray) -> None:
-    """The modes' per-lane constants, on the engine's run."""
-
-    def per_lane(get: Any, dtype: Any = np.float64) -> np.ndarray:
-        return np.repeat(np.array([get(s) for s in scenarios], dtype=dtype), seeds)
-
-    run.repeat = per_lane(lambda s: s.spikes.repeat)
-    run.recovers = per_lane(lambda s: s.failures.during_recovery, bool)
-    run.stop_every = per_lane(lambda s: s.maintenance.every_s or np.inf)
-    run.stop_window = per_lane(lambda s: s.maintenance.window_s)
-    run.stop_restart = per_lane(lambda s: s.restart_s)
-    run.sdc_rate = per_lane(  # corruptions per trained step
-        lambda s: s.corruption.per_gpu_day * s.gpus * s.step_s * (1 + s.straggler) / 86_400
-    )
-    run.sdc_detect = per_lane(lambda s: s.corruption.detect_steps, np.int64)
-    run.any_repeat = bool((run.repeat > 0).any())
-    run.any_sdc = bool((run.sdc_rate > 0).any())
-    run.any_recover = bool(run.recovers.any())
-    run.any_stops = bool(np.isfinite(run.stop_every).any())
+__all__ = ["corrupt", "cure", "maintain", "recovery"]
 
 
 # -- on a round's block of lanes (goodput/rounds.py), at positions `at` of it --------------------

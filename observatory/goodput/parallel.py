@@ -1,6 +1,6 @@
 """The engine's lanes over this machine's cores: each process runs a share of every scenario's
 seeds, and the shares are put back in order. A seed draws the same numbers in any process
-(engine._Draws: a generator per seed and stream), so the outputs do not depend on the split.
+(lanes._Draws: a generator per seed and stream), so the outputs do not depend on the split.
 
 How the other processes come depends on this one:
 - one thread (the CLI, a script): a child forked for each share, which sends its lanes back
@@ -29,7 +29,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from observatory.goodput.engine import BUCKETS, Lanes, run_part
+from observatory.goodput.lanes import Lanes
+from observatory.goodput.rounds import run_part
+from observatory.goodput.state import BUCKETS
 
 if TYPE_CHECKING:
     from observatory.goodput.model import Scenario

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from observatory.goodput.lanes import Block, Lanes, _At, _Run
 from observatory.goodput.modes import corrupt, cure, maintain, recovery
 from observatory.goodput.scalar import run_lane
 from observatory.goodput.state import GIVE_UP, NEVER, R
 
 if TYPE_CHECKING:
-    from observatory.goodput.engine import _At, _Run
+    from observatory.goodput.model import Scenario
 
-__all__ = ["Block", "go"]
+__all__ = ["go", "run_part"]
 
 # when this few lanes are left, each runs on alone in plain Python (goodput/scalar.py): a round
 # of numpy calls costs more than that many lanes' events one by one
@@ -32,24 +33,14 @@ _CANDIDATES = 16  # a failure's step: every candidate at once up to this many, e
 _UP_TO = np.arange(1, _CANDIDATES + 1)
 
 
-class Block:
-    """The lanes `ia` the rounds move: their columns of the state matrices (the matrices
-    themselves while every lane is in it), and their constants. It is kept from round to
-    round, and narrowed to the lanes still moving once a quarter of it has ended: a lane that
-    ended stays in it, inert (no steps to train, no event to meet), until then."""
-
-    __slots__ = ("F", "I", "full", "ia", "p", "run")
-
-    def __init__(self, run: _Run, ia: np.ndarray) -> None:
-        self.run, self.ia, self.full = run, ia, ia.size == run.L
-        self.p = run.at(ia)
-        self.F = run.F if self.full else np.take(run.F, ia, axis=1)
-        self.I = run.I if self.full else np.take(run.I, ia, axis=1)
-
-    def write_back(self) -> None:
-        if not self.full:
-            self.run.F[:, self.ia] = self.F
-            self.run.I[:, self.ia] = self.I
+def run_part(
+    scenarios: list[Scenario], seeds: np.ndarray, seed: int, first: np.ndarray | None = None
+) -> Lanes:
+    """Scenario i's seeds `seed + first[i]`, ..., `seed + first[i] + seeds[i] - 1`, in this
+    process (first: 0 for every scenario)."""
+    run = _Run(scenarios, seeds, seed, first)
+    go(run)
+    return run.lanes()
 
 
 def go(run: _Run) -> None:

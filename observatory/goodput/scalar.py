@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from observatory.goodput.state import GIVE_UP
 
 if TYPE_CHECKING:
-    from observatory.goodput.engine import _Run
+    from observatory.goodput.lanes import _Run
 
 __all__ = ["run_lane"]
 

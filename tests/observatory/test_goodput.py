@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from observatory.goodput import BUCKETS, Cause, Failures, Scenario, Spikes, Tier, simulate
-from observatory.goodput.engine import _Draws, _stall
+from observatory.goodput.lanes import _Draws, _stall
 from observatory.goodput.plan import best_interval, report
 from observatory.goodput.young_daly import daly, expected_overhead
 from observatory.retention import keep

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from observatory.goodput import Failures, Scenario, Spikes, Tier, rounds, simulate
-from observatory.goodput import engine as engine_mod
+from observatory.goodput import lanes as engine_mod
 from observatory.goodput.model import Corruption, Maintenance
 
 from .test_goodput import CAUSES, _small
