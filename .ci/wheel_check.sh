@@ -42,4 +42,7 @@ import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select key 
 "$sw" simulate --days 5 --seeds 3 --json --step-time 6s --from-run "$run_key" --db "sqlite:///$work/user/runs.db" \
   > simulate.json
 grep -q '"goodput"' simulate.json || { echo "wheel check: simulate printed no goodput" >&2; exit 1; }
-echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran (and the plain loop compiled), db upgrade and simulate --from-run worked"
+# the defaults: 780 lanes, shared with a forked child (goodput/parallel.py), from the wheel
+"$sw" simulate --json > defaults.json
+grep -q '"goodput": 0.94' defaults.json || { echo "wheel check: simulate's defaults" >&2; exit 1; }
+echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran (and the plain loop compiled), db upgrade, simulate --from-run and its defaults worked"
