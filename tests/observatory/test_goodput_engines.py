@@ -13,16 +13,9 @@ from observatory.goodput import lanes as engine_mod
 from observatory.goodput.model import Corruption, Maintenance
 
 from .test_goodput import CAUSES, _small
+from .test_goodput_modes import ALL_MODES
 
-_MODES = dict(
-    steps=20_000,
-    failures=Failures(per_gpu_day=_small().failures.per_gpu_day, causes=CAUSES,
-                      during_recovery=True),
-    maintenance=Maintenance(every_s=20 * 3600.0, window_s=900.0),
-    corruption=Corruption(per_gpu_day=2e-3, detect_steps=300),
-    spikes=Spikes(per_1k_steps=1.5, back_steps=(30, 80), repeat=0.3),
-    straggler=0.05,
-)  # fmt: skip
+_MODES = dict(steps=20_000, **ALL_MODES)
 
 PLANS = {
     "tiers": [

@@ -22,15 +22,19 @@ def _modes(**kw: object) -> Scenario:
     return _small(steps=20_000, **kw)
 
 
+# every mode on at once (test_goodput_engines.py runs it through both executors too)
+ALL_MODES = dict(
+    failures=Failures(per_gpu_day=_small().failures.per_gpu_day, causes=CAUSES,
+                      during_recovery=True),
+    maintenance=Maintenance(every_s=20 * 3600.0, window_s=900.0),
+    corruption=Corruption(per_gpu_day=2e-3, detect_steps=300),
+    spikes=Spikes(per_1k_steps=1.5, back_steps=(30, 80), repeat=0.3),
+    straggler=0.05,
+)  # fmt: skip
+
+
 def test_all_modes_on_the_wall_time_still_splits_exactly_into_buckets() -> None:
-    sc = _modes(
-        failures=Failures(per_gpu_day=_small().failures.per_gpu_day, causes=CAUSES,
-                          during_recovery=True),
-        maintenance=Maintenance(every_s=20 * 3600.0, window_s=900.0),
-        corruption=Corruption(per_gpu_day=2e-3, detect_steps=300),
-        spikes=Spikes(per_1k_steps=1.5, back_steps=(30, 80), repeat=0.3),
-        straggler=0.05,
-    )  # fmt: skip
+    sc = _modes(**ALL_MODES)
     lanes = simulate([sc], seeds=8)
     total = sum(lanes.buckets[k] for k in BUCKETS)
     np.testing.assert_allclose(total, lanes.wall_s, rtol=1e-12)
