@@ -43,6 +43,43 @@ class Lanes:
     def of(self, scenario: int) -> slice:
         return slice(int(self.offsets[scenario]), int(self.offsets[scenario + 1]))
 
+    def pick(self, scenario: int) -> Lanes:
+        """One scenario's lanes, on their own."""
+        s = self.of(scenario)
+        return Lanes(
+            offsets=np.array([0, s.stop - s.start]),
+            finished=self.finished[s],
+            wall_s=self.wall_s[s],
+            buckets={k: v[s] for k, v in self.buckets.items()},
+            failures=self.failures[s],
+            spikes=self.spikes[s],
+            restores_from_memory=self.restores_from_memory[s],
+            further_back=self.further_back[s],
+            further_steps=self.further_steps[s],
+            modes={k: v[s] for k, v in self.modes.items()},
+        )
+
+    @staticmethod
+    def join(parts: list[Lanes]) -> Lanes:
+        """The scenarios of `parts`, one after another."""
+
+        def cat(get: Any) -> np.ndarray:
+            return np.concatenate([get(p) for p in parts])
+
+        sizes = [p.offsets[1:] - p.offsets[:-1] for p in parts]
+        return Lanes(
+            offsets=np.concatenate([[0], np.cumsum(np.concatenate(sizes))]),
+            finished=cat(lambda p: p.finished),
+            wall_s=cat(lambda p: p.wall_s),
+            buckets={k: cat(lambda p: p.buckets[k]) for k in BUCKETS},  # noqa: B023
+            failures=cat(lambda p: p.failures),
+            spikes=cat(lambda p: p.spikes),
+            restores_from_memory=cat(lambda p: p.restores_from_memory),
+            further_back=cat(lambda p: p.further_back),
+            further_steps=cat(lambda p: p.further_steps),
+            modes={k: cat(lambda p: p.modes[k]) for k in parts[0].modes},  # noqa: B023
+        )
+
 
 class _Draws:
     """Per seed, the same unit draws in every scenario, extended on demand: each stream of

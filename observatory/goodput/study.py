@@ -5,19 +5,57 @@ for the memory tier)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
 
-from observatory.goodput.engine import BUCKETS, simulate
+from observatory.goodput.engine import BUCKETS, Lanes, simulate
 from observatory.goodput.model import Scenario
 from observatory.goodput.plan import MEMORY, report, young_daly, young_grid
 
-__all__ = ["study"]
+__all__ = ["PlanCache", "study"]
 
 
-def study(sc: Scenario, *, seeds: int = 30, points: int = 11, seed: int = 0) -> dict[str, Any]:
+class PlanCache:
+    """Each plan's lanes, kept by (plan, seeds, seed), the newest `size` of them: a page whose
+    one control changed simulates only the plans that control changes (the disk-alone curve,
+    say, does not move with the memory interval). A plan's lanes do not depend on the plans
+    simulated beside it, so a plan from here equals a plan simulated afresh."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._plans: collections.OrderedDict[tuple, Lanes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def simulate(self, plans: list[Scenario], seeds: int, seed: int) -> Lanes:
+        with self._lock:
+            missing = [p for p in dict.fromkeys(plans) if (p, seeds, seed) not in self._plans]
+        if missing:
+            got = simulate(missing, seeds, seed)
+            with self._lock:
+                for i, plan in enumerate(missing):
+                    self._plans[(plan, seeds, seed)] = got.pick(i)
+        with self._lock:
+            parts = []
+            for plan in plans:
+                self._plans.move_to_end((plan, seeds, seed))
+                parts.append(self._plans[(plan, seeds, seed)])
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return Lanes.join(parts)
+
+
+def study(
+    sc: Scenario,
+    *,
+    seeds: int = 30,
+    points: int = 11,
+    seed: int = 0,
+    cache: PlanCache | None = None,
+) -> dict[str, Any]:
     disk = sc.tier("disk")
     assert disk is not None
     mem = sc.tier("memory") or MEMORY
@@ -29,7 +67,7 @@ def study(sc: Scenario, *, seeds: int = 30, points: int = 11, seed: int = 0) -> 
     plans = [alone.with_tier("disk", interval=k) for k in disk_grid]
     plans += [sc.replace(tiers=(dataclasses.replace(mem, interval=k), disk)) for k in mem_grid]
     plans += [alone.with_tier("disk", interval=daly_steps), sc]
-    lanes = simulate(plans, seeds, seed)
+    lanes = cache.simulate(plans, seeds, seed) if cache else simulate(plans, seeds, seed)
 
     def curve(first: int, grid: list[int]) -> dict[str, list[float]]:
         g = [lanes.goodput[lanes.of(first + i)] for i in range(len(grid))]

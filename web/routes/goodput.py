@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse
 
 from observatory.goodput.cli import options, scenario_from_args
 from observatory.goodput.plan import measure, optimize
-from observatory.goodput.study import study
+from observatory.goodput.study import PlanCache, study
 from web import charts
 from web.deps import SessionDep
 from web.routes.pages import templates
@@ -99,9 +99,12 @@ def _plan(session: Any, params: dict[str, str]) -> dict[str, Any]:
     return {**out, "measured": measured, "options": params, "run": run}
 
 
+_PLANS = PlanCache()  # the plans a control change leaves as they were are not simulated again
+
+
 @functools.lru_cache(maxsize=32)
 def _study(sc: Any, seeds: int, seed: int) -> dict[str, Any]:
-    return study(sc, seeds=seeds, seed=seed)
+    return study(sc, seeds=seeds, seed=seed, cache=_PLANS)
 
 
 @functools.lru_cache(maxsize=32)
