@@ -46,39 +46,37 @@ class Lanes:
     def pick(self, scenario: int) -> Lanes:
         """One scenario's lanes, on their own."""
         s = self.of(scenario)
-        return Lanes(
-            offsets=np.array([0, s.stop - s.start]),
-            finished=self.finished[s],
-            wall_s=self.wall_s[s],
-            buckets={k: v[s] for k, v in self.buckets.items()},
-            failures=self.failures[s],
-            spikes=self.spikes[s],
-            restores_from_memory=self.restores_from_memory[s],
-            further_back=self.further_back[s],
-            further_steps=self.further_steps[s],
-            modes={k: v[s] for k, v in self.modes.items()},
-        )
+        return self.select(s, np.array([0, s.stop - s.start]))
+
+    def select(self, rows: slice | np.ndarray, offsets: np.ndarray) -> Lanes:
+        """The lanes `rows`, in that order, as scenarios starting at `offsets`."""
+        return Lanes(offsets=offsets, **_fields(self, lambda a: a[rows]))
 
     @staticmethod
     def join(parts: list[Lanes]) -> Lanes:
         """The scenarios of `parts`, one after another."""
+        sizes = np.concatenate([np.diff(p.offsets) for p in parts])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return Lanes(offsets=offsets, **_fields(parts, np.concatenate))
 
-        def cat(get: Any) -> np.ndarray:
-            return np.concatenate([get(p) for p in parts])
 
-        sizes = [p.offsets[1:] - p.offsets[:-1] for p in parts]
-        return Lanes(
-            offsets=np.concatenate([[0], np.cumsum(np.concatenate(sizes))]),
-            finished=cat(lambda p: p.finished),
-            wall_s=cat(lambda p: p.wall_s),
-            buckets={k: cat(lambda p: p.buckets[k]) for k in BUCKETS},  # noqa: B023
-            failures=cat(lambda p: p.failures),
-            spikes=cat(lambda p: p.spikes),
-            restores_from_memory=cat(lambda p: p.restores_from_memory),
-            further_back=cat(lambda p: p.further_back),
-            further_steps=cat(lambda p: p.further_steps),
-            modes={k: cat(lambda p: p.modes[k]) for k in parts[0].modes},  # noqa: B023
-        )
+def _fields(of: Lanes | list[Lanes], make: Any) -> dict[str, Any]:
+    """Every per-lane field of `of` (one Lanes, or a list for `make` to combine), made anew."""
+    parts = of if isinstance(of, list) else [of]
+    one = not isinstance(of, list)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Lanes):
+        if f.name == "offsets":
+            continue
+        first = getattr(parts[0], f.name)
+        if isinstance(first, dict):
+            out[f.name] = {
+                k: make(v if one else [getattr(p, f.name)[k] for p in parts])
+                for k, v in first.items()
+            }
+        else:
+            out[f.name] = make(first if one else [getattr(p, f.name) for p in parts])
+    return out
 
 
 class _Draws:

@@ -24,14 +24,12 @@ import select
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from observatory.goodput.lanes import Lanes
 from observatory.goodput.rounds import run_part
-from observatory.goodput.state import BUCKETS
 
 if TYPE_CHECKING:
     from observatory.goodput.model import Scenario
@@ -236,22 +234,8 @@ def _merge(parts: list[Lanes]) -> Lanes:
         ]
     )
 
-    def cat(get: Callable[[Lanes], np.ndarray]) -> np.ndarray:
-        return np.concatenate([get(p) for p in parts])[order]
-
     counts = sum(np.diff(p.offsets) for p in parts)
-    return Lanes(
-        offsets=np.concatenate([[0], np.cumsum(counts)]),
-        finished=cat(lambda p: p.finished),
-        wall_s=cat(lambda p: p.wall_s),
-        buckets={k: cat(lambda p: p.buckets[k]) for k in BUCKETS},  # noqa: B023 - called here
-        failures=cat(lambda p: p.failures),
-        spikes=cat(lambda p: p.spikes),
-        restores_from_memory=cat(lambda p: p.restores_from_memory),
-        further_back=cat(lambda p: p.further_back),
-        further_steps=cat(lambda p: p.further_steps),
-        modes={k: cat(lambda p: p.modes[k]) for k in parts[0].modes},  # noqa: B023
-    )
+    return Lanes.join(parts).select(order, np.concatenate([[0], np.cumsum(counts)]))
 
 
 @atexit.register
