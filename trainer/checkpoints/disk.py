@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from observatory.goodput.young_daly import daly
 from observatory.retention import keep
 from trainer.checkpoints import format as ck
-from trainer.checkpoints.staging import Live, Stager, stage_tensors
+from trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
+from trainer.checkpoints.staging import Live, Queued, Stager, has_cuda, stage_tensors
 from trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
@@ -49,6 +48,8 @@ class Checkpointer:
         self.save_seconds: float | None = None  # what a save costs the loop (stall if async)
         self.auto_interval: int | None = None
         self._stager = Stager()
+        self._copies = SideCopies()
+        self._events: Events = []  # CUDA copies of the save in flight, for before_mutation
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self._error: BaseException | None = None
@@ -112,8 +113,14 @@ class Checkpointer:
             snap.json_files = ck.copied(snap.json_files)  # small, and mutable in the loop
             snap.meta = ck.copied(snap.meta)
             self._copied = threading.Event()
+            events: Events = []
+            if has_cuda(snap.torch_files):  # queued here on side streams, into pinned memory
+                queued = Queued(self._stager)
+                snap.torch_files = stage_tensors(snap.torch_files, queued)
+                events = self._events = queued.start(self._copies)
+                self._copied.set()  # the loop's streams wait for the copies (before_mutation)
             self._thread = threading.Thread(
-                target=self._stage_and_write, args=(snap, pins), name=f"ckpt-{step}"
+                target=self._stage_and_write, args=(snap, pins, events), name=f"ckpt-{step}"
             )
             self._thread.start()
         else:
@@ -125,6 +132,9 @@ class Checkpointer:
 
     def before_mutation(self) -> float:
         """Block until an async save has copied the tensors; returns the seconds waited."""
+        if self._events:  # CUDA: the device orders the update after the copies; no host wait
+            device_wait(self._events)
+            self._events = []
         if self._copied is None:
             return 0.0
         t0 = time.perf_counter()
@@ -135,9 +145,14 @@ class Checkpointer:
             self.save_seconds += waited  # what the save cost the loop, for interval="auto"
         return waited
 
-    def _stage_and_write(self, snap: ck.Snapshot, pins: dict[int, set[str]]) -> None:
+    def _stage_and_write(
+        self, snap: ck.Snapshot, pins: dict[int, set[str]], events: Events
+    ) -> None:
         try:
-            snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+            if events:
+                host_wait(events)  # this thread waits for the side-stream copies, not the loop
+            else:
+                snap.torch_files = stage_tensors(snap.torch_files, self._stager)
         except BaseException as e:
             self._error = e
             return
@@ -194,6 +209,7 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
         self._copied = None
+        self._events = []
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
@@ -257,6 +273,6 @@ class Checkpointer:
         self.wait()
         return ck.find_intact(self.root, at_most)
 
-    def read(self, path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def read(self, path: Path) -> dict[str, Any]:
         """What `snapshot.restore` needs from the checkpoint at `path` (verified first)."""
-        return ck.read_checkpoint(path, map_location)
+        return ck.read_checkpoint(path)

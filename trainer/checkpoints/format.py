@@ -184,8 +184,11 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return meta
 
 
-def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Verify, then load every file: {file name: content, 'meta': meta}."""
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Verify, then load every file to the CPU: {file name: content, 'meta': meta}. Never to
+    the model's device: RNG states must stay CPU byte tensors, an optimizer's step counts stay
+    where torch keeps them, and `load_state_dict` copies into the live tensors anyway (a second
+    model and optimizer on the GPU per rollback otherwise)."""
     meta = verify_checkpoint(path)
     if meta.get("sharded"):
         raise CheckpointError(
@@ -196,7 +199,7 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     out: dict[str, Any] = {"meta": meta}
     for name in meta["files"]:
         if name.endswith(".pt"):
-            out[name] = torch.load(path / name, map_location=map_location, weights_only=True)
+            out[name] = torch.load(path / name, map_location="cpu", weights_only=True)
         else:
             out[name] = json.loads((path / name).read_text())
     return out

@@ -35,6 +35,7 @@ import torch
 
 from observatory.retention import keep
 from trainer.checkpoints.format import CheckpointError, Snapshot, copied
+from trainer.checkpoints.pinned import Events, HostBlock, SideCopies, device_wait, host_wait
 from trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
@@ -73,7 +74,7 @@ class _Slot:
     groups: list[dict[str, Any]]  # the optimizer's hyperparameters (no params)
     pins: set[str] = field(default_factory=set)
     ready: threading.Event = field(default_factory=threading.Event)
-    cuda_event: Any = None
+    events: Events = field(default_factory=list)  # CUDA: the side-stream copies' events
 
 
 class MemoryTier:
@@ -103,7 +104,7 @@ class MemoryTier:
         self._pending: _Slot | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stream: Any = None
+        self._copies = SideCopies()
         self._warned = False
 
     # -- what the tiers facade asks -------------------------------------------------------------
@@ -178,7 +179,7 @@ class MemoryTier:
 
     def _evict(self, step: int) -> None:
         slot = self.slots.pop(step)
-        slot.ready.wait()
+        _landed(slot)
         self.free.append(slot.buffers)
 
     def _buffers(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,23 +190,13 @@ class MemoryTier:
             ):
                 return self.free.pop(i)
         self.free.clear()  # another shape (the optimizer state appeared): map afresh
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in live.values())
-        return {
-            k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            for k, t in live.items()
-        }
+        block = HostBlock(live, pin=any(t.is_cuda for t in live.values()))
+        return _Buffers(block)
 
     def _copy(self, slot: _Slot, live: dict[str, torch.Tensor]) -> None:
         pairs = [(slot.buffers[k], t) for k, t in live.items()]
-        if any(t.is_cuda for _, t in pairs):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())  # the update that made them
-            with torch.cuda.stream(self._stream):
-                for buf, t in pairs:
-                    buf.copy_(t, non_blocking=True)
-                slot.cuda_event = torch.cuda.Event()
-                slot.cuda_event.record(self._stream)
+        if any(t.is_cuda for _, t in pairs):  # side streams of the tensors' own devices
+            slot.events = self._copies.start(pairs)
             self._pending = slot
             return
         self._pending = slot
@@ -224,15 +215,15 @@ class MemoryTier:
             slot.ready.set()
 
     def before_mutation(self) -> float:
-        """Block until the copy in flight is done (the weights may change after); returns the
-        seconds waited."""
+        """The weights may change after this: on CUDA the compute streams wait for the copy in
+        flight (the device waits, never the host: this runs between backward and the update);
+        on a CPU the host waits for the copying thread. Returns the seconds the host waited."""
         slot = self._pending
         if slot is None:
             return 0.0
         t0 = time.perf_counter()
-        if slot.cuda_event is not None:
-            slot.cuda_event.synchronize()
-            slot.ready.set()
+        if slot.events:
+            device_wait(slot.events)
         else:
             slot.ready.wait()
             if self._thread is not None:
@@ -254,6 +245,7 @@ class MemoryTier:
         self.before_mutation()
         if step not in self.slots:
             raise CheckpointError(f"no host-memory snapshot of step {step}")
+        _landed(self.slots[step])
         out = copy.deepcopy(self.slots[step].small)
         out["memory"] = step
         return out
@@ -263,6 +255,7 @@ class MemoryTier:
         """Copy the snapshot of `step` back into the live model and optimizer, in place."""
         t0 = time.perf_counter()
         slot = self.slots[step]
+        _landed(slot)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = self.optimizer.state
         has_state = any(k.startswith("o/") for k in slot.buffers)
@@ -277,7 +270,8 @@ class MemoryTier:
                     p = params[int(index)]
                     if name not in state[p]:
                         buf = slot.buffers[k]
-                        state[p][name] = torch.empty_like(buf, device=local(p).device)
+                        device = _state_device(self.optimizer, p, name)
+                        state[p][name] = torch.empty_like(buf, device=device)
         live = dict(_live_tensors(self.model, self.optimizer))
         if live.keys() != slot.buffers.keys():
             raise CheckpointError(f"host-memory snapshot of step {step} does not fit the model")
@@ -305,10 +299,12 @@ _COPIERS = max(1, min(4, os.cpu_count() or 1))
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for every pair: on CUDA queued at once (DMA), on a CPU spread over a few
     threads (a copy releases the GIL; one thread does not reach the memory bandwidth)."""
-    if any(d.is_cuda for d, _ in pairs):
+    cuda = {d.device for d, _ in pairs if d.is_cuda}
+    if cuda:
         for dst, src in pairs:
             dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        for dev in cuda:  # each device the copies went to, not only the current one
+            torch.cuda.synchronize(dev)
         return
     lanes: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(_COPIERS)]
     loads = [0] * _COPIERS
@@ -323,6 +319,33 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
     with ThreadPoolExecutor(max_workers=_COPIERS, thread_name_prefix="mem-copy") as pool:
         list(pool.map(run, lanes))
+
+
+class _Buffers(dict[str, torch.Tensor]):
+    """A snapshot's host tensors by key, keeping alive the one block they are carved from."""
+
+    def __init__(self, block: HostBlock) -> None:
+        super().__init__(block.tensors)
+        self.block = block
+
+
+def _landed(slot: _Slot) -> None:
+    """The host waits until the slot's copy has landed (its readers, its buffers' reuse)."""
+    if slot.events:
+        host_wait(slot.events)
+        slot.ready.set()
+    slot.ready.wait()
+
+
+def _state_device(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> torch.device:
+    """Where torch keeps an optimizer state tensor: a step count on the CPU unless the group is
+    fused or capturable (a step count on the GPU costs a read every step), else the
+    parameter's device."""
+    if name == "step":
+        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        if not (group.get("fused") or group.get("capturable")):
+            return torch.device("cpu")
+    return local(p).device
 
 
 def _nbytes(buffers: dict[str, torch.Tensor]) -> int:

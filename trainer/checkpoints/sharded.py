@@ -179,12 +179,14 @@ class ShardedCheckpointer(Checkpointer):
         step = self.world.agree(None if found is None else found[0])
         return None if step is None else (step, ck.step_dir(self.root, step))
 
-    def read(self, path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def read(self, path: Path) -> dict[str, Any]:
         """The JSON files and this rank's RNG states (rank 0's when the checkpoint had fewer
         ranks); the weights load in place later, from `loaded['sharded']`. Rank 0 verified
         every checksum when it chose the checkpoint."""
         own = path / f"rng.rank{self.world.rank}.pt"
-        rng = torch.load(own if own.exists() else path / "rng.rank0.pt", weights_only=True)
+        rng = torch.load(
+            own if own.exists() else path / "rng.rank0.pt", map_location="cpu", weights_only=True
+        )
         state = json.loads((path / "trainer.json").read_text())
         state["rng"] = rng.pop("json")
         scheduler = rng.pop("scheduler", None)  # a client's LR scheduler (the Watch's)

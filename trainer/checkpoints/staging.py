@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Live", "Stager", "stage_tensors", "to_host"]
+from trainer.checkpoints.pinned import Events, HostBlock, SideCopies
+
+__all__ = ["Live", "Queued", "Stager", "has_cuda", "stage_tensors", "to_host"]
 
 
 class Stager:
@@ -20,12 +22,40 @@ class Stager:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self._blocks: dict[str, HostBlock] = {}
 
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The reused host buffer for `key`, shaped like `t` (pinned when `t` is on CUDA)."""
         buf = self.buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        return buf.copy_(t.detach())
+            block = self._blocks[key] = HostBlock({key: t}, pin=t.is_cuda)
+            buf = self.buffers[key] = block.tensors[key]
+        return buf
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        return self.buffer(key, t).copy_(t.detach())
+
+
+class Queued(Stager):
+    """Device tensors staged on side streams (trainer/checkpoints/pinned.py): their pinned
+    buffers are handed out at once and the copies queued by `start` (nothing waits); host
+    tensors are copied at once, as `Stager` does."""
+
+    def __init__(self, stager: Stager) -> None:
+        self.stager = stager
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return self.stager(key, t)
+        buf = self.stager.buffer(key, t)
+        self.pairs.append((buf, t.detach()))
+        return buf
+
+    def start(self, copies: SideCopies) -> Events:
+        """Queue every copy collected so far (one side stream and one event per device)."""
+        pairs, self.pairs = self.pairs, []
+        return copies.start(pairs)
 
 
 class Live(Stager):
@@ -50,3 +80,14 @@ def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
 def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
     """Every tensor of a snapshot's torch files copied into the stager's host buffers."""
     return {name: to_host(obj, stage, name) for name, obj in files.items()}
+
+
+def has_cuda(obj: Any) -> bool:
+    """Whether any tensor in `obj` (dicts, lists, tuples) lives on a CUDA device."""
+    if torch.is_tensor(obj):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return any(has_cuda(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(has_cuda(v) for v in obj)
+    return False

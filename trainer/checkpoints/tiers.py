@@ -188,11 +188,13 @@ class Tiers:
             return mem[-1], mem[-1]
         return found
 
-    def read(self, where: Path | int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def read(self, where: Path | int) -> dict[str, Any]:
+        """A checkpoint's state on the host (tensors on the CPU; a memory snapshot's copy back
+        happens in place at restore)."""
         if isinstance(where, int):
             assert self.memory is not None
             return self.memory.read(where)
-        return self.disk.read(where, map_location)
+        return self.disk.read(where)
 
     def path_of(self, step: int, tier: str) -> str:
         return memory_path(step) if tier == MEMORY else str(ck.step_dir(self.root, step))

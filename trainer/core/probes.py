@@ -24,13 +24,14 @@ step; the last ones are flushed when the fit ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from observatory import metric_names as M
 from trainer.config import ProbesConfig
+from trainer.core.norms import maxima, norms
 from trainer.core.world import World, local
 
 __all__ = ["Probes", "describe_model", "layer_of", "module_layer_of", "unwrapped"]
@@ -122,7 +123,7 @@ class _Groups:
     def sample_count(self, v: list[torch.Tensor]) -> torch.Tensor:
         if self._sample_count is None:
             n = [float(_sample(x).numel()) for x in v]
-            self._sample_count = self.sum(torch.tensor(n, device=v[0].device))
+            self._sample_count = self.sum(torch.tensor(n, device=self.onehot.device))
         return self._sample_count
 
     def names(self, stat: str) -> list[str]:
@@ -149,10 +150,6 @@ def _tiny_count(v: torch.Tensor) -> torch.Tensor:
     """Entries of v below 1e-16 in the sample: a fraction estimate at O(1) cost per tensor
     (an exact count is a full pass with a temporary, ~5% of a CPU step on a 25M model)."""
     return (_sample(v) < V_TINY).sum().float()
-
-
-def _stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(list(xs)).float() if xs else torch.zeros(0)
 
 
 class Probes:
@@ -209,23 +206,28 @@ class Probes:
 
     # -- around the update -----------------------------------------------------------------
     def before_update(self, step: int) -> None:
+        """On a state step only: the parameters before the update (for the update norms), a
+        copy held until `after_update` and then given back, never for the whole run."""
+        self._prev = None
         if self.state_active(step) and self.cfg.update_norms:
-            if self._prev is None:
-                self._prev = [torch.empty_like(local(p)) for p in self.params]
-            torch._foreach_copy_(self._prev, [local(p).detach() for p in self.params])
+            live = [local(p).detach() for p in self.params]
+            self._prev = [torch.empty_like(x) for x in live]
+            torch._foreach_copy_(self._prev, live)
 
     @torch.no_grad()
     def after_update(self, step: int, applied: bool) -> None:
         """Compute the update and optimizer-state statistics of `step`; they wait on device
         for the next host transfer."""
+        prev, self._prev = self._prev, None  # parameter-sized: not kept past this step
         if not (self.state_active(step) and applied):
             return
         names: list[str] = []
         parts: list[torch.Tensor] = []
-        if self.cfg.update_norms and self._prev is not None:
-            pn = self._norm(self.groups, self._prev)
-            torch._foreach_sub_(self._prev, [local(p).detach() for p in self.params])  # -(update)
-            un = self._norm(self.groups, self._prev)
+        if self.cfg.update_norms and prev is not None:
+            pn = self._norm(self.groups, prev)
+            torch._foreach_sub_(prev, [local(p).detach() for p in self.params])  # -(update)
+            un = self._norm(self.groups, prev)
+            del prev
             stats = (
                 (M.STAT_PARAM_NORM, pn),
                 (M.STAT_UPDATE_NORM, un),
@@ -243,7 +245,7 @@ class Probes:
 
     def _norm(self, g: _Groups, xs: list[torch.Tensor]) -> torch.Tensor:
         """Per-layer L2 norm: squares summed by layer (and over shards), then the root."""
-        return self.world.sum_shards(g.sum(_stack(torch._foreach_norm(xs)).square())).sqrt()
+        return self.world.sum_shards(g.sum(norms(xs, self.device).float().square())).sqrt()
 
     def _optimizer_stats(self) -> tuple[list[str], torch.Tensor]:
         state = self.optimizer.state
@@ -256,13 +258,15 @@ class Probes:
             m = [local(state[p]["exp_avg"]) for p in adam]
             v = [local(state[p]["exp_avg_sq"]) for p in adam]
             if g.count is None:
-                n = torch.tensor([float(x.numel()) for x in v], device=v[0].device)
+                n = torch.tensor([float(x.numel()) for x in v], device=self.device)
                 g.count = w.sum_shards(g.sum(n))
             m_norm = self._norm(g, m)
-            sqrt_v = torch._foreach_sqrt(v)
-            mean = w.sum_shards(g.sum(_stack(torch._foreach_norm(sqrt_v, 1)))) / g.count
-            vmax = w.max_shards(g.max(_stack(torch._foreach_max(sqrt_v))))
-            tiny = w.sum_shards(g.sum(_stack([_tiny_count(x) for x in v])))
+            # sum(sqrt(v)) = norm_{1/2}(v) ** (1/2) and max(sqrt(v)) = sqrt(max(v)): one
+            # reduction each, never a parameter-sized sqrt(v) (v >= 0)
+            roots = norms(v, self.device, 0.5).float().sqrt()
+            mean = w.sum_shards(g.sum(roots)) / g.count
+            vmax = w.max_shards(g.max(maxima(v, self.device).float().sqrt()))
+            tiny = w.sum_shards(g.sum(torch.stack([_tiny_count(x).to(self.device) for x in v])))
             tiny = tiny / w.sum_shards(g.sample_count(v))
             for stat, val in (
                 (M.STAT_ADAM_M_NORM, m_norm),
@@ -278,7 +282,7 @@ class Probes:
             norm = self._norm(g, buf)
             names += g.names(M.STAT_MUON_MOMENTUM_NORM)
             parts.append(norm[g.index])
-        return names, (torch.cat(parts) if parts else torch.zeros(0))
+        return names, (torch.cat(parts) if parts else torch.zeros(0, device=self.device))
 
     def take_pending(self) -> tuple[int, list[str], torch.Tensor] | None:
         out, self.pending = self.pending, None

@@ -90,7 +90,7 @@ class Checkpointed:
         ck = self.checkpointer
         step, where, abandoned = ck.rollback_point(action.to_step)
         from_step, t0 = self.run.step, time.perf_counter()
-        self.restore(ck.read(where, self.probes.device), resume=False)
+        self.restore(ck.read(where), resume=False)
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         spike = action.spike
@@ -103,7 +103,7 @@ class Checkpointed:
         if spike is not None and spike.replay and self.replay is not None:
 
             def reload() -> None:
-                self.restore(ck.read(where, self.probes.device), resume=False)
+                self.restore(ck.read(where), resume=False)
 
             t1, self._replayed_ranks, self._swapped_ranks = time.perf_counter(), {}, {}
             record.update(cause_of(spike, step, self._replay_losses, reload))
@@ -158,7 +158,7 @@ class Checkpointed:
         callbacks at start). Returns the step."""
         step, path = self.checkpointer.resume_point()
         changes = check(path)
-        self.restore(self.checkpointer.read(path, self.probes.device), resume=True)
+        self.restore(self.checkpointer.read(path), resume=True)
         if changes:
             shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             log.warning("resumed from %s with changed settings: %s", path, shown)

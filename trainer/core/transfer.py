@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from observatory import metric_names as M
+from trainer.core import streams
+from trainer.core.norms import norms, scale_
 
 __all__ = ["Clip", "HostTransfer", "StepTensors", "attn_names", "clip_by_global_norm"]
 
@@ -46,13 +48,15 @@ def clip_by_global_norm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.nn.utils.clip_grad_norm_'s arithmetic, keeping the per-tensor norms it computes
     (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    per_tensor = torch.stack(torch._foreach_norm(grads))  # (P,)
+    if not params:
+        raise ValueError("clip_by_global_norm: no parameters")
+    grads = [p.grad for p in params]
+    per_tensor = norms(grads, params[0].device)  # (P,) on the first parameter's device
     total = torch.linalg.vector_norm(per_tensor)
     if max_norm is None:
         return total, torch.ones_like(total), per_tensor
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+    scale_([g for g in grads if g is not None], factor)
     return total, factor, per_tensor
 
 
@@ -101,11 +105,10 @@ class HostTransfer:
         """Enqueue the copy to the host (no wait): one pinned buffer and an event on CUDA; on
         a CPU the values are host memory already."""
         flat = torch.cat(self.parts)
-        if flat.is_cuda:
+        if streams.is_cuda(flat):  # the copy and its event on the tensor's own device
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = streams.record_event(flat.device)
         else:
             self._host = flat
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config import ConfigError, DataConfig, TrainConfig
+from trainer.core.norms import norms, scale_
 from trainer.core.transfer import Clip, StepTensors
 
 __all__ = ["World", "attach_world", "env_rank", "init_world", "say"]
@@ -263,16 +264,16 @@ def _sharded_clip(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """step.clip_by_global_norm for gradients sharded over ranks: per-tensor sums of squares of
     the local shards, summed over ranks, then the root; the factor scales the local shards."""
-    shards = [local(p.grad) for p in params if p.grad is not None]
-    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
-    squares = torch.stack(torch._foreach_norm(grads)).square()  # (P,) this rank's part
+    grads = [None if p.grad is None else local(p.grad) for p in params]
+    shards = [g for g in grads if g is not None]
+    squares = norms(grads, local(params[0]).device).square()  # (P,) this rank's part
     dist.all_reduce(squares)
     per_tensor = squares.sqrt()
     total = torch.linalg.vector_norm(per_tensor)
     if max_norm is None:
         return total, torch.ones_like(total), per_tensor
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(shards, factor)
+    scale_(shards, factor)
     return total, factor, per_tensor
 
 
