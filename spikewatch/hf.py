@@ -47,6 +47,7 @@ from spikewatch._adapter import Adapter
 from spikewatch._optional import require
 from trainer.core.attribution import FED_STEPS, MicroBatches
 from trainer.model.attn_max import AttnMax
+from trainer.model.kernels.eligibility import tensor_refusal
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -122,17 +123,20 @@ def _recording(
     softcap = kwargs.get("softcap")
     n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
-    if softcap is None and _triton_ok(query, key, attention_mask, dropout):
+    values = repeat_kv(value, n_rep)
+    why = tensor_refusal(query, keys, values, mask=attention_mask, dropout=dropout, softcap=softcap)
+    if why is None and query.is_cuda:
         from trainer.model.kernels.attention import flash_attention
 
-        out, mx = flash_attention(query, keys, repeat_kv(value, n_rep), sm_scale=scaling)
+        out, mx = flash_attention(query, keys, values, causal=causal, sm_scale=scaling)
         rec.record(_layer(module), mx)
         return out.transpose(1, 2).contiguous(), None
     layer = _layer(module)
     rec.record_logits(layer, query, keys, causal=causal, mask=attention_mask, scale=scaling)
     if softcap is not None:
-        v = repeat_kv(value, n_rep)
-        return _eager(module, query, keys, v, attention_mask, dropout, scaling, softcap, causal)
+        return _eager(
+            module, query, keys, values, attention_mask, dropout, scaling, softcap, causal
+        )
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
@@ -166,13 +170,6 @@ def _eager(
 
 def _layer(module: torch.nn.Module) -> int:
     return int(cast(int, module.layer_idx))
-
-
-def _triton_ok(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, p: float) -> bool:
-    """The fused kernel covers causal self-attention without a padding mask or dropout."""
-    return (
-        q.is_cuda and mask is None and p == 0.0 and q.size(-2) == k.size(-2) and q.size(-1) <= 128
-    )
 
 
 def register_attention() -> None:

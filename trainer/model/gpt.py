@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from trainer.config import ModelConfig
 from trainer.model.attention import attention
+from trainer.model.kernels.eligibility import refusal
 
 __all__ = ["GPT", "ModelOutput", "build_model", "param_kind"]
 
@@ -144,7 +145,15 @@ class GPT(nn.Module):
             return self.cfg.attention
         if self.cfg.attn_softcap is not None:
             return "chunked"
-        return "triton" if need_max and self.rope_cos.is_cuda else "sdpa"
+        if not (need_max and self.rope_cos.is_cuda):
+            return "sdpa"
+        dtype = (
+            torch.get_autocast_dtype("cuda")
+            if torch.is_autocast_enabled("cuda")
+            else self.lm_head.weight.dtype
+        )
+        head_dim = self.cfg.d_model // self.cfg.n_head
+        return "triton" if refusal(self.rope_cos.device, head_dim, dtype) is None else "sdpa"
 
     def forward(
         self,

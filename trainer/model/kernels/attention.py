@@ -7,7 +7,9 @@ cannot report it. The kernels follow the standard FlashAttention-2 scheme (Dao 2
 fused-attention tutorial): the forward stores the row log-sum-exp, the backward recomputes the
 probabilities blockwise, one kernel for dK/dV (looping over queries) and one for dQ (looping
 over keys), so there are no atomics. Any T (masked tails), head dims up to 128 (padded to a
-power of two), causal or not, fp32 / fp16 / bf16 inputs with fp32 accumulation.
+power of two), causal or not, fp32 / fp16 / bf16 inputs with fp32 accumulation (one dtype: q and
+k are cast to v's; fp32 dots in IEEE fp32 unless torch allows TF32 for matmuls). Which calls it
+takes is decided in one place, trainer/model/kernels/eligibility.py.
 
 On a CPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1`, set before this module
 is imported), where `tl.dot` on bf16 is wrong: there, every operand is upcast to fp32 inside
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.model.kernels.eligibility import common_dtype, tensor_refusal
+
 __all__ = ["flash_attention", "reference_attention"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,10 +38,10 @@ def _fwd_kernel(
     Q, K, V, Out, LSE, MAXB,
     qk_scale, T, num_m_blocks,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # B * H on the axis of 2**31 - 1 programs
+    pid_m = tl.program_id(1)
     base = bh.to(tl.int64) * T * D
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -72,7 +76,7 @@ def _fwd_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, kt) * qk_scale  # (M, N) scores in log2 units
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (M, N) scores in log2 units
         valid = n[None, :] < T
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= n[None, :])
@@ -81,7 +85,7 @@ def _fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(
@@ -98,10 +102,10 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     qk_scale, sm_scale, T,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
     base = bh.to(tl.int64) * T * D
     row = bh.to(tl.int64) * T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,15 +132,15 @@ def _bwd_dkdv_kernel(
             do = do.to(tl.float32)
         lse = tl.load(LSE + row + m, mask=m < T, other=0.0)
         delta = tl.load(DELTA + row + m, mask=m < T, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (M, N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N), log2 units
         valid = (m[:, None] < T) & (offs_n[None, :] < T)
         if CAUSAL:
             valid = valid & (m[:, None] >= offs_n[None, :])
         p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     tl.store(
         DK + base + offs_n[:, None] * D + offs_d[None, :],
         (dk * sm_scale).to(DK.dtype.element_ty),
@@ -152,10 +156,10 @@ def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     qk_scale, sm_scale, T,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # B * H on the axis of 2**31 - 1 programs
+    pid_m = tl.program_id(1)
     base = bh.to(tl.int64) * T * D
     row = bh.to(tl.int64) * T
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,14 +185,14 @@ def _bwd_dq_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         valid = (offs_m[:, None] < T) & (n[None, :] < T)
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= n[None, :])
         p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(
         DQ + base + offs_m[:, None] * D + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -196,36 +200,56 @@ def _bwd_dq_kernel(
     )
 
 
-def _blocks(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small blocks in the interpreter keep the
-    tests fast and exercise multi-block tails."""
+def _blocks(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), each within an A100's shared memory (166,912
+    bytes a block; tests/trainer/test_kernel_aot.py compiles every case for sm_80 and sm_90).
+    Small blocks in the interpreter keep the tests fast and exercise multi-block tails."""
     if INTERPRET:
         return 16, 16, 1, 1
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        return 64, 32, 4, 2
     if d <= 64:
         return 128, 64, 4, 3
     return 64, 64, 4, 2
 
 
+# the grid's second axis holds at most 65,535 programs: the query or key blocks go there, B * H on
+# the first (2**31 - 1)
+MAX_GRID_Y = 65535
+
+
+def _grid(bh: int, blocks: int) -> tuple[int, int]:
+    if blocks > MAX_GRID_Y:
+        raise ValueError(f"sequence too long for the Triton attention: {blocks} blocks > 65535")
+    return bh, blocks
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """fp32 dots in IEEE fp32 unless the user allowed TF32 for matmuls (torch's own switch);
+    16-bit inputs take the tensor cores' native path (None: Triton's default)."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one (B, H, T, D) shape, got {q.shape}, {k.shape}")
-    if q.size(-1) > 128:
-        raise ValueError(f"head dim {q.size(-1)} > 128 is not supported")
-    if not (q.is_cuda or INTERPRET):
-        raise RuntimeError("the Triton attention needs CUDA, or TRITON_INTERPRET=1 on a CPU")
+    why = tensor_refusal(q, k, v)
+    if why is not None:
+        raise ValueError(f"the Triton attention cannot take this call: {why}")
 
 
 def _forward(q, k, v, causal: bool, sm_scale: float):
     B, H, T, D = q.shape
-    bm, bn, warps, stages = _blocks(D)
+    bm, bn, warps, stages = _blocks(D, q.dtype)
     o = torch.empty_like(q)
     lse = torch.empty(B * H, T, device=q.device, dtype=torch.float32)  # log2 units
     nm = triton.cdiv(T, bm)
     maxb = torch.empty(B * H, nm, device=q.device, dtype=torch.float32)
-    _fwd_kernel[(nm, B * H)](
+    _fwd_kernel[_grid(B * H, nm)](
         q, k, v, o, lse, maxb, sm_scale * LOG2E, T, nm,
         D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=triton.next_power_of_2(D),
-        CAUSAL=causal, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
+        CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     mx = maxb.view(B, H, nm).amax(-1) / LOG2E  # (B, H), back to natural units
     return o, lse, mx
@@ -233,7 +257,7 @@ def _forward(q, k, v, causal: bool, sm_scale: float):
 
 def _backward(q, k, v, o, lse, do, causal: bool, sm_scale: float):
     B, H, T, D = q.shape
-    bm, bn, warps, stages = _blocks(D)
+    bm, bn, warps, stages = _blocks(D, q.dtype)
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).view(B * H, T)  # rowsum(dO * O)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -244,13 +268,14 @@ def _backward(q, k, v, o, lse, do, causal: bool, sm_scale: float):
         BLOCK_D=triton.next_power_of_2(D),
         CAUSAL=causal,
         UPCAST=INTERPRET,
+        PRECISION=_precision(q.dtype),
         num_warps=warps,
         num_stages=stages,
     )
-    _bwd_dkdv_kernel[(triton.cdiv(T, bn), B * H)](
+    _bwd_dkdv_kernel[_grid(B * H, triton.cdiv(T, bn))](
         q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, T, **args
     )
-    _bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
+    _bwd_dq_kernel[_grid(B * H, triton.cdiv(T, bm))](
         q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, T, **args
     )
     return dq, dk, dv
@@ -324,6 +349,8 @@ def flash_attention(
     """q, k, v: (B, H, T, D). Returns (out (B, H, T, D), max scaled logit (B, H), fp32; the
     max carries no gradient)."""
     _check(q, k, v)
+    dtype = common_dtype(q, k, v)  # one dtype for tl.dot (fp32 q, k beside a bf16 v: cast)
+    q, k = q.to(dtype), k.to(dtype)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
     out, _, mx = _flash_fwd(q, k, v, causal, scale)
     return out, mx.detach()
