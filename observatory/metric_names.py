@@ -18,6 +18,7 @@ Z_MEAN = "train/z_mean"  # mean log-sum-exp of the output logits
 LOGIT_MAX = "train/logit_max"  # max output logit
 GRAD_NORM = "optim/grad_norm"  # global, before clipping
 CLIP_FACTOR = "optim/clip_factor"  # 1.0 = not clipped
+LOSS_SCALE = "amp/loss_scale"  # a GradScaler's scale (fp16): halved at each overflow
 LR = "optim/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
 VAL_LOSS = "val/loss"

@@ -69,6 +69,13 @@ class _Stream(torch.utils.data.IterableDataset):
             index += 1
 
 
+def _scaler_of(trainer: Any) -> Any:
+    """The GradScaler of Lightning's "16-mixed" precision (MixedPrecision), if any: Lightning
+    unscales before its optimizer step and updates the scaler after it."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+
+
 def _row_loss(module: Any, row: Any) -> torch.Tensor:
     """One row's loss through the module's own `training_step`, its logging muted."""
     own = "log" in vars(module)
@@ -122,6 +129,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             max_steps=self._target if self._target > 0 else None,
             saved=self._saved,
             clip=clip,
+            scaler=_scaler_of(trainer),
         )
         if self.attn_max and watch.cfg.probes.attn_max:
             self._attach_attention(pl_module)
@@ -186,7 +194,11 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
                 del self._fed[next(iter(self._fed))]
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        self._w.observe_loss(loss * trainer.accumulate_grad_batches)  # Lightning divided it
+        loss = loss * trainer.accumulate_grad_batches  # Lightning divided it
+        scaler = self._w.scaler
+        if scaler is not None and scaler.is_enabled():  # "16-mixed": the scaler scaled it
+            loss = loss / scaler._scale
+        self._w.observe_loss(loss)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self._extend(trainer)

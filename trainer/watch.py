@@ -37,7 +37,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -112,6 +112,7 @@ class Watch:
         layer_of: Callable[[str], str] = module_layer_of,
         framework: str = "loop",
         model_info: Mapping[str, Any] | None = None,
+        scaler: Any = None,
     ) -> None:
         """`settings`: a `WatchSettings` (or its dict) for everything; the keywords override
         it. `run_dir`: the run's directory; without it `<run_root>/<run id>`. `resume`:
@@ -120,7 +121,11 @@ class Watch:
         without `run_dir` a new run starts.
         `state`: a `state_dict()` saved in a framework's own checkpoint (its resume restores
         the rest).
-        `callbacks`: the user's own (trainer.core.callbacks.Callback), by priority."""
+        `callbacks`: the user's own (trainer.core.callbacks.Callback), by priority.
+        `scaler`: fp16's `torch.amp.GradScaler` (found on accelerate's optimizer by itself): the
+        Watch measures and clips unscaled gradients, an overflow is the scaler's (its update is
+        skipped and its scale lowered, no spike), and `step()` steps and updates the scaler -
+        do not call `scaler.step`/`scaler.update` yourself."""
         self.cfg = WatchSettings.build(
             settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every
         )
@@ -144,6 +149,11 @@ class Watch:
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
+        # fp16: the GradScaler, the optimizer it steps (inside accelerate's wrapper), and whether
+        # the routed step is accelerate's, which steps and updates the scaler itself
+        self.scaler: Any = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+        self._scaler_in_step = scaler is None and self.scaler is not None
+        self._scaled = cast(Any, optimizer).optimizer if self._scaler_in_step else optimizer
 
     # -- lifetime ---------------------------------------------------------------------------
     def open(self) -> StepCore:
@@ -267,7 +277,9 @@ class Watch:
         if loss is not None:
             self.observe_loss(loss)
         if self.gate().open:
-            self.apply(self._inner_step or self.optimizer.step)
+            self.apply(self._inner_step or self._optimizer_step)
+        elif self._scaling():
+            self.scaler.update()  # the unscale_ of this step is recorded: settle it
         outcome = self.conclude()
         if self.scheduler is not None and outcome in (APPLIED, REFUSED):
             self.scheduler.step()
@@ -341,6 +353,33 @@ class Watch:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
         return self._c.conclude()
 
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def _optimizer_step(self) -> None:
+        """The plain loop's update: through the GradScaler (which skips an overflow and sets
+        its scale) when there is one."""
+        if self._scaling():
+            self.scaler.step(self._scaled)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _unscale(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp16: the gradients unscaled in place (unless the framework did it already this
+        step), and (the scaler's overflow flag, its scale) as device tensors; else None."""
+        if not self._scaling():
+            return None
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states[id(self._scaled)]
+        if state["stage"] is OptState.READY:
+            self.scaler.unscale_(self._scaled)
+        device = self._c.probes.device
+        found = [f.to(device, non_blocking=True) for f in state["found_inf_per_device"].values()]
+        flag = torch.stack(found).sum() if found else torch.zeros((), device=device)
+        return flag, self.scaler._scale.to(device, non_blocking=True).float()
+
     def route(self, optimizer: Any, scheduler: Any = None) -> None:
         """Route a framework's `optimizer.step()` (with or without a closure, as Lightning
         calls it) and `scheduler.step()` through the Watch: the update goes through the gate,
@@ -354,6 +393,8 @@ class Watch:
                     loss = closure()
             if self.gate().open:
                 self.apply(inner)
+            elif self._scaler_in_step and self._scaling():
+                self.scaler.update()  # accelerate's step, skipped, would have updated it
             self.conclude()
             return loss
 
@@ -373,9 +414,11 @@ class Watch:
 
             scheduler.__class__ = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
 
-    def _tensors(self) -> StepTensors:
-        """Clip (after measuring), and the step's loss and attention maxima, on device."""
+    def _tensors(self, scaled: bool = True) -> StepTensors:
+        """Clip (after measuring), and the step's loss and attention maxima, on device.
+        `scaled`: the gradients came from a GradScaler's scaled loss (unscaled here)."""
         core = self._c
+        amp = self._unscale() if scaled else None
         clip = core.world.clip or clip_by_global_norm
         norm, factor, per_tensor = clip(core.probes.params, self.cfg.grad_clip)
         if self._loss_share is not None:
@@ -396,6 +439,8 @@ class Watch:
             grad_norms=per_tensor,
             attn_max=values,
             attn_layers=layers,
+            overflow=None if amp is None else amp[0],
+            loss_scale=None if amp is None else amp[1],
         )
 
     def _replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
@@ -405,13 +450,15 @@ class Watch:
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
         self.attn.active = False
         loss = self._loss_fn(self._batch_at(index))
-        loss.backward()
+        loss.backward()  # unscaled under fp16 too: a replay leaves the GradScaler alone
         self.observe_loss(loss)
-        t = self._tensors()
+        t = self._tensors(scaled=False)
         self._lr_scale = self._c.run.lr_scale
+        # the optimizer's own step (not accelerate's, which would step the scaler)
+        raw = self._scaled.step if self._scaler_in_step else self._inner_step or self.optimizer.step
 
         def update() -> None:
-            self.apply(self._inner_step or self.optimizer.step)
+            self.apply(raw)
             if self.scheduler is not None:
                 self.scheduler.step()
 

@@ -36,6 +36,8 @@ class StepState:
     tokens: int  # tokens seen including this step
     nonfinite: bool  # loss or gradient not finite: the update is refused
     refused_by: str = ""  # the same-step tier refused this update: why (trainer/core/same_step.py)
+    overflow: bool = False  # fp16: the GradScaler found inf/nan gradients and skipped the update
+    # (its own business: it lowers its scale; not a spike, not a non-finite step)
     applied: bool = False  # set for post_step: whether the update was applied and kept
     action: str = "continue"
     reason: str = ""  # why, when the action is not "continue"

@@ -85,6 +85,8 @@ class SpikeGuard(Callback):
         )
 
     def on_step(self, state: StepState) -> Action:
+        if state.overflow:  # fp16: the GradScaler skipped it and lowers its scale; not a signal
+            return Continue()
         if state.step in self.regimes:
             self.detector.rebase(state.step)
         self.batch_of[state.step] = state.batch_index

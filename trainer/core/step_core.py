@@ -83,6 +83,7 @@ SKIPPED_BATCH = "skipped_batch"
 
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
 _FACTOR = "_factor"  # the step factor the device applied (1 applied, 0 refused); never a metric
+_OVERFLOW = "_overflow"  # > 0: the GradScaler found inf/nan gradients; never a metric
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,8 @@ class StepCore(Checkpointed):
             xfer.add(pending[1], pending[2], late=True)
         if t.stop is not None:
             xfer.add([_STOP], t.stop)
+        if t.overflow is not None:
+            xfer.add([_OVERFLOW], t.overflow)
         xfer.start()
         self._read = _Read(xfer, None if pending is None else pending[0], lr, ntok)
         if self.host_path:
@@ -257,9 +260,11 @@ class StepCore(Checkpointed):
             self.stop_requested = True
         refused = metrics.pop(_FACTOR) == 0.0
         loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
-        nonfinite = not (math.isfinite(loss) and math.isfinite(gnorm))
+        # fp16: a GradScaler's overflow (finite loss, inf/nan gradients) is the scaler's to skip
+        overflow = metrics.pop(_OVERFLOW, 0.0) > 0 and math.isfinite(loss)
+        nonfinite = not (math.isfinite(loss) and (math.isfinite(gnorm) or overflow))
         refused_by = ""
-        if self.same_step is not None:
+        if self.same_step is not None and not overflow:
             refused_by = self.same_step.observe(loss, gnorm, refused and not nonfinite)
         if read.late_step is not None:
             self._emit_update_metrics(read.late_step, late)
@@ -280,6 +285,7 @@ class StepCore(Checkpointed):
             tokens=self.run.tokens + read.ntok,
             nonfinite=nonfinite,
             refused_by=refused_by,
+            overflow=overflow,
             metrics=metrics,
         )
 
@@ -298,7 +304,7 @@ class StepCore(Checkpointed):
         self._state = state
         proposal = decide(state, self.callbacks) if self.world.is_main else None
         action, pins = self.world.agree(proposal)
-        refused = state.nonfinite or bool(state.refused_by)
+        refused = state.nonfinite or bool(state.refused_by) or state.overflow
         if isinstance(action, SkipUpdate) and not refused and not self.host_path:
             log.warning(
                 "step %d: a callback asked to refuse an update that was already applied (%s); "
@@ -319,8 +325,9 @@ class StepCore(Checkpointed):
                 self.run.halted = action.reason
         self._action = action
         # the host path applies only what continues; the device applied what it did not refuse
-        self._applied = isinstance(action, Continue) if self.host_path else not refused
-        self.outcome = APPLIED if isinstance(action, Continue) else REFUSED
+        kept = isinstance(action, Continue) and not state.overflow  # the scaler skips overflows
+        self._applied = kept if self.host_path else not refused
+        self.outcome = APPLIED if kept else REFUSED
 
     def conclude(self) -> str:
         """After the update (or its refusal): the step's values are read (unless the host path

@@ -37,6 +37,8 @@ class StepTensors:
     attn_layers: tuple[int, ...] | None = None  # the layers of attn_max's rows; None = 0..L-1
     stop: torch.Tensor | None = None  # () ranks asked to stop (torchrun only), agreed by all
     rank_losses: torch.Tensor | None = None  # (W,) each rank's own loss (torchrun only)
+    overflow: torch.Tensor | None = None  # () > 0: a GradScaler found inf/nan gradients (fp16)
+    loss_scale: torch.Tensor | None = None  # () the GradScaler's scale this step
 
 
 # (parameters, max norm) -> (total norm, clip factor, per-tensor norms), clipping in place
@@ -100,6 +102,8 @@ class HostTransfer:
             self.add(per_layer, t.attn_max.amax(dim=1))
         if t.rank_losses is not None:
             self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
+        if t.loss_scale is not None:
+            self.add([M.LOSS_SCALE], t.loss_scale)
 
     def start(self) -> None:
         """Enqueue the copy to the host (no wait): one pinned buffer and an event on CUDA; on

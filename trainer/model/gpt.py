@@ -153,7 +153,8 @@ class GPT(nn.Module):
             else self.lm_head.weight.dtype
         )
         head_dim = self.cfg.d_model // self.cfg.n_head
-        return "triton" if refusal(self.rope_cos.device, head_dim, dtype) is None else "sdpa"
+        device = cast(torch.Tensor, self.rope_cos).device
+        return "triton" if refusal(device, head_dim, dtype) is None else "sdpa"
 
     def forward(
         self,

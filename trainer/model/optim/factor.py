@@ -132,17 +132,28 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class FoundInf:
     """torch's fused Adam / AdamW, refused on the device through its `found_inf` flag (the
     one GradScaler sets): 1.0 skips the whole update in the kernel and takes the step counts
-    back. The flag is cleared once the step is settled, so a later plain step is a plain one.
-    (A GradScaler that steps this optimizer sets its own flag, over this one.)"""
+    back. The refusal is folded in by a step pre-hook, as the step starts, into whatever flag
+    is there then: a GradScaler's `step` sets its own `found_inf` just before it calls the
+    optimizer, and would otherwise overwrite spikewatch's (a refused update applied). The flag
+    is cleared once the step is settled, so a later plain step is a plain one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self._refuse: torch.Tensor | None = None
+        optimizer.register_step_pre_hook(self._fold)
 
     def set_step_factor(self, factor: torch.Tensor | None) -> None:
-        opt: Any = self.optimizer
-        opt.found_inf = None if factor is None else (factor == 0).float()
+        self._refuse = None if factor is None else (factor == 0).float()
+
+    def _fold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        refuse, self._refuse = self._refuse, None
+        if refuse is None:
+            return
+        theirs = getattr(optimizer, "found_inf", None)  # a GradScaler's, set for this step
+        optimizer.found_inf = refuse if theirs is None else torch.maximum(theirs, refuse)
 
     def settle(self, applied: bool) -> None:
+        self._refuse = None
         self.optimizer.__dict__.pop("found_inf", None)
 
 
