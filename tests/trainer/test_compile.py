@@ -59,6 +59,7 @@ def test_the_triton_attention_compiles_as_one_opaque_call(tmp_path, counting) ->
     """The fused kernel (its maxima free for QK-Clip and the probes) is a custom operator with
     its own backward: one graph, no break, the eager run's losses."""
     tiny = ("model.attention=triton", "train.max_steps=4", "data.batch_size=2", "data.seq_len=16")
+    tiny = (*tiny, "model.d_model=64")  # head dim 16: the kernel's smallest (tl.dot's K >= 16)
     compiled = fit(tiny_config(*tiny, "train.compile=true"), run_dir=tmp_path / "compiled")
     eager = fit(tiny_config(*tiny), run_dir=tmp_path / "eager")
     assert counting.graphs == 1

@@ -133,13 +133,18 @@ def _register() -> bool:
     except ImportError:  # pragma: no cover - older torch
         return False
 
-    @torch.library.custom_op("spikewatch::record_attn_max", mutates_args=())
+    # cudagraph_unsafe: the ops run Python that reads the recorder's state (`active`, the dict of
+    # maxima); inside a captured CUDA graph (mode="reduce-overhead") they would run once, at
+    # capture, and the maxima stop there. Tagged, the compiler splits the graph around them.
+    tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+    @torch.library.custom_op("spikewatch::record_attn_max", mutates_args=(), tags=tags)
     def record_attn_max(mx: torch.Tensor, key: int, layer: int) -> None:
         rec = _RECORDERS.get(key)
         if rec is not None:
             rec._keep(layer, mx)
 
-    @torch.library.custom_op("spikewatch::record_max_logits", mutates_args=())
+    @torch.library.custom_op("spikewatch::record_max_logits", mutates_args=(), tags=tags)
     def record_max_logits(
         q: torch.Tensor,
         k: torch.Tensor,

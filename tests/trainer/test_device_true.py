@@ -1,0 +1,251 @@
+"""What runs on a CPU runs on a CUDA device (issue 49), tested on a CPU: `meta` stands in for
+a second device, fakes for CUDA streams and events. Each test fails on the code before the fix
+it guards (the first GPU run crashed at its first rollback)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spikewatch import Watch
+from trainer.checkpoints import pinned
+from trainer.checkpoints.memory import MemoryTier, _Slot, _state_device
+from trainer.config import ProbesConfig
+from trainer.core import streams
+from trainer.core.actions import Action, Continue, Rollback
+from trainer.core.callbacks import Callback, StepState
+from trainer.core.norms import norms, scale_
+from trainer.core.probes import Probes
+from trainer.core.transfer import clip_by_global_norm
+
+META = torch.device("meta")
+
+
+# -- checkpoints are read to the CPU ------------------------------------------------------------
+class _OnAnotherDevice(Callback):
+    """At the step that asks for a rollback, the probes report another device (as a CUDA model's
+    do); the checkpoint read must not follow it."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.watch = at, None
+        self.step_kept_on: list[torch.device] = []
+
+    def pre_update(self, state: StepState) -> Action:
+        if state.step == self.at:
+            return Rollback(to_step=self.at - 5, reason="test")
+        return Continue()
+
+    def post_step(self, state: StepState) -> None:
+        if state.step == self.at and state.action == "rollback":
+            self.watch.core.probes.device = META
+
+    def on_rollback(self, step: int, record: dict) -> None:
+        self.watch.core.probes.device = torch.device("cpu")
+        opt = self.watch.optimizer
+        self.step_kept_on = [s["step"].device for s in opt.state.values()]
+
+
+def test_device_a_disk_rollback_reads_to_the_cpu_whatever_the_models_device(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # step counts: CPU tensors
+    cb = _OnAnotherDevice(at=12)
+    settings = {"checkpoint": {"interval": 5, "memory_interval": None}}
+    watch = Watch(model, opt, run_dir=tmp_path, db="none", settings=settings, callbacks=[cb])
+    cb.watch = watch
+    with watch:
+        for i in range(15):
+            watch.begin_step(i)
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            watch.step(loss)
+    (rb,) = watch.interventions
+    assert (rb["from_step"], rb["to_step"], rb["tier"]) == (12, 5, "disk")
+    assert cb.step_kept_on and set(cb.step_kept_on) == {torch.device("cpu")}
+
+
+def test_device_optimizer_step_counts_stay_where_torch_keeps_them() -> None:
+    p = torch.nn.Parameter(torch.ones(2, device=META))
+    plain = torch.optim.AdamW([p])
+    fused = torch.optim.AdamW([p], fused=True)
+    assert _state_device(plain, p, "step") == torch.device("cpu")  # no .item() per step
+    assert _state_device(fused, p, "step") == META
+    assert _state_device(plain, p, "exp_avg") == META
+
+
+# -- norms, clipping and probes over devices ------------------------------------------------------
+def _two_devices() -> list[torch.nn.Parameter]:
+    """The first parameter on `meta` (the "primary" device), the others on the CPU, each with a
+    gradient on its own device: a model spread by device_map="auto"."""
+    params = [torch.nn.Parameter(torch.ones(3, device=META))]
+    params += [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return params
+
+
+def test_device_norms_of_gradients_on_several_devices_gather_on_the_first() -> None:
+    params = _two_devices()
+    total, factor, per_tensor = clip_by_global_norm(params, None)
+    assert per_tensor.device == META and per_tensor.shape == (3,) and total.device == META
+
+
+def test_device_scale_sends_the_factor_to_each_device() -> None:
+    xs = [torch.ones(2), torch.ones(2, device=META)]
+    scale_(xs, torch.tensor(0.5))
+    assert torch.equal(xs[0], torch.full((2,), 0.5))
+
+
+class _BigAllocations(TorchDispatchMode):
+    """Counts op outputs of at least `size` elements."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.seen = size, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if torch.is_tensor(a)}
+        for t in out if isinstance(out, list | tuple) else [out]:
+            if not torch.is_tensor(t) or t.numel() < self.size:
+                continue
+            if t.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
+                self.seen.append(str(func))
+        return out
+
+
+def test_device_a_missing_gradient_costs_no_parameter_sized_zeros() -> None:
+    big = torch.nn.Parameter(torch.ones(4096))  # no gradient (frozen, or unused this step)
+    small = torch.nn.Parameter(torch.ones(8))
+    small.grad = torch.ones(8)
+    with _BigAllocations(4096) as mode:
+        _, _, per_tensor = clip_by_global_norm([big, small], 1.0)
+    assert not mode.seen
+    assert per_tensor.tolist() == [0.0, pytest.approx(math.sqrt(8))]
+
+
+def _probes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Probes:
+    cfg = ProbesConfig(interval=1, state_interval=1)
+    return Probes(model, opt, cfg, layer_of=lambda n: n.split(".")[0])
+
+
+def test_device_probes_on_another_device_with_an_optimizer_without_moments() -> None:
+    """SGD has no Adam moments: its empty statistics must be made on the model's device."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).to(META)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probes = _probes(model, opt)
+    probes.before_update(1)
+    probes.after_update(1, applied=True)
+    step, names, values = probes.take_pending()
+    assert values.device == META and len(names) == values.numel()
+
+
+def test_device_probe_norms_over_parameters_on_two_devices() -> None:
+    params = _two_devices()
+    model = torch.nn.Module()
+    model.a, model.b, model.c = params  # type: ignore[assignment]
+    probes = _probes(model, torch.optim.SGD(params, lr=0.1))
+    assert probes._norm(probes.groups, [p.detach() for p in params]).device == META
+
+
+def test_device_no_parameter_copy_is_kept_and_no_copy_of_v_is_made() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 128)).sum().backward()
+    opt.step()
+    probes = _probes(model, opt)
+    probes.before_update(1)
+    opt.step()
+    with _BigAllocations(128 * 128) as mode:  # the v of a weight (a sample is 4,096)
+        names, _ = probes._optimizer_stats()
+    assert not mode.seen and names  # sum and max of sqrt(v) without a sqrt(v) the size of v
+    probes.after_update(1, applied=True)
+    assert probes._prev is None  # the parameters' copy of a state step is given back
+
+
+# -- streams and events of the tensor's own device ---------------------------------------------------
+class _FakeCuda:
+    """Streams and events that record their device and what was asked of them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        test = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:  # noqa: ANN001
+                self.device = device
+
+            def wait_stream(self, other) -> None:  # noqa: ANN001
+                test.log.append(("wait_stream", self.device, other.device))
+
+            def wait_event(self, event) -> None:  # noqa: ANN001
+                test.log.append(("wait_event", self.device, event.stream.device))
+
+        class Event:
+            def record(self, stream) -> None:  # noqa: ANN001
+                self.stream = stream
+                test.log.append(("record", stream.device))
+
+            def synchronize(self) -> None:
+                test.log.append(("synchronize", self.stream.device))
+
+        self.Stream, self.Event = Stream, Event
+
+    def install(self, monkeypatch) -> None:  # noqa: ANN001
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.Stream(device))
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: _Null())
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_device_an_event_is_recorded_on_the_tensors_device_not_the_current_one(monkeypatch) -> None:
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    gpu1 = torch.device("cuda", 1)
+    event = streams.record_event(gpu1)
+    assert fake.log == [("record", gpu1)] and event.stream.device == gpu1
+
+
+def test_device_side_copies_run_on_each_source_devices_own_stream(monkeypatch) -> None:
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    copied = []
+    src = [SimpleNamespace(device=d) for d in (gpu0, gpu1, gpu1)]
+    dst = [SimpleNamespace(copy_=lambda s, non_blocking: copied.append(s.device)) for _ in src]
+    events = pinned.SideCopies().start(list(zip(dst, src, strict=True)))
+    assert copied == [gpu0, gpu1, gpu1]
+    assert [dev for dev, _ in events] == [gpu0, gpu1]
+    assert ("wait_stream", gpu1, gpu1) in fake.log  # after the work queued on gpu1
+    assert [e.stream.device for _, e in events] == [gpu0, gpu1]
+
+
+def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypatch) -> None:
+    """`before_mutation` runs between backward and the update: a host wait there stalls the
+    launch queue every snapshot."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    model = torch.nn.Linear(2, 2)
+    tier = MemoryTier(model, torch.optim.SGD(model.parameters()), interval=1, budget_bytes=2**20)
+    gpu1 = torch.device("cuda", 1)
+    event = fake.Event()
+    event.record(fake.Stream(gpu1))
+    fake.log.clear()
+    tier._pending = _Slot(step=1, buffers={}, small={}, opt_other={}, groups=[])
+    tier._pending.events = [(gpu1, event)]
+    tier._pending.ready.set()  # (a host wait on it could not hang the test)
+    tier.before_mutation()
+    assert fake.log == [("wait_event", gpu1, gpu1)]  # no ("synchronize", ...)
