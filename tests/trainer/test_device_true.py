@@ -168,7 +168,7 @@ def test_device_no_parameter_copy_is_kept_and_no_copy_of_v_is_made() -> None:
     assert probes._prev is None  # the parameters' copy of a state step is given back
 
 
-# -- streams and events of the tensor's own device ------------------------------------------
+# -- streams and events of the tensor's own device -----------------------------------------------
 class _FakeCuda:
     """Streams and events that record their device and what was asked of them."""
 
