@@ -1,16 +1,30 @@
-"""One prepared H200 check (about 7 minutes), for the day a device is lent (issue 38). Writes
-OUT_DIR/gpu_check.json and prints it last; each section is timed and a failing section is
-reported without stopping the others.
+"""One prepared H200 check (about 8 minutes), for the day a device is lent (issues 38, 49).
+Writes OUT_DIR/gpu_check.json (and prints it last); each section is timed, and a failing
+section is reported without stopping the others. The product end to end first, then its cost.
 
+The product, as users run it (each must roll back and finish; subprocesses, their summaries
+read back; `ok` says whether it did):
+- `demo`: `spikewatch demo --no-serve` (on a CPU: onset 281, back to 270).
+- `plain_loop`: examples/plain_loop.py compiled, a poisoned region on rows 0-1 (the rollback
+  names them); `plain_loop_fp16`: the same under fp16 autocast with a GradScaler.
+- `resume`: the built-in trainer stopped (train.stop_after) and resumed, against the same run
+  uninterrupted.
+- `hf`, `lightning`: the examples with a poisoned region; `hf_fp16`, `lightning_fp16`: with
+  fp16 (accelerate's GradScaler, Lightning's "16-mixed").
+- `builtin_fault`: the built-in trainer at GPT-2-small shape, compiled, bf16, a shifted-labels
+  fault, rollbacks from the host-memory tier.
+
+Its cost:
 1. `syncs`: host synchronisations per step of the built-in trainer (GPT-2-small shape, bf16,
    compiled, every probe on, the same-step tier armed) over 50 steps, counted with
    `torch.cuda.set_sync_debug_mode("warn")`: those between the end of backward and the start
    of the optimizer step (goal 0) and all of them, with where they come from.
 2. `mfu`: the examples/plain_loop.py GPT at GPT-2-small shape (12 x 768, T=1024, B=16, bf16,
-   torch.compile, torch's fused AdamW) with and without the Watch (every probe, the guard, the
-   store, a host-memory snapshot every 25 steps), in alternating blocks of 10 steps; MFU from
-   6N + 12 L T d FLOPs a token over the H200's 989 TFLOP/s (goal: with / without >= 0.97,
-   MFU >= 40%).
+   torch.compile, torch's fused AdamW) without the Watch and with it, the Watch's probes
+   switched on one by one in alternating blocks of 10 steps (`breakdown`: grad norms, +
+   attention maxima, + optimizer-state and update statistics, + a host-memory snapshot every
+   25 steps); MFU from 6N + 12 L T d FLOPs a token over the H200's 989 TFLOP/s (goal: with /
+   without >= 0.97, MFU >= 40%).
 3. `attention`: the fused Triton attention against SDPA flash (bf16, B=8, H=12, T in {1024,
    4096}, D in {64, 128}): max abs error of output and max logit, gradients' relative errors,
    forward+backward time against SDPA flash.
@@ -26,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +89,170 @@ def gpt_overrides(layers: int, d: int, heads: int, T: int, batch: int, steps: in
         "eval.interval=none",
         "eval.batches=1",
     ]
+
+
+# -- 0. the product end to end ----------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _subprocess(cmd: list[str], cwd: Path, timeout: float) -> dict:
+    """Run one of the product's commands; its exit code, wall time and the tail of its log."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        rc, log = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = 124, f"timed out after {timeout} s: {(e.stderr or b'')[-2000:]!r}"
+    (cwd / "log.txt").write_text(log)
+    return {"rc": rc, "wall_s": time.perf_counter() - t0, "log_tail": log[-1500:] if rc else ""}
+
+
+def _outcome(out: dict, summary: Path, planned: int) -> dict:
+    """What a run's summary says: its rollbacks, named rows, steps; `ok` = rolled back to before
+    its onset and finished."""
+    if not summary.is_file():
+        return {**out, "ok": False}
+    s = json.loads(summary.read_text())
+    rollbacks = [i for i in s["interventions"] if i.get("kind") == "rollback"]
+    out.update(
+        rollbacks=[[i.get("onset_step"), i.get("from_step"), i.get("to_step")] for i in rollbacks],
+        rows=sorted({x["row"] for i in rollbacks for x in i.get("samples") or []}),
+        tiers=[i.get("tier") for i in rollbacks],
+        steps=s["steps"],
+        final_val_loss=s["final_val_loss"],
+        halted=s["halted"],
+    )
+    out["ok"] = (
+        out["rc"] == 0
+        and bool(rollbacks)
+        and all(i["to_step"] < i["onset_step"] for i in rollbacks)
+        and s["steps"] >= planned
+        and not s["halted"]
+    )
+    return out
+
+
+def _example(name: str, smoke: bool, out_dir: Path, *extra: str) -> dict:
+    steps, poison = ("150", "100") if smoke else ("300", "200")
+    where = out_dir / f"{name}{'_'.join(extra).replace('--', '_')}"
+    cmd = [sys.executable, str(REPO / "examples" / f"{name}.py"), "--steps", steps]
+    cmd += ["--poison-at", poison, "--poison-len", "14", "--db", f"sqlite:///{where}/sw.db"]
+    cmd += ["--summary-json", "summary.json", *extra]
+    if smoke:  # the test suite's small size (tests/spikewatch/conftest.py)
+        cmd += ["--d-model", "64", "--seq-len", "64", "--batch-size", "8"]
+    return _outcome(_subprocess(cmd, where, 300), where / "summary.json", int(steps))
+
+
+def demo_check(smoke: bool, out_dir: Path) -> dict:
+    where = out_dir / "demo"
+    cmd = [sys.executable, "-m", "trainer.cli", "demo", "--no-serve"]
+    cmd += ["--db", f"sqlite:///{where}/sw.db", "--summary-json", "summary.json"]
+    cmd += ["--run-dir", str(where / "run")]
+    return _outcome(_subprocess(cmd, where, 300), where / "summary.json", 400)
+
+
+# rows 0-1 of each poisoned batch (named by the rollback); at the smoke's small size two rows of
+# eight are too weak a fault to spike, so whole batches there
+ROWS = ("--poison-rows", "2")
+
+
+def plain_loop_check(smoke: bool, out_dir: Path) -> dict:
+    return _example("plain_loop", smoke, out_dir, "--compile", *(() if smoke else ROWS))
+
+
+def plain_loop_fp16_check(smoke: bool, out_dir: Path) -> dict:
+    extra = ("--precision", "fp16") if smoke else ("--compile", "--precision", "fp16", *ROWS)
+    return _example("plain_loop", smoke, out_dir, *extra)
+
+
+def hf_check(smoke: bool, out_dir: Path) -> dict:
+    return _example("hf_trainer", smoke, out_dir)
+
+
+def hf_fp16_check(smoke: bool, out_dir: Path) -> dict:
+    if not CUDA:  # the Trainer's fp16 needs a GPU
+        return {"skipped": "fp16 in the HF Trainer needs CUDA"}
+    return _example("hf_trainer", smoke, out_dir, "--precision", "fp16")
+
+
+def lightning_check(smoke: bool, out_dir: Path) -> dict:
+    return _example("lightning_module", smoke, out_dir)
+
+
+def lightning_fp16_check(smoke: bool, out_dir: Path) -> dict:
+    return _example("lightning_module", smoke, out_dir, "--precision", "fp16")
+
+
+def resume_check(smoke: bool, out_dir: Path) -> dict:
+    """The built-in trainer (tiny_cpu with a fault) stopped at 150 and resumed, against the same
+    run uninterrupted: both finish, the resumed one on the same losses."""
+    where = out_dir / "resume"
+    base = [sys.executable, "-m", "trainer.cli", "train", "tiny_cpu", "--no-db"]
+    sets = ["train.max_steps=300", "checkpoint.interval=25", f"train.compile={not smoke}"]
+    sets += ["train.progress=false"]
+    over = [a for kv in sets for a in ("--set", kv)]
+    whole = _subprocess([*base, *over, "--run-dir", str(where / "whole"), "--summary-json",
+                         "whole.json"], where, 300)  # fmt: skip
+    first = _subprocess([*base, *over, "--set", "train.stop_after=150", "--run-dir",
+                         str(where / "split")], where, 300)  # fmt: skip
+    again = _subprocess([*base, *over, "--resume", str(where / "split"), "--summary-json",
+                         "split.json"], where, 300)  # fmt: skip
+    out: dict = {"rc": max(whole["rc"], first["rc"], again["rc"])}
+    if (where / "whole.json").is_file() and (where / "split.json").is_file():
+        a = json.loads((where / "whole.json").read_text())
+        b = json.loads((where / "split.json").read_text())
+        out.update(
+            steps=[a["steps"], b["steps"]],
+            final_train_loss=[a["final_train_loss"], b["final_train_loss"]],
+            final_val_loss=[a["final_val_loss"], b["final_val_loss"]],
+        )
+        out["ok"] = out["rc"] == 0 and a["steps"] == b["steps"] == 300
+        out["bitwise_equal"] = a["final_train_loss"] == b["final_train_loss"]
+    else:
+        out.update(ok=False, logs=[r["log_tail"] for r in (whole, first, again)])
+    return out
+
+
+def builtin_fault_check(smoke: bool, out_dir: Path) -> dict:
+    """The built-in trainer at GPT-2-small shape, compiled, with a shifted-labels fault: the
+    spike is found, rolled back (host-memory tier) and the run finishes."""
+    shape = (2, 64, 4, 64, 4) if smoke else (12, 768, 12, 1024, 16)
+    steps = 120
+    over = [
+        *gpt_overrides(*shape, steps),
+        "train.compile=true",
+        "checkpoint.memory_interval=10",
+        "checkpoint.interval=none",
+        "optim.lr=3e-3" if smoke else "optim.lr=6e-4",
+    ]
+    cfg = load_config("tiny_cpu", over).model_copy(update={"faults": _fault(80, 10)})
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = build_trainer(cfg, run_dir=Path(tmp) / "fault")
+        t0 = time.perf_counter()
+        tr.fit()
+        wall = time.perf_counter() - t0
+        s = tr.core.summary()
+    rollbacks = [i for i in s["interventions"] if i.get("kind") == "rollback"]
+    return {
+        "ok": bool(rollbacks) and s["steps"] >= steps and not s["halted"],
+        "rollbacks": [
+            [i.get("onset_step"), i.get("from_step"), i.get("to_step")] for i in rollbacks
+        ],
+        "tiers": [i.get("tier") for i in rollbacks],
+        "steps": s["steps"],
+        "wall_s": wall,
+    }
+
+
+def _fault(start: int, length: int) -> list:
+    from trainer.config.sections import FaultConfig
+
+    return [FaultConfig(kind="shifted_labels", start=start, length=length)]
 
 
 # -- 1. host syncs ------------------------------------------------------------------------------
@@ -151,6 +331,35 @@ def sync_check(smoke: bool) -> dict:
 
 
 # -- 2. MFU with and without spikewatch ---------------------------------------------------------
+# The Watch's probes switched on one by one (each adds to the one before); "none" is the same
+# model compiled without the Watch.
+BREAKDOWN: dict[str, dict[str, bool]] = {
+    "grad_norms": {"grad_norms": True},
+    "attn_max": {"grad_norms": True, "attn_max": True},
+    "state": {"grad_norms": True, "attn_max": True, "optimizer_state": True, "update_norms": True},
+    "memory_tier": {
+        "grad_norms": True,
+        "attn_max": True,
+        "optimizer_state": True,
+        "update_norms": True,
+        "memory": True,
+    },
+}
+PROBE_FLAGS = ("grad_norms", "attn_max", "optimizer_state", "update_norms")
+
+
+def _switch(watch, variant: str) -> None:  # noqa: ANN001
+    """The watched run's probes and memory tier as `variant` has them (live: no recompile;
+    the attention maxima are read when the compiled graph runs)."""
+    flags = BREAKDOWN[variant]
+    cfg = watch.core.probes.cfg
+    for name in PROBE_FLAGS:
+        setattr(cfg, name, flags.get(name, False))
+    memory = watch.checkpointer.memory
+    if memory is not None:
+        memory.interval = 25 if flags.get("memory") else 10**9
+
+
 def mfu_check(smoke: bool) -> dict:
     import importlib.util
     import math
@@ -164,11 +373,12 @@ def mfu_check(smoke: bool) -> dict:
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
     L, d, H, T, B = (2, 64, 4, 64, 4) if smoke else (12, 768, 12, 1024, 16)
-    blocks, block = (3, 4) if smoke else (8, 10)
+    rounds, block = (2, 4) if smoke else (6, 10)
+    variants = ["none", *BREAKDOWN]
     device = torch.device("cuda" if CUDA else "cpu")
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (blocks * block * 2 + 8, B, T + 1), generator=g)
-    runs = []
+    data = torch.randint(0, 256, (16, B, T + 1), generator=g).to(device)
+    runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for watched in (False, True):
             torch.manual_seed(0)
@@ -183,13 +393,13 @@ def mfu_check(smoke: bool) -> dict:
                               db=f"sqlite:///{tmp}/mfu.db", settings=tiers)  # fmt: skip
                 watch.open()
                 gpt.use_recorder(watch.attn)
-            runs.append(dict(model=model, opt=opt, sched=sched, watch=watch, times=[], i=0))
+            runs["watched" if watched else "none"] = dict(
+                model=model, opt=opt, sched=sched, watch=watch, i=0
+            )
 
         def one(run: dict) -> None:
-            i = run["i"]
-            run["i"] += 1
-            x = data[i, :, :-1].to(device, non_blocking=True)
-            y = data[i, :, 1:].to(device, non_blocking=True)
+            i = run["i"] = run["i"] + 1
+            x, y = data[i % len(data), :, :-1], data[i % len(data), :, 1:]
             if run["watch"] is not None:
                 run["watch"].begin_step(i)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=CUDA):
@@ -203,26 +413,33 @@ def mfu_check(smoke: bool) -> dict:
                 run["sched"].step()
                 run["opt"].zero_grad(set_to_none=True)
 
-        compile_s = []
-        for run in runs:
+        compile_s = {}
+        for name, run in runs.items():
             t0 = time.perf_counter()
             for _ in range(3):
                 one(run)
             _sync()
-            compile_s.append(time.perf_counter() - t0)
-        for b in range(blocks):
-            for run in runs if b % 2 else runs[::-1]:
+            compile_s[name] = time.perf_counter() - t0
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for r in range(rounds):
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
+            for variant in order:  # interleaved, each round from another start
+                run = runs["none" if variant == "none" else "watched"]
+                if variant != "none":
+                    _switch(run["watch"], variant)
                 _sync()
                 t0 = time.perf_counter()
                 for _ in range(block):
                     one(run)
                 _sync()
-                run["times"].append((time.perf_counter() - t0) / block)
-        host_path = runs[1]["watch"].core.host_path
-        runs[1]["watch"].close()
-    params = sum(p.numel() for p in runs[0]["model"].parameters())
+                times[variant].append((time.perf_counter() - t0) / block)
+        watch = runs["watched"]["watch"]
+        host_path = watch.core.host_path
+        watch.close()
+    params = sum(p.numel() for p in runs["none"]["model"].parameters())
     flops = (6 * params + 12 * L * T * d) * B * T
-    off, on = (statistics.median(r["times"]) for r in runs)
+    step = {v: statistics.median(t) for v, t in times.items()}
+    off, on = step["none"], step["memory_tier"]
     return {
         "params": params,
         "step_s_without": off,
@@ -230,9 +447,11 @@ def mfu_check(smoke: bool) -> dict:
         "with_over_without_throughput": off / on,
         "mfu_without": flops / off / PEAK_BF16,
         "mfu_with": flops / on / PEAK_BF16,
-        "compile_s_without_with": compile_s,
+        "breakdown_step_s": step,
+        "breakdown_cost_over_none": {v: step[v] / off - 1 for v in variants},
+        "compile_s": compile_s,
         "watch_host_path": host_path,
-        "nan_free": all(math.isfinite(t) for r in runs for t in r["times"]),
+        "nan_free": all(math.isfinite(t) for ts in times.values() for t in ts),
     }
 
 
@@ -343,11 +562,22 @@ def memory_tier_check(smoke: bool) -> dict:
     }
 
 
-SECTIONS: dict[str, Callable[[bool], object]] = {
-    "syncs": sync_check,
-    "mfu": mfu_check,
-    "attention": attention_check,
-    "memory_tier": memory_tier_check,
+SECTIONS: dict[str, Callable[[bool, Path], object]] = {
+    # the product end to end (issue 49): each must roll back and finish
+    "demo": demo_check,
+    "plain_loop": plain_loop_check,
+    "plain_loop_fp16": plain_loop_fp16_check,
+    "resume": resume_check,
+    "hf": hf_check,
+    "hf_fp16": hf_fp16_check,
+    "lightning": lightning_check,
+    "lightning_fp16": lightning_fp16_check,
+    "builtin_fault": builtin_fault_check,
+    # its cost
+    "syncs": lambda smoke, out: sync_check(smoke),
+    "mfu": lambda smoke, out: mfu_check(smoke),
+    "attention": lambda smoke, out: attention_check(smoke),
+    "memory_tier": lambda smoke, out: memory_tier_check(smoke),
 }
 
 
@@ -356,15 +586,20 @@ def main() -> None:
     ap.add_argument("out_dir", nargs="?", default="gpu_check_out")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: the logic, on any device")
     ap.add_argument("--only", default=",".join(SECTIONS))
+    ap.add_argument(
+        "--work",
+        default=None,
+        help="where the end-to-end runs keep their files (default: a temporary directory; "
+        "OUT_DIR gets gpu_check.json alone, as the device returns only a few files)",
+    )
     args = ap.parse_args()
     if not (CUDA or args.smoke):
         sys.exit("gpu_check needs a CUDA device (or --smoke)")
     if not CUDA:
-        import os
-
         os.environ.setdefault("TRITON_INTERPRET", "1")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
     result: dict = {
         "device": torch.cuda.get_device_name() if CUDA else "cpu (smoke)",
         "torch": torch.__version__,
@@ -372,12 +607,15 @@ def main() -> None:
     for name in args.only.split(","):
         t0 = time.perf_counter()
         try:
-            result[name] = SECTIONS[name](args.smoke)
+            result[name] = SECTIONS[name](args.smoke, work)
         except Exception as e:  # a failed section is a finding: report it, run the others
             result[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         result[f"{name}_s"] = time.perf_counter() - t0
         print(name, json.dumps(result[name]), flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    ends = [k for k in SECTIONS if isinstance(result.get(k), dict) and "ok" in result[k]]
+    result["end_to_end_ok"] = {k: result[k]["ok"] for k in ends}
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
 
 

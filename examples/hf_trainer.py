@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="mixed precision (fp16: with a GradScaler, which spikewatch takes into account)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     train, val = text_corpus()
@@ -146,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0,
         disable_tqdm=True,
         torch_compile=args.compile,
+        bf16=args.precision == "bf16",
+        fp16=args.precision == "fp16",  # accelerate's GradScaler: the callback finds it
     )
     eval_args = argparse.Namespace(**{**vars(args), "poison_at": None, "seed": 1234})
     trainer = Trainer(

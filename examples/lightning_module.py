@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="trainer.fit(torch.compile(module))")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="mixed precision (fp16: with a GradScaler, which spikewatch takes into account)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     train, val = text_corpus()
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         accelerator="auto",
         devices=world,
         strategy="ddp" if world > 1 else "auto",
+        precision={"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[args.precision],
         gradient_clip_val=1.0,
         val_check_interval=50,
         check_val_every_n_epoch=None,

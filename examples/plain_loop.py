@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="mixed precision (fp16: with a GradScaler, which spikewatch takes into account)",
+    )
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
@@ -131,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))
     rows = args.batch_size // world  # this rank's share of each global batch
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None):
+            return model(x, y)
 
     def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
@@ -156,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         settings={
             "guard": {"rollback": not args.no_rollback, "skip_samples": not args.whole_batches}
         },
+        scaler=scaler,  # fp16: the Watch steps and updates it
     ) as watch:
         gpt.use_recorder(watch.attn)
-        for x, y in watch.batches(batch_at, loss_fn=lambda batch: model(*batch), decode=_text):
-            loss = model(x, y)
-            loss.backward()
+        for x, y in watch.batches(batch_at, loss_fn=lambda batch: forward(*batch), decode=_text):
+            loss = forward(x, y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
             watch.step(loss)
             if watch.step_count % 50 == 0 and watch.step_count < args.steps:
                 watch.log_eval(evaluate(model, val, args))
