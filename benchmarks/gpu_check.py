@@ -7,8 +7,8 @@ read back; `ok` says whether it did):
 - `demo`: `spikewatch demo --no-serve` (on a CPU: onset 281, back to 270).
 - `plain_loop`: examples/plain_loop.py compiled, a poisoned region on rows 0-1 (the rollback
   names them); `plain_loop_fp16`: the same under fp16 autocast with a GradScaler.
-- `resume`: the built-in trainer stopped (train.stop_after) and resumed, against the same run
-  uninterrupted.
+- `resume`: the demo's run stopped (train.stop_after) before its spike and resumed, against
+  the same run uninterrupted (both roll back; on a CPU the two are bitwise equal).
 - `hf`, `lightning`: the examples with a poisoned region; `hf_fp16`, `lightning_fp16`: with
   fp16 (accelerate's GradScaler, Lightning's "16-mixed").
 - `builtin_fault`: the built-in trainer at GPT-2-small shape, compiled, bf16, a shifted-labels
@@ -189,32 +189,29 @@ def lightning_fp16_check(smoke: bool, out_dir: Path) -> dict:
 
 
 def resume_check(smoke: bool, out_dir: Path) -> dict:
-    """The built-in trainer (tiny_cpu with a fault) stopped at 150 and resumed, against the same
-    run uninterrupted: both finish, the resumed one on the same losses."""
+    """The demo's run (its poisoned region at 280) stopped at 150 and resumed, against the same
+    run uninterrupted: both roll back and finish, the resumed one on the same losses."""
     where = out_dir / "resume"
-    base = [sys.executable, "-m", "trainer.cli", "train", "tiny_cpu", "--no-db"]
-    sets = ["train.max_steps=300", "checkpoint.interval=25", f"train.compile={not smoke}"]
-    sets += ["train.progress=false"]
+    base = [sys.executable, "-m", "trainer.cli", "train", "demo", "--no-db"]
+    sets = ["train.max_steps=330", f"train.compile={str(not smoke).lower()}"]
     over = [a for kv in sets for a in ("--set", kv)]
-    whole = _subprocess([*base, *over, "--run-dir", str(where / "whole"), "--summary-json",
-                         "whole.json"], where, 300)  # fmt: skip
-    first = _subprocess([*base, *over, "--set", "train.stop_after=150", "--run-dir",
-                         str(where / "split")], where, 300)  # fmt: skip
-    again = _subprocess([*base, *over, "--resume", str(where / "split"), "--summary-json",
-                         "split.json"], where, 300)  # fmt: skip
-    out: dict = {"rc": max(whole["rc"], first["rc"], again["rc"])}
-    if (where / "whole.json").is_file() and (where / "split.json").is_file():
-        a = json.loads((where / "whole.json").read_text())
-        b = json.loads((where / "split.json").read_text())
-        out.update(
-            steps=[a["steps"], b["steps"]],
-            final_train_loss=[a["final_train_loss"], b["final_train_loss"]],
-            final_val_loss=[a["final_val_loss"], b["final_val_loss"]],
-        )
-        out["ok"] = out["rc"] == 0 and a["steps"] == b["steps"] == 300
-        out["bitwise_equal"] = a["final_train_loss"] == b["final_train_loss"]
-    else:
-        out.update(ok=False, logs=[r["log_tail"] for r in (whole, first, again)])
+    runs = [
+        [*over, "--run-dir", str(where / "whole"), "--summary-json", "whole.json"],
+        [*over, "--set", "train.stop_after=150", "--run-dir", str(where / "split")],
+        [*over, "--resume", str(where / "split"), "--summary-json", "split.json"],
+    ]
+    done = [_subprocess([*base, *args], where, 300) for args in runs]
+    out: dict = {"rc": max(d["rc"] for d in done)}
+    if not ((where / "whole.json").is_file() and (where / "split.json").is_file()):
+        return {**out, "ok": False, "logs": [d["log_tail"] for d in done]}
+    a, b = (json.loads((where / f).read_text()) for f in ("whole.json", "split.json"))
+    out = _outcome(out, where / "split.json", 330)
+    out.update(
+        whole_rollbacks=[[i.get("onset_step"), i.get("to_step")] for i in a["interventions"]],
+        final_train_loss=[a["final_train_loss"], b["final_train_loss"]],
+        final_val_loss=[a["final_val_loss"], b["final_val_loss"]],
+        bitwise_equal=a["final_train_loss"] == b["final_train_loss"],
+    )
     return out
 
 

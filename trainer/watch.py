@@ -278,8 +278,8 @@ class Watch:
             self.observe_loss(loss)
         if self.gate().open:
             self.apply(self._inner_step or self._optimizer_step)
-        elif self._scaling():
-            self.scaler.update()  # the unscale_ of this step is recorded: settle it
+        else:
+            self._settle_scaler()
         outcome = self.conclude()
         if self.scheduler is not None and outcome in (APPLIED, REFUSED):
             self.scheduler.step()
@@ -356,6 +356,17 @@ class Watch:
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
+    def _settle_scaler(self) -> None:
+        """A refused step whose gradients the Watch unscaled: the scaler is updated all the same
+        (it backs off on an overflow; its next unscale_ would otherwise refuse to run)."""
+        if not self._scaling():
+            return
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states.get(id(self._scaled))
+        if state is not None and state["stage"] is not OptState.READY:
+            self.scaler.update()
+
     def _optimizer_step(self) -> None:
         """The plain loop's update: through the GradScaler (which skips an overflow and sets
         its scale) when there is one."""
@@ -393,8 +404,8 @@ class Watch:
                     loss = closure()
             if self.gate().open:
                 self.apply(inner)
-            elif self._scaler_in_step and self._scaling():
-                self.scaler.update()  # accelerate's step, skipped, would have updated it
+            elif self._scaler_in_step:
+                self._settle_scaler()  # accelerate's step, skipped, would have updated it
             self.conclude()
             return loss
 
