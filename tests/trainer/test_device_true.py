@@ -94,6 +94,15 @@ def test_device_norms_of_gradients_on_several_devices_gather_on_the_first() -> N
     assert per_tensor.device == META and per_tensor.shape == (3,) and total.device == META
 
 
+def test_device_fp16_gradient_norms_do_not_overflow() -> None:
+    """fp16 holds at most 65,504: a norm past it is no reason to call a gradient non-finite."""
+    p = torch.nn.Parameter(torch.zeros(10_000, dtype=torch.float16))
+    p.grad = torch.full_like(p, 1000.0)  # norm 100,000
+    total, _, per_tensor = clip_by_global_norm([p], None)
+    assert per_tensor.dtype == torch.float32
+    assert total.item() == pytest.approx(1e5, rel=1e-3)
+
+
 def test_device_scale_sends_the_factor_to_each_device() -> None:
     xs = [torch.ones(2), torch.ones(2, device=META)]
     scale_(xs, torch.tensor(0.5))

@@ -19,20 +19,21 @@ __all__ = ["maxima", "norms", "scale_"]
 def norms(
     xs: Sequence[torch.Tensor | None], device: torch.device, ord: float = 2.0
 ) -> torch.Tensor:
-    """(P,) the `ord`-norm of each tensor (0 for None) on `device`; one foreach kernel per
-    device, and on the common path (every tensor present, one device) just that one."""
+    """(P,) the `ord`-norm of each tensor (0 for None) on `device`, in fp32 (an fp16 gradient's
+    norm above 65,504 is no overflow); one foreach kernel per device, and on the common path
+    (every tensor present, one device) just that one."""
     present = [x for x in xs if x is not None]
     if not xs:
         return torch.zeros(0, device=device)
     if len(present) == len(xs) and all(x.device == device for x in present):
-        return torch.stack(torch._foreach_norm(present, ord))
+        return torch.stack(torch._foreach_norm(present, ord, dtype=torch.float32))
     by_device: dict[torch.device, list[int]] = {}
     for i, x in enumerate(xs):
         if x is not None:
             by_device.setdefault(x.device, []).append(i)
     out: list[torch.Tensor | None] = [None] * len(xs)
     for dev, index in by_device.items():
-        found = torch._foreach_norm([xs[i] for i in index], ord)  # type: ignore[misc]
+        found = torch._foreach_norm([xs[i] for i in index], ord, dtype=torch.float32)  # type: ignore[misc]
         for i, n in zip(index, found, strict=True):
             out[i] = n if dev == device else n.to(device, non_blocking=True)
     zero = torch.zeros((), device=device)
