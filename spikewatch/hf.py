@@ -123,17 +123,19 @@ def _recording(
     softcap = kwargs.get("softcap")
     n_rep = query.size(1) // key.size(1)
     keys = repeat_kv(key, n_rep)  # (B, H, S, D)
-    values = repeat_kv(value, n_rep)
-    why = tensor_refusal(query, keys, values, mask=attention_mask, dropout=dropout, softcap=softcap)
+    # (keys stand in for the values' shape: the values are repeated only where they are used)
+    why = tensor_refusal(query, keys, keys, mask=attention_mask, dropout=dropout, softcap=softcap)
     if why is None and query.is_cuda:
         from trainer.model.kernels.attention import flash_attention
 
+        values = repeat_kv(value, n_rep)
         out, mx = flash_attention(query, keys, values, causal=causal, sm_scale=scaling)
         rec.record(_layer(module), mx)
         return out.transpose(1, 2).contiguous(), None
     layer = _layer(module)
     rec.record_logits(layer, query, keys, causal=causal, mask=attention_mask, scale=scaling)
     if softcap is not None:
+        values = repeat_kv(value, n_rep)
         return _eager(
             module, query, keys, values, attention_mask, dropout, scaling, softcap, causal
         )
@@ -423,14 +425,16 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if self.watch is not None and folder.is_dir():  # NaN kept: a state, not a report
             self.watch.persist()
-            saved = {**self.watch.state_dict(), "framework_position": self._position}
-            _replace(folder / STATE_FILE, json.dumps(saved, allow_nan=True))
             trainer_state = folder / "trainer_state.json"
             if trainer_state.is_file() and self._position != state.global_step:
                 # the Trainer's resume skips `global_step` steps of data: the data position
                 written = json.loads(trainer_state.read_text())
                 written["global_step"] = self._position
                 _replace(trainer_state, json.dumps(written, indent=2, sort_keys=True) + "\n")
+            # last: its presence says the checkpoint is whole (a kill between the two writes
+            # once left a checkpoint whose resume skipped the Trainer's count of data)
+            saved = {**self.watch.state_dict(), "framework_position": self._position}
+            _replace(folder / STATE_FILE, json.dumps(saved, allow_nan=True))
 
     # -- helpers ----------------------------------------------------------------------------
     def _share_grad_norm(self, model: torch.nn.Module) -> None:

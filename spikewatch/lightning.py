@@ -201,9 +201,17 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         self._w.observe_loss(loss)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        watch = self._w
+        if watch._began and watch.scaler is not None and self._stepped(trainer, *args):
+            watch.scaler_skipped()  # "16-mixed": GradScaler skipped the optimizer (overflow)
         self._extend(trainer)
         if self._w.halted is not None:
             trainer.should_stop = True
+
+    @staticmethod
+    def _stepped(trainer: Any, outputs: Any = None, batch: Any = None, idx: int = 0) -> bool:
+        """Whether this batch ended an optimizer step (its last micro-batch)."""
+        return (idx + 1) % max(1, trainer.accumulate_grad_batches) == 0
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         val = trainer.callback_metrics.get(self.val_metric)

@@ -149,6 +149,7 @@ class Watch:
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
+        self._overflowed = False  # the scaler skipped this step's optimizer call (see below)
         # fp16: the GradScaler, the optimizer it steps (inside accelerate's wrapper), and whether
         # the routed step is accelerate's, which steps and updates the scaler itself
         self.scaler: Any = scaler if scaler is not None else getattr(optimizer, "scaler", None)
@@ -356,6 +357,20 @@ class Watch:
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
+    def scaler_skipped(self) -> None:
+        """The GradScaler skipped this step's optimizer call (an overflow: with a non-fused
+        optimizer, `GradScaler.step` does not call it), so the gate never ran: the step is
+        recorded as the scaler's overflow, refused, nothing applied. For frameworks that step
+        the scaler themselves (the Lightning callback calls it)."""
+        if not self._began:
+            return
+        self._overflowed = True
+        try:
+            self.gate()
+            self.conclude()
+        finally:
+            self._overflowed = False
+
     def _settle_scaler(self) -> None:
         """A refused step whose gradients the Watch unscaled: the scaler is updated all the same
         (it backs off on an overflow; its next unscale_ would otherwise refuse to run)."""
@@ -384,8 +399,15 @@ class Watch:
         from torch.amp.grad_scaler import OptState
 
         state = self.scaler._per_optimizer_states[id(self._scaled)]
+        if self._overflowed:  # the scaler skipped the optimizer: its gradients hold inf/nan
+            device = self._c.probes.device
+            return torch.ones((), device=device), self.scaler._scale.to(device).float()
         if state["stage"] is OptState.READY:
             self.scaler.unscale_(self._scaled)
+            if getattr(self._scaled, "grad_scale", None) is not None:
+                # inside GradScaler.step of a fused optimizer (Lightning calls it before the
+                # gate): the kernel would divide by the scale again
+                cast(Any, self._scaled).grad_scale = None
         device = self._c.probes.device
         found = [f.to(device, non_blocking=True) for f in state["found_inf_per_device"].values()]
         flag = torch.stack(found).sum() if found else torch.zeros((), device=device)

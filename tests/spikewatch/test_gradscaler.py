@@ -159,7 +159,9 @@ def test_gradscaler_accelerate_optimizer_is_found_and_updated_after_a_refusal(tm
     assert max(norms) < 10 * min(norms), norms
 
 
-def test_gradscaler_lightning_records_the_unscaled_loss(tmp_path) -> None:
+def _lightning(tmp_path, *, fused: bool, watched: bool, inf_at: int | None = None):
+    """A Lightning "16-mixed" run (GradScaler on the CPU) of the plain-loop GPT, with or
+    without the callback; `inf_at`: an overflow (inf gradients, finite loss) at that step."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -171,30 +173,57 @@ def test_gradscaler_lightning_records_the_unscaled_loss(tmp_path) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.net = _model()
+            first = next(iter(self.net.parameters()))
+            first.register_hook(lambda g: g * math.inf if self.global_step == inf_at else g)
 
         def training_step(self, batch, idx):  # noqa: ANN001, ANN201
             loss = self.net(*_batch(idx))
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             return loss
 
         def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=fused)
 
     seen = _Seen()
-    cb = SpikewatchCallback(db="none", callbacks=[seen], run_root=tmp_path / "sw")
+    callbacks = [SpikewatchCallback(db="none", callbacks=[seen], run_root=tmp_path / "sw")]
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     trainer = pl.Trainer(
-        max_steps=4,
+        max_steps=6,
         accelerator="cpu",
         plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-        callbacks=[cb],
+        callbacks=callbacks if watched else [],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(Module(), torch.utils.data.DataLoader(range(4), batch_size=None))
-    assert len(seen.steps) == 4
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(range(6), batch_size=None))
+    return module, seen, losses, scaler
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradscaler_lightning_16_mixed_trains_as_lightning_does(tmp_path, fused) -> None:
+    """Lightning steps the scaler itself (and, for a fused optimizer, leaves the unscaling to
+    the kernel): the Watch's unscaling must not be a second one, nor its settle break the
+    scaler's step; the recorded loss is unscaled."""
+    ref, _, _, _ = _lightning(tmp_path / "ref", fused=fused, watched=False)
+    module, seen, losses, _ = _lightning(tmp_path / "sw", fused=fused, watched=True)
+    assert len(seen.steps) == 6
     for state, loss in zip(seen.steps, losses, strict=True):
         assert state.loss == pytest.approx(loss, rel=1e-3)  # not x 1024
+    for (name, a), b in zip(module.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradscaler_lightning_an_overflow_is_recorded_as_the_scalers(tmp_path, fused) -> None:
+    """With a non-fused optimizer GradScaler does not even call it on an overflow: the step
+    must still reach the Watch, as the scaler's, not as a spike."""
+    _, seen, _, scaler = _lightning(tmp_path, fused=fused, watched=True, inf_at=3)
+    assert len(seen.steps) == 6
+    assert [s.overflow for s in seen.steps] == [False, False, False, True, False, False]
+    assert not any(s.nonfinite for s in seen.steps)
+    assert all(s.action == "continue" for s in seen.steps)
+    assert scaler.get_scale() == INIT_SCALE / 2

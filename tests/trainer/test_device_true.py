@@ -232,12 +232,16 @@ def test_device_side_copies_run_on_each_source_devices_own_stream(monkeypatch) -
     fake = _FakeCuda()
     fake.install(monkeypatch)
     gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    copied = []
-    src = [SimpleNamespace(device=d) for d in (gpu0, gpu1, gpu1)]
+    copied, kept = [], []
+    src = [SimpleNamespace(device=d, record_stream=kept.append) for d in (gpu0, gpu1, gpu1)]
     dst = [SimpleNamespace(copy_=lambda s, non_blocking: copied.append(s.device)) for _ in src]
-    events = pinned.SideCopies().start(list(zip(dst, src, strict=True)))
-    assert copied == [gpu0, gpu1, gpu1]
-    assert [dev for dev, _ in events] == [gpu0, gpu1]
+    step = torch.tensor(7.0)  # torch's non-fused Adam keeps its step count on the CPU
+    on_host = torch.zeros(())
+    pairs = [*zip(dst, src, strict=True), (on_host, step)]
+    events = pinned.SideCopies().start(pairs)
+    assert copied == [gpu0, gpu1, gpu1] and on_host.item() == 7.0  # the CPU one at once
+    assert [s.device for s in kept] == [gpu0, gpu1, gpu1]  # not reused before the copy
+    assert [dev for dev, _ in events] == [gpu0, gpu1]  # no stream asked of the CPU
     assert ("wait_stream", gpu1, gpu1) in fake.log  # after the work queued on gpu1
     assert [e.stream.device for _, e in events] == [gpu0, gpu1]
 
@@ -258,3 +262,13 @@ def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypat
     tier._pending.ready.set()  # (a host wait on it could not hang the test)
     tier.before_mutation()
     assert fake.log == [("wait_event", gpu1, gpu1)]  # no ("synchronize", ...)
+
+
+def test_device_the_attention_max_ops_are_unsafe_to_capture_in_a_cuda_graph() -> None:
+    """Under mode="reduce-overhead" an op captured in a CUDA graph runs its Python once, at
+    capture: the recorder would see no maxima after it. Tagged, the compiler leaves it out."""
+    from trainer.model import attn_max
+
+    assert attn_max.COMPILE_SAFE
+    for op in (torch.ops.spikewatch.record_attn_max, torch.ops.spikewatch.record_max_logits):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags

@@ -77,9 +77,13 @@ class SideCopies:
         self._streams: dict[torch.device, Any] = {}
 
     def start(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Events:
-        """Queue the copies (no wait); returns an event per source device."""
+        """Queue the copies (no wait); returns an event per source device. A source on the CPU
+        (torch's non-fused Adam keeps its step count there) is copied at once."""
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
+            if src.device.type != "cuda":
+                dst.copy_(src)
+                continue
             by_device.setdefault(src.device, []).append((dst, src))
         events: Events = []
         for dev, group in by_device.items():
@@ -90,6 +94,7 @@ class SideCopies:
             with torch.cuda.stream(stream):
                 for dst, src in group:
                     dst.copy_(src, non_blocking=True)
+                    src.record_stream(stream)  # its memory is not reused before the copy
             events.append((dev, streams.record_event(dev, stream)))
         return events
 

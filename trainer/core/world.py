@@ -141,13 +141,16 @@ class World:
             return t
         means = [m for m in (t.loss, t.ce, t.z_mean) if m is not None]
         flag = torch.full((), float(stop), device=t.loss.device)
-        mine = torch.stack([*(m.float() for m in means), flag])  # (k+1,)
+        tail = [flag] if t.overflow is None else [flag, t.overflow.float().reshape(())]
+        mine = torch.stack([*(m.float() for m in means), *tail])  # (k+1,) or (k+2,)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(parts, mine)
         every = torch.stack(parts)  # (W, k+1): every rank's own values, in rank order
         summed = every.sum(dim=0)
         mean = summed[: len(means)] / self.size
-        out = replace(t, loss=mean[0], stop=summed[-1], rank_losses=every[:, 0])
+        out = replace(t, loss=mean[0], stop=summed[len(means)], rank_losses=every[:, 0])
+        if t.overflow is not None:  # a GradScaler's overflow on any rank (FSDP2 shards)
+            out = replace(out, overflow=summed[len(means) + 1])
         rest = iter(mean[1:])
         if t.ce is not None:
             out = replace(out, ce=next(rest))

@@ -140,6 +140,7 @@ class FoundInf:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._refuse: torch.Tensor | None = None
+        self._ours = False  # the flag is spikewatch's own (no GradScaler's step set one)
         optimizer.register_step_pre_hook(self._fold)
 
     def set_step_factor(self, factor: torch.Tensor | None) -> None:
@@ -150,11 +151,16 @@ class FoundInf:
         if refuse is None:
             return
         theirs = getattr(optimizer, "found_inf", None)  # a GradScaler's, set for this step
+        self._ours = theirs is None
         optimizer.found_inf = refuse if theirs is None else torch.maximum(theirs, refuse)
 
     def settle(self, applied: bool) -> None:
+        """Clear the flag spikewatch set; a GradScaler's is the scaler's to delete (its `step`
+        does, after the optimizer's, which may be running still: Lightning's gated step)."""
         self._refuse = None
-        self.optimizer.__dict__.pop("found_inf", None)
+        if self._ours:
+            self.optimizer.__dict__.pop("found_inf", None)
+        self._ours = False
 
 
 def _fused_adam(optimizer: Any) -> bool:
