@@ -272,3 +272,19 @@ def test_device_the_attention_max_ops_are_unsafe_to_capture_in_a_cuda_graph() ->
     assert attn_max.COMPILE_SAFE
     for op in (torch.ops.spikewatch.record_attn_max, torch.ops.spikewatch.record_max_logits):
         assert torch.Tag.cudagraph_unsafe in op.default.tags
+
+
+def test_device_a_pinned_block_is_exactly_its_tensors_size(monkeypatch) -> None:
+    """`pin_memory=True` rounds each block up to a power of two (a budget of snapshots could be
+    exceeded twice over): one registered block of exactly the tensors' size instead."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(pinned, "_register", lambda ptr, size: calls.append(("pin", size)) or True)
+    monkeypatch.setattr(pinned, "_unregister", lambda ptr: calls.append(("unpin",)))
+    like = {"w": torch.ones(1500), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    block = pinned.HostBlock(like, pin=True)
+    assert calls == [("pin", 6144 + 512)]  # 6,000 and 30 bytes, each to 512: not 8,192
+    assert block.tensors["b"].shape == (3, 5) and block.tensors["b"].dtype == torch.bfloat16
+    block.tensors["w"].copy_(like["w"])
+    assert block.tensors["w"].sum().item() == 1500
+    del block
+    assert calls[-1] == ("unpin",)

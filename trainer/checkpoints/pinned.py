@@ -14,6 +14,7 @@ Shared by the host-memory tier (memory.py) and the asynchronous disk save (disk.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,19 +24,21 @@ from trainer.core import streams
 
 __all__ = ["HostBlock", "SideCopies", "device_wait", "host_wait"]
 
+log = logging.getLogger(__name__)
+
 _ALIGN = 512  # bytes: every tensor of a block starts on a DMA-friendly boundary
 
 
-def _register(ptr: int, size: int) -> None:
-    from torch.cuda._pin_memory_utils import pin_memory
-
-    pin_memory(ptr, size)
+def _register(ptr: int, size: int) -> bool:
+    """Page-lock [ptr, ptr + size) for DMA (cudaHostRegisterPortable); False if CUDA refused."""
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))
+    if err:
+        log.warning("host-memory pinning of %.1f MB refused (cudaError %d)", size / 2**20, err)
+    return err == 0
 
 
 def _unregister(ptr: int) -> None:
-    from torch.cuda._pin_memory_utils import unpin_memory
-
-    unpin_memory(ptr)
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class HostBlock:
@@ -48,11 +51,13 @@ class HostBlock:
             offsets[k] = total
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         self.nbytes = total
-        self.data = torch.empty(max(total, 1), dtype=torch.uint8)
         self.pinned = False
-        if pin and total:
-            _register(self.data.data_ptr(), total)
-            self.pinned = True
+        self.data = torch.empty(max(total, 1), dtype=torch.uint8)
+        if pin and total and not _register(self.data.data_ptr(), total):
+            # the caching host allocator's pinned memory (rounded up to a power of two)
+            self.data = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.pinned = pin and total > 0
         self.tensors = {
             k: self.data[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for (k, t), o in zip(like.items(), offsets.values(), strict=True)
