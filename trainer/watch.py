@@ -33,11 +33,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
@@ -75,7 +74,14 @@ from trainer.core.step_core import (
 from trainer.core.transfer import StepTensors, clip_by_global_norm
 from trainer.core.world import World
 from trainer.model.attn_max import AttnMax
-from trainer.watch_open import build_watch_core
+from trainer.watch_amp import Scaling
+from trainer.watch_open import (
+    UNCAUGHT,
+    build_watch_core,
+    close_at_exit,
+    describe_optimizer,
+    watch_for_uncaught,
+)
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
 
@@ -149,12 +155,7 @@ class Watch:
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
-        self._overflowed = False  # the scaler skipped this step's optimizer call (see below)
-        # fp16: the GradScaler, the optimizer it steps (inside accelerate's wrapper), and whether
-        # the routed step is accelerate's, which steps and updates the scaler itself
-        self.scaler: Any = scaler if scaler is not None else getattr(optimizer, "scaler", None)
-        self._scaler_in_step = scaler is None and self.scaler is not None
-        self._scaled = cast(Any, optimizer).optimizer if self._scaler_in_step else optimizer
+        self.amp = Scaling(optimizer, scaler)  # fp16's GradScaler (trainer/watch_amp.py)
 
     # -- lifetime ---------------------------------------------------------------------------
     def open(self) -> StepCore:
@@ -162,8 +163,8 @@ class Watch:
         guard; resume if asked. Idempotent; the step methods call it if you did not."""
         if self.core is None:
             self.core = build_watch_core(self)
-            _watch_for_uncaught()
-            atexit.register(_close_at_exit, weakref.ref(self))
+            watch_for_uncaught()
+            atexit.register(close_at_exit, weakref.ref(self))
         return self.core
 
     def __enter__(self) -> Watch:
@@ -278,9 +279,9 @@ class Watch:
         if loss is not None:
             self.observe_loss(loss)
         if self.gate().open:
-            self.apply(self._inner_step or self._optimizer_step)
+            self.apply(self._inner_step or (lambda: self.amp.step(self.optimizer.step)))
         else:
-            self._settle_scaler()
+            self.amp.settle()
         outcome = self.conclude()
         if self.scheduler is not None and outcome in (APPLIED, REFUSED):
             self.scheduler.step()
@@ -354,8 +355,10 @@ class Watch:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
         return self._c.conclude()
 
-    def _scaling(self) -> bool:
-        return self.scaler is not None and self.scaler.is_enabled()
+    @property
+    def scaler(self) -> Any:
+        """fp16's GradScaler, if any (the user's, accelerate's or Lightning's)."""
+        return self.amp.scaler
 
     def scaler_skipped(self) -> None:
         """The GradScaler skipped this step's optimizer call (an overflow: with a non-fused
@@ -364,54 +367,12 @@ class Watch:
         the scaler themselves (the Lightning callback calls it)."""
         if not self._began:
             return
-        self._overflowed = True
+        self.amp.overflowed = True
         try:
             self.gate()
             self.conclude()
         finally:
-            self._overflowed = False
-
-    def _settle_scaler(self) -> None:
-        """A refused step whose gradients the Watch unscaled: the scaler is updated all the same
-        (it backs off on an overflow; its next unscale_ would otherwise refuse to run)."""
-        if not self._scaling():
-            return
-        from torch.amp.grad_scaler import OptState
-
-        state = self.scaler._per_optimizer_states.get(id(self._scaled))
-        if state is not None and state["stage"] is not OptState.READY:
-            self.scaler.update()
-
-    def _optimizer_step(self) -> None:
-        """The plain loop's update: through the GradScaler (which skips an overflow and sets
-        its scale) when there is one."""
-        if self._scaling():
-            self.scaler.step(self._scaled)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-
-    def _unscale(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp16: the gradients unscaled in place (unless the framework did it already this
-        step), and (the scaler's overflow flag, its scale) as device tensors; else None."""
-        if not self._scaling():
-            return None
-        from torch.amp.grad_scaler import OptState
-
-        state = self.scaler._per_optimizer_states[id(self._scaled)]
-        if self._overflowed:  # the scaler skipped the optimizer: its gradients hold inf/nan
-            device = self._c.probes.device
-            return torch.ones((), device=device), self.scaler._scale.to(device).float()
-        if state["stage"] is OptState.READY:
-            self.scaler.unscale_(self._scaled)
-            if getattr(self._scaled, "grad_scale", None) is not None:
-                # inside GradScaler.step of a fused optimizer (Lightning calls it before the
-                # gate): the kernel would divide by the scale again
-                cast(Any, self._scaled).grad_scale = None
-        device = self._c.probes.device
-        found = [f.to(device, non_blocking=True) for f in state["found_inf_per_device"].values()]
-        flag = torch.stack(found).sum() if found else torch.zeros((), device=device)
-        return flag, self.scaler._scale.to(device, non_blocking=True).float()
+            self.amp.overflowed = False
 
     def route(self, optimizer: Any, scheduler: Any = None) -> None:
         """Route a framework's `optimizer.step()` (with or without a closure, as Lightning
@@ -426,8 +387,8 @@ class Watch:
                     loss = closure()
             if self.gate().open:
                 self.apply(inner)
-            elif self._scaler_in_step:
-                self._settle_scaler()  # accelerate's step, skipped, would have updated it
+            elif self.amp.in_step:
+                self.amp.settle()  # accelerate's step, skipped, would have updated it
             self.conclude()
             return loss
 
@@ -451,7 +412,7 @@ class Watch:
         """Clip (after measuring), and the step's loss and attention maxima, on device.
         `scaled`: the gradients came from a GradScaler's scaled loss (unscaled here)."""
         core = self._c
-        amp = self._unscale() if scaled else None
+        amp = self.amp.unscale(core.probes.device) if scaled else None
         clip = core.world.clip or clip_by_global_norm
         norm, factor, per_tensor = clip(core.probes.params, self.cfg.grad_clip)
         if self._loss_share is not None:
@@ -488,7 +449,9 @@ class Watch:
         t = self._tensors(scaled=False)
         self._lr_scale = self._c.run.lr_scale
         # the optimizer's own step (not accelerate's, which would step the scaler)
-        raw = self._scaled.step if self._scaler_in_step else self._inner_step or self.optimizer.step
+        raw = (
+            self.amp.optimizer.step if self.amp.in_step else self._inner_step or self.optimizer.step
+        )
 
         def update() -> None:
             self.apply(raw)
@@ -608,7 +571,7 @@ class Watch:
         stays "running" for ever. No checkpoint: the other ranks may be gone."""
         if self.core is not None and not self._closed:
             try:
-                self.close("failed" if _UNCAUGHT else "abandoned")
+                self.close("failed" if UNCAUGHT else "abandoned")
             except Exception as e:  # at exit: say it, never mask the original error
                 log.error("closing the run at exit failed: %s", e)
 
@@ -626,38 +589,6 @@ class Watch:
             **self.cfg.to_dict(),
             "framework": self.framework,
             "model": self.model_info,
-            "optim": _describe_optimizer(self.optimizer),
+            "optim": describe_optimizer(self.optimizer),
             "train": {"max_steps": self.cfg.max_steps},
         }
-
-
-def _describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's class and peak LR, for the logbook (a scheduler may have moved `lr`)."""
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    lr = group.get("initial_lr", group.get("lr"))
-    inner = getattr(optimizer, "optimizer", None)  # accelerate's / Lightning's wrapper
-    name = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
-    return {"name": name, "lr": float(lr) if isinstance(lr, (int, float)) else None}
-
-
-def _close_at_exit(ref: weakref.ref[Watch]) -> None:
-    watch = ref()
-    if watch is not None:
-        watch._close_at_exit()
-
-
-_UNCAUGHT: list[BaseException] = []  # an exception that ended the program (sys.excepthook)
-
-
-def _watch_for_uncaught() -> None:
-    """Chain sys.excepthook once, so that the exit handler can tell a crash from an exit."""
-    previous = sys.excepthook
-    if getattr(previous, "spikewatch", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        _UNCAUGHT.append(value)
-        previous(kind, value, tb)
-
-    hook.spikewatch = True  # type: ignore[attr-defined]
-    sys.excepthook = hook

@@ -6,9 +6,13 @@ framework's copy of the state, or a fresh start."""
 from __future__ import annotations
 
 import json
+import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from observatory.store.sink import BaseSink, DbSink, open_run_sink
 from trainer.checkpoints.format import list_checkpoints as ck_list
@@ -22,7 +26,13 @@ from trainer.core.state import RunState
 from trainer.core.step_core import StepCore
 from trainer.core.world import attach_world
 
-__all__ = ["build_watch_core"]
+__all__ = [
+    "UNCAUGHT",
+    "build_watch_core",
+    "close_at_exit",
+    "describe_optimizer",
+    "watch_for_uncaught",
+]
 
 
 def build_watch_core(watch: Any) -> StepCore:  # a trainer.watch.Watch (which imports this)
@@ -103,3 +113,35 @@ def _resume(watch: Any, core: StepCore) -> bool:
 
 def _saved_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's class and peak LR, for the logbook (a scheduler may have moved `lr`)."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    lr = group.get("initial_lr", group.get("lr"))
+    inner = getattr(optimizer, "optimizer", None)  # accelerate's / Lightning's wrapper
+    name = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
+    return {"name": name, "lr": float(lr) if isinstance(lr, (int, float)) else None}
+
+
+def close_at_exit(ref: weakref.ref[Any]) -> None:
+    watch = ref()
+    if watch is not None:
+        watch._close_at_exit()
+
+
+UNCAUGHT: list[BaseException] = []  # an exception that ended the program (sys.excepthook)
+
+
+def watch_for_uncaught() -> None:
+    """Chain sys.excepthook once, so that the exit handler can tell a crash from an exit."""
+    previous = sys.excepthook
+    if getattr(previous, "spikewatch", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        UNCAUGHT.append(value)
+        previous(kind, value, tb)
+
+    hook.spikewatch = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

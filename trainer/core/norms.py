@@ -47,11 +47,11 @@ def maxima(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     by_device: dict[torch.device, list[int]] = {}
     for i, x in enumerate(xs):
         by_device.setdefault(x.device, []).append(i)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(xs)
+    out: list[torch.Tensor | None] = [None] * len(xs)
     for dev, index in by_device.items():
         for i, m in zip(index, torch._foreach_max([xs[i] for i in index]), strict=True):
             out[i] = m if dev == device else m.to(device, non_blocking=True)
-    return torch.stack(out)
+    return torch.stack([m for m in out if m is not None])  # every one set above
 
 
 def scale_(xs: Sequence[torch.Tensor], factor: torch.Tensor) -> None:

@@ -69,9 +69,11 @@ def rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def set_rng_states(tensors: dict[str, Any], states: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch"])
+    """RNG states back; torch takes them only as CPU byte tensors (checkpoints are read to the
+    CPU: the `.cpu()` is a no-op there, and a guard for any other caller)."""
+    torch.set_rng_state(tensors["torch"].cpu())
     if "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(tensors["cuda"])
+        torch.cuda.set_rng_state_all([t.cpu() for t in tensors["cuda"]])
     v, keys, gauss = states["python"]
     random.setstate((v, tuple(keys), gauss))
     name, keys, pos, has_gauss, cached = states["numpy"]
