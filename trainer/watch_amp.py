@@ -42,6 +42,11 @@ class Scaling:
         the scale) as device tensors; None without a scaler."""
         if not self.on:
             return None
+        if self.scaler._scale is None:  # GradScaler makes its scale at its first scale()
+            raise RuntimeError(
+                "spikewatch was given a GradScaler that scaled no loss this step: backward "
+                "scaler.scale(loss), not loss (or leave the scaler out)"
+            )
         scale = self.scaler._scale.to(device, non_blocking=True).float()
         if self.overflowed:  # the scaler skipped the optimizer: its gradients hold inf/nan
             return torch.ones((), device=device), scale

@@ -227,3 +227,14 @@ def test_gradscaler_lightning_an_overflow_is_recorded_as_the_scalers(tmp_path, f
     assert not any(s.nonfinite for s in seen.steps)
     assert all(s.action == "continue" for s in seen.steps)
     assert scaler.get_scale() == INIT_SCALE / 2
+
+
+def test_gradscaler_a_scaler_that_scaled_nothing_is_a_clear_error(tmp_path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match=r"backward scaler.scale\(loss\)"):
+        with Watch(model, opt, run_dir=tmp_path, db="none", scaler=scaler) as w:
+            loss = model(*_batch(0))
+            loss.backward()  # not scaler.scale(loss)
+            w.step(loss)

@@ -42,6 +42,7 @@ class Queued(Stager):
     tensors are copied at once, as `Stager` does."""
 
     def __init__(self, stager: Stager) -> None:
+        super().__init__()
         self.stager = stager
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
