@@ -21,10 +21,15 @@ whatever arrived within `linger_s`) and writes each batch in one transaction
 (observatory/store/ingest.py). A writer that fell behind takes up to a million values at once: the
 store rewrites each series' newest window once per batch, so a 70B model's 6,000 values a step
 go in at 2.5M values/s (the writer alone) in batches of 168 steps and at 0.17M in batches of 8.
-When the queue is full the record goes to the spool file instead of blocking. When the database
-is unreachable, batches go to the spool in the run directory; the writer retries with backoff
-and replays the spool, oldest first, before writing anything new. Writes are idempotent, so a
-replay never duplicates a row. NaN and +-inf are valid values.
+When the queue is full, it goes to the spool file (with the batch in flight) instead of blocking.
+When the database is unreachable, batches go to the spool in the run directory; the writer retries
+with backoff and replays the spool, oldest first, before writing anything new. `persist` (before
+a checkpoint is published) makes every record durable in the database or the spool, whichever
+is first: a store known to be unreachable or behind is not waited for (observatory/store/backlog.py
+keeps the one order; docs/store_faults.md). If the spool cannot be written either (its directory
+read-only or full), records are held in memory up to `hold_values` values; what is dropped past
+that, or held when the sink stops, is counted in `stats["lost"]` and said in an error line.
+Writes are idempotent, so a replay never duplicates a row. NaN and +-inf are valid values.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from observatory.alerts import ALERT_KINDS, Alerter, urls_from
+from observatory.store.backlog import Backlog
 from observatory.store.db import make_engine, redact, resolve_url
 from observatory.store.ingest import Writer
 from observatory.store.records import (
@@ -60,6 +66,9 @@ from observatory.store.spool import Spool
 __all__ = ["BaseSink", "DbSink", "NullSink", "RecordError", "open_run_sink"]
 
 log = logging.getLogger(__name__)
+
+PERSIST_MAX_S = 0.1  # the most a checkpoint waits for a store that keeps pace (then: spool)
+PERSIST_MIN_S = 0.005
 
 
 class BaseSink:
@@ -205,9 +214,9 @@ class BaseSink:
         """Wait until everything logged so far is in the database; False on timeout."""
         return True
 
-    def persist(self, timeout: float = 10.0) -> None:
-        """Make everything logged so far survive a SIGKILL of this process: in the database,
-        or (if the database has not taken it within `timeout`) in the spool file."""
+    def persist(self, timeout: float | None = None) -> None:
+        """Make everything logged so far survive a SIGKILL of this process: in the database or
+        in the spool file, whichever is first (`DbSink.persist`)."""
 
     def close(self, timeout: float | None = None) -> None:
         """Write (or spool) what is queued and stop."""
@@ -250,6 +259,7 @@ class DbSink(BaseSink):
         batch_values: int = 1_000_000,
         linger_s: float = 0.2,
         retry_s: tuple[float, float] = (0.5, 10.0),
+        hold_values: int = 20_000_000,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -264,14 +274,19 @@ class DbSink(BaseSink):
             "spooled": 0,
             "overflow": 0,
             "replayed": 0,
+            "lost": 0,
+            "lost_values": 0,
         }
-        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._spool = Spool(spool_dir)
+        self._backlog = Backlog(self._spool, queue_size=queue_size, hold_values=hold_values)
         self._writer = Writer(make_engine(self.url, writer=True, **(engine_kwargs or {})))
         self._retry_at = 0.0
         self._backoff = retry_s[0]
         self._waiting: list[threading.Event] = []  # flushes waiting for the spool to drain
-        self._inflight: list[Record] | None = None  # the batch being written now
+        self._down = False  # the last write failed and none has succeeded since
+        self._writing_since: float | None = None  # a write in progress started then
+        self._latency: deque[float] = deque(maxlen=32)  # the last writes' durations, seconds
+        self._episode_said = False  # persist said once that it spools; again after a success
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="spikewatch-sink", daemon=True)
         self._thread.start()
@@ -282,50 +297,67 @@ class DbSink(BaseSink):
     def _put(self, rec: Record) -> None:
         if self._closed:
             raise RuntimeError("sink is closed")
-        try:
-            self._q.put_nowait(rec)
-        except queue.Full:  # never block the training step: spill to disk
-            self._spool.append([rec])
+        if not self._backlog.put(rec):  # never block the training step: spill to disk
             self.stats["overflow"] += 1
+            self._backlog.spool_all([rec])
+            self._sync_stats()
 
     def flush(self, timeout: float | None = None) -> bool:
         if self._closed:
-            return not self._spool.pending()
+            return not self._backlog.pending()
         done = threading.Event()
-        try:
-            self._q.put(done, timeout=timeout)
-        except queue.Full:
-            return False
+        self._backlog.put(done)
         return done.wait(timeout)
 
-    def persist(self, timeout: float = 10.0) -> None:
-        if self._closed or self.flush(timeout):
-            return
-        n = self._spool_queued()
-        log.warning(
-            "sink: the database has not taken the records within %.1fs; %d kept in the spool "
-            "file until it does",
-            timeout,
-            n,
-        )
+    def wait_bound(self) -> float:
+        """How long `persist` waits for a store that is keeping pace: twice its slowest write of
+        the last 32 (at least 5 ms); PERSIST_MAX_S before the first write."""
+        if not self._latency:
+            return PERSIST_MAX_S
+        return max(PERSIST_MIN_S, 2.0 * max(self._latency))
 
-    def _spool_queued(self) -> int:
-        """From the caller's thread, while the writer is stuck in a write: move what is queued
-        to the spool file, with a copy of the batch being written (a replay of what did land
-        changes nothing). The writer replays the spool before its next batch, so order holds."""
-        records: list[Record] = list(self._inflight or ())
-        markers: list[Any] = []
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            (records if isinstance(item, Record) else markers).append(item)
-        if records:
-            self._spill(records)
-        for marker in markers:  # flush requests and the stop sentinel, for the writer
-            self._q.put(marker)
-        return len(records)
+    def behind(self) -> str:
+        """Why the database cannot take the records now ('' when it can): unreachable, older
+        records waiting in the spool, a write running longer than the store's pace allows, or a
+        pace slower than a checkpoint may wait."""
+        if self._down:
+            return "the database is unreachable"
+        if self._backlog.pending():
+            return "older records wait in the spool"
+        bound = self.wait_bound()
+        if bound > PERSIST_MAX_S:
+            return f"the database's writes take up to {bound / 2:.2f}s"
+        since = self._writing_since
+        if since is not None and time.monotonic() - since > bound:
+            return f"a write has been running for {time.monotonic() - since:.2f}s"
+        return ""
+
+    def persist(self, timeout: float | None = None) -> None:
+        """Everything logged so far in the database or in the spool file, whichever is first.
+        A store that is unreachable or behind is not waited for: the records go to the spool at
+        once (milliseconds). A store keeping pace is waited for `wait_bound()` (or `timeout`),
+        then spooled."""
+        if self._closed:
+            return
+        why = self.behind()
+        if not why:
+            bound = self.wait_bound() if timeout is None else timeout
+            if self.flush(bound):
+                return
+            why = f"the database has not taken them within {bound:.3f}s"
+        n = self._backlog.spool_all()
+        self._sync_stats()
+        say = log.info if self._episode_said else log.warning
+        self._episode_said = True
+        if n or not self._backlog.spool_error:
+            say("sink: %s; %d records kept in the spool file until it does", why, n)
+        else:
+            log.error(
+                "sink: %s and the spool cannot take records (%s): what is logged is only in "
+                "memory until one of them does",
+                why,
+                self._backlog.spool_error,
+            )
 
     def close(self, timeout: float | None = None) -> None:
         """Write what is queued and stop; after `timeout` seconds with the database still busy,
@@ -335,93 +367,89 @@ class DbSink(BaseSink):
         super().close(timeout)  # the alerts' last deliveries
         self._closed = True
         atexit.unregister(self.close)
-        self._q.put(None)  # blocks only while the queue is full; the writer is draining it
+        self._backlog.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            n = self._spool_queued()
+            n = self._backlog.spool_all()
             log.error(
                 "sink: the database is still busy after %ss; %d records kept in %s",
                 timeout,
                 n,
                 self._spool.dir,
             )
+            self._backlog.abandon()
+            self._sync_stats()
             return
         self._writer.engine.dispose()
+        self._backlog.abandon()
+        self._sync_stats()
         if self._spool.pending():
             log.warning(
                 "sink: database %s still unreachable; records kept in %s (replayed by "
-                "the next sink on this spool directory)",
+                "the next sink on this spool directory, `spikewatch db upgrade` or "
+                "`spikewatch serve`)",
                 redact(self.url),
                 self._spool.dir,
             )
+
+    def _sync_stats(self) -> None:
+        self.stats["spooled"] = self._backlog.spooled
+        self.stats["lost"], self.stats["lost_values"] = self._backlog.lost
 
     # -- writer thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         stop = False
-        self._replay()  # segments left by an earlier process
+        self._catch_up()  # segments left by an earlier process
         while not stop:
-            batch, flushes, stop = self._collect()
+            batch, flushes, stop = self._backlog.take(self.batch_values, self.linger_s)
             try:
                 if batch:
                     self._deliver(batch)
-                elif self._spool.pending() and time.monotonic() >= self._retry_at:
-                    self._replay()
-            except Exception:  # the spool itself failed (disk full?): say what is lost, go on
-                log.exception(
-                    "sink: could not write or spool %d records; they are lost", len(batch)
-                )
-            self._inflight = None
+                elif self._backlog.pending() and time.monotonic() >= self._retry_at:
+                    self._catch_up()
+            except Exception:  # a bug: say it, keep the batch where it can be kept, go on
+                log.exception("sink: writing %d records failed unexpectedly", len(batch))
+                self._backlog.keep(batch)
+            self._backlog.done()
+            self._sync_stats()
             self._settle(flushes)
-        if self._spool.pending():
+        if self._backlog.pending():
             self._retry_at = 0.0
-            self._replay()
+            self._catch_up()
         self._settle([])
 
-    def _collect(self) -> tuple[list[Record], list[threading.Event], bool]:
-        """Block for the first record, then take what arrives within linger_s (or a full batch)."""
-        batch: list[Record] = []
-        self._inflight = batch  # taken off the queue, not yet in the database
-        flushes: list[threading.Event] = []
-        size = 0
-        deadline = None
-        while size < self.batch_values:
-            timeout = 0.5 if deadline is None else deadline - time.monotonic()
-            try:
-                item = (
-                    self._q.get(timeout=max(timeout, 0.0)) if timeout > 0 else self._q.get_nowait()
-                )
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, flushes, True
-            if isinstance(item, threading.Event):
-                flushes.append(item)
-                break  # a flush wants what came before it written now
-            batch.append(item)
-            size += item.size
-            deadline = deadline or time.monotonic() + self.linger_s
-        return batch, flushes, False
-
     def _deliver(self, batch: list[Record]) -> None:
-        if self._spool.pending():  # keep order: older spooled records go in first
-            if time.monotonic() < self._retry_at or not self._replay():
-                self._spill(batch)
+        if self._backlog.moved():
+            return  # a persist put it in the spool: the replay writes it, in order
+        if self._backlog.pending():  # keep order: older records go in first
+            if time.monotonic() < self._retry_at or not self._catch_up():
+                self._backlog.keep(batch)
                 return
         try:
-            n = self._writer.write(batch)
+            n = self._write(batch)
         except Exception as e:  # unreachable, locked, schema missing: keep the data, retry
             self._failed(e)
-            self._spill(batch)
+            self._backlog.keep(batch)
             return
         self._ok(len(batch), n)
 
-    def _replay(self) -> bool:
-        """Write every spool segment, oldest first; True when the spool is empty."""
+    def _write(self, records: list[Record]) -> int:
+        t0 = self._writing_since = time.monotonic()
+        try:
+            n = self._writer.write(records)
+        finally:
+            self._writing_since = None
+        self._latency.append(time.monotonic() - t0)
+        return n
+
+    def _catch_up(self) -> bool:
+        """Write the spool's segments, oldest first, then what is held in memory; True when
+        nothing older than the queue is left."""
         for path in self._spool.rotate():
             try:
                 for chunk in Spool.read(path, self.batch_values):
-                    n = self._writer.write(chunk)
+                    n = self._write(chunk)
                     self.stats["replayed"] += len(chunk)
                     self._ok(0, n)
             except RecordError as e:
@@ -432,32 +460,40 @@ class DbSink(BaseSink):
                 return False
             self._spool.done(path)
             log.info("sink: replayed %s into the database", path.name)
-        return True
-
-    def _spill(self, batch: list[Record]) -> None:
-        self._spool.append(batch)
-        self.stats["spooled"] += len(batch)
+        held, gen = self._backlog.held()
+        if held:
+            try:
+                n = self._write(held)
+            except Exception as e:
+                self._failed(e)
+                return False
+            self._backlog.written(len(held), gen)
+            self.stats["replayed"] += len(held)
+            self._ok(0, n)
+        return not self._backlog.pending()
 
     def _ok(self, records: int, values: int) -> None:
         self.stats["records"] += records
         self.stats["values"] += values
         self.stats["batches"] += 1
         self._backoff = self.retry_s[0]
+        self._down = self._episode_said = False
 
     def _failed(self, e: Exception) -> None:
         log.warning(
             "sink: database write failed (%s: %s); spooling, retry in %.1fs",
             type(e).__name__,
-            str(e).splitlines()[0][:200],
+            str(e).splitlines()[0][:200] if str(e) else "",
             self._backoff,
         )
+        self._down = True
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.retry_s[1])
 
     def _settle(self, flushes: list[threading.Event]) -> None:
         """Release flush waiters once nothing is left in the spool."""
         self._waiting.extend(flushes)
-        if self._waiting and not self._spool.pending():
+        if self._waiting and not self._backlog.pending():
             for ev in self._waiting:
                 ev.set()
             self._waiting.clear()

@@ -32,7 +32,7 @@ class Spool:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self._path: Path | None = None
         self._closed: list[Path] = []
         self._adopt()
@@ -56,18 +56,35 @@ class Spool:
             return bool(self._closed) or self._file is not None
 
     def append(self, records: Sequence[Record]) -> None:
-        lines = "".join(r.to_json() + "\n" for r in records)
+        """Write `records` to the open segment, all or none: a write that fails part way (a
+        full disk) is cut back, so a later append never follows a torn line. Raises OSError
+        when the directory cannot be made or written."""
+        data = "".join(r.to_json() + "\n" for r in records).encode("utf-8")
         with self._lock:
             if self._file is None:
                 self._open()
             assert self._file is not None
-            self._file.write(lines)
-            self._file.flush()  # in the OS: survives a crash of this process
+            fd = self._file.fileno()
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:  # unbuffered: in the OS once written, survives a crash of this process
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:  # cannot even cut it back: start a new segment next time
+                    self._file.close()
+                    if self._path is not None:
+                        self._closed.append(self._path)
+                    self._file, self._path = None, None
+                raise
 
     def _open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._path = self.dir / f"spool-{time.time_ns()}-{os.getpid()}.jsonl"
-        self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        path = self.dir / f"spool-{time.time_ns()}-{os.getpid()}.jsonl"
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open
+        self._path = path
         fcntl.flock(self._file, fcntl.LOCK_EX)
         log.warning("spool: keeping records in %s until the database takes them", self._path)
 

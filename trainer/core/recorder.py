@@ -26,7 +26,6 @@ __all__ = ["Recorder"]
 
 log = logging.getLogger(__name__)
 
-PERSIST_TIMEOUT_S = 10.0  # a store slower than this: the rest goes to the spool file
 _EVENT = {"skip_update": "skip", "rollback": "rollback", "halt": "halt"}
 
 
@@ -196,8 +195,9 @@ class Recorder(Callback):
 
     def persist(self) -> None:
         """Everything logged so far survives a SIGKILL from here on (in the store or in the
-        spool): called right before a checkpoint is published."""
-        self.sink.persist(timeout=PERSIST_TIMEOUT_S)
+        spool, whichever is first; an unreachable or slow store is not waited for): called
+        right before a checkpoint is published."""
+        self.sink.persist()
 
     def on_fit_end(self, state: FitState) -> None:
         if self.poller is not None:
@@ -206,8 +206,7 @@ class Recorder(Callback):
             state.status, "completed"
         )
         self.sink.set_status(self.run_id, status)
-        if not self.sink.flush(timeout=30):
-            log.warning("the store has not taken every record yet; the rest is spooled")
+        self.sink.persist(timeout=30)  # a store keeping pace has the whole run; else the spool
 
     def state_dict(self) -> dict[str, Any]:
         return {"branch": self.branch, "handled": self.handled, "forks": self.forks}
