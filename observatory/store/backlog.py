@@ -41,7 +41,7 @@ class Backlog:
         self.queue_size = queue_size
         self.hold_values = hold_values  # held in memory beyond this: the oldest are lost
         self.spooled = 0  # records appended to the spool file
-        self.lost = [0, 0]  # records, metric values: what could be kept nowhere
+        self.lost = [0, 0]  # records, metric values (points): what could be kept nowhere
         self._cv = threading.Condition()
         self._items: deque[Any] = deque()  # records, flush events, the stop sentinel (None)
         self._records = 0  # records among _items
@@ -216,7 +216,7 @@ class Backlog:
             self._held_gen += 1
 
     def _lose(self, records: list[Record], why: str) -> None:
-        values = sum(r.size for r in records)
+        values = sum(r.size - 1 for r in records if r.kind in ("metrics", "series"))
         self.lost[0] += len(records)
         self.lost[1] += values
         log.error(

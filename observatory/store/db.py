@@ -55,6 +55,7 @@ def _migrations_dir() -> Path:
 
 MIGRATIONS_DIR = _migrations_dir()
 SQLITE_BUSY_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 10
 
 
 class DatabaseURLError(ValueError):
@@ -121,7 +122,10 @@ def make_engine(
 ) -> Engine:
     """An engine for `url` (resolved); SQLite gets WAL, a busy timeout and foreign keys."""
     url = resolve_url(url)
-    if not is_sqlite(url):
+    if not is_sqlite(url):  # a server that vanished (no reset) must not hang a connect forever
+        if "connect_timeout" not in make_url(url).query:
+            args = kwargs.setdefault("connect_args", {})
+            args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
         return create_engine(url, pool_pre_ping=True, **kwargs)
     kwargs.setdefault("connect_args", {}).setdefault("timeout", busy_ms_to_s(sqlite_busy_ms))
     database = make_url(url).database
