@@ -168,12 +168,14 @@ def check(
     max_n: int = MAX_N,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Scan every document; returns {"documents", "bytes", "seconds", "mb_per_s", "flagged":
-    [blocklist entries]}."""
+    """Scan every document; returns {"documents", "bytes" (the documents' text, or token
+    arrays' bytes), "file_bytes" (the files read), "seconds", "mb_per_s" (file bytes, in
+    MB = 10**6 bytes, per second), "flagged": [blocklist entries]}."""
     t0 = time.perf_counter()
     flagged: list[dict[str, Any]] = []
     counts = {"documents": 0, "bytes": 0}
-    bar = _Progress(sum(_size(p) for p in paths)) if progress else None
+    file_bytes = sum(_size(p) for p in paths)
+    bar = _Progress(file_bytes) if progress else None
     for path in paths:
         chunk: list[Doc] = []
         size = 0
@@ -189,8 +191,9 @@ def check(
     seconds = time.perf_counter() - t0
     return {
         **counts,
+        "file_bytes": file_bytes,
         "seconds": seconds,
-        "mb_per_s": counts["bytes"] / 1e6 / max(seconds, 1e-9),
+        "mb_per_s": file_bytes / 1e6 / max(seconds, 1e-9),
         "min_repeats": min_repeats,
         "max_n": max_n,
         "flagged": flagged,
@@ -264,6 +267,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "data-check",
         help="documents with long repeated n-gram runs (OLMo 2's filter), as a blocklist",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # defaults in --help
     )
     p.add_argument("paths", nargs="+", type=Path, help="files or directories")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -296,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{e['id']}: {e['reason']} ({e['preview'][:60]!r})")  # noqa: T201
     print(  # noqa: T201
         f"{len(result['flagged'])} of {result['documents']} documents flagged "
-        f"({result['bytes'] / 1e6:.1f} MB at {result['mb_per_s']:.0f} MB/s)"
+        f"({result['bytes'] / 1e6:.1f} MB of text in {result['file_bytes'] / 1e6:.1f} MB of "
+        f"files, at {result['mb_per_s']:.0f} MB/s; MB = 10^6 bytes)"
         + (f"; blocklist in {args.out}" if args.out else "")
     )
     return 0

@@ -117,3 +117,28 @@ def test_the_command_names_the_injected_document_and_no_other(tmp_path, capsys) 
     assert [(e["id"], e["n"], e["repeats"]) for e in result["flagged"]] == [("doc-77", 9, 40)]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines == result["flagged"] and lines[0]["source"] == "data-check"
+
+
+def test_the_summary_gives_text_and_file_sizes_in_decimal_megabytes(tmp_path, capsys) -> None:
+    """Issue 45: 4.8 "MB" was printed for a 5.1 MB file (the text field's bytes, unnamed); the
+    line now names both sizes, in MB of 10^6 bytes, and --help shows every default."""
+    path = tmp_path / "docs.jsonl"
+    with path.open("w") as f:
+        for i in range(3000):
+            f.write(
+                json.dumps({"id": f"doc-{i}", "meta": "x" * 200, "text": f"word {i} " * 80}) + "\n"
+            )
+    text_bytes = sum(len(f"word {i} " * 80) for i in range(3000))
+    assert main(["data-check", str(path)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert (
+        f"{text_bytes / 1e6:.1f} MB of text in {path.stat().st_size / 1e6:.1f} MB of files" in line
+    )
+    with pytest.raises(SystemExit):
+        main(["data-check", "--help"])
+    helptext = capsys.readouterr().out
+    assert (
+        "(default: 32)" in helptext
+        and "(default: 13)" in helptext
+        and "(default: text)" in helptext
+    )
