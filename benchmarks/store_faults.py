@@ -13,7 +13,8 @@ and the faulted run on a fresh database and reports:
   lost / dup      points (metric, branch, step) of the reference missing / stored twice
   values          points whose value differs from the reference (timing metrics excluded)
   events          the same events (kind, branch, step) as the reference
-  longest extra   max over steps of (step time under the fault - the reference's same step)
+  longest extra   max over steps of (step time under the fault - the reference's same step),
+                  each less the garbage collector's pauses within it (reported apart)
   total extra     the run's wall time minus the reference's
   ckpt stall      the largest `checkpoint/disk_stall_s` the run recorded
   counted lost    the points the sink counted and said it could not keep (stats["lost_values"])
@@ -234,17 +235,36 @@ class Run:
 
 
 class _Clock:
-    """Wall time between steps, and the fault's trigger at its step."""
+    """Wall time between steps, less the garbage collector's pauses within it (Python's gen-2
+    collections pause a step by up to 0.1 s in the reference run as much as under a fault,
+    at other steps), and the fault's trigger at its step."""
 
     def __init__(self, at: int | None, trigger: Callable[[], None]) -> None:
         self.at, self.trigger = at, trigger
         self.times: list[float] = []
+        self.gc_s = 0.0
+        self.gc_total = 0.0
+        self._gc_t0 = 0.0
         self.last = time.perf_counter()
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+
+    def __enter__(self) -> _Clock:
+        gc.callbacks.append(self._gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._gc)
 
     def tick(self, step: int) -> None:
         now = time.perf_counter()
-        self.times.append(now - self.last)
-        self.last = now
+        self.times.append(now - self.last - self.gc_s)
+        self.gc_total += self.gc_s
+        self.last, self.gc_s = now, 0.0
         if self.at is not None and step == self.at:
             self.trigger()
 
@@ -370,7 +390,8 @@ def one(client: str, fault: Fault | None, backend: str, steps: int, root: Path, 
     with spool_cm as how:
         if fault is not None and fault.at == 0:
             trigger()
-        lost = CLIENTS[client](url, run_dir, steps, clock)
+        with clock:
+            lost = CLIENTS[client](url, run_dir, steps, clock)
         wall = time.perf_counter() - t0
         for t in list(timers):
             t.join()
@@ -378,12 +399,19 @@ def one(client: str, fault: Fault | None, backend: str, steps: int, root: Path, 
             t.join()
         if fault is not None and fault.end_after_s is None:
             fault.end(ctx)
+        if fault is not None:
+            fault.after(ctx)  # before the spool's file system goes away
     if proxy is not None:
         proxy.close()
-    if fault is not None:
-        fault.after(ctx)
     got = _read(ctx["url"])
-    return {"times": clock.times, "wall": wall, "lost_counted": lost, "spool": how, **got}
+    return {
+        "times": clock.times,
+        "gc_s": clock.gc_total,
+        "wall": wall,
+        "lost_counted": lost,
+        "spool": how,
+        **got,
+    }
 
 
 def _read(url: str) -> dict:
@@ -439,6 +467,8 @@ def compare(ref: dict, got: dict) -> dict:
         "longest_extra_s": max(extra, default=0.0),
         "longest_extra_at": worst,
         "total_extra_s": got["wall"] - ref["wall"],
+        "gc_s": got["gc_s"],
+        "ref_gc_s": ref["gc_s"],
         "wall": got["wall"],
         "ckpt_stall_s": got["ckpt_stall"],
         "ref_ckpt_stall_s": ref["ckpt_stall"],
