@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["findings", "suspect_devices"]
+__all__ = ["findings", "skipped", "suspect_devices"]
 
 _CAUSES = {
     "data_x_state": "the data (it comes back on the same batches)",
@@ -53,6 +53,22 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
     elif att:
         parts.append(f"no row of {att.get('rows', '?')} stands out (whole batches skipped)")
     return "; ".join(parts)
+
+
+def skipped(data: Mapping[str, Any]) -> str:
+    """What a rollback skipped, one phrase for every report (the console, the record's reason,
+    the logbook, the run page, alerts): the named samples when only they were left out (their
+    batches' other rows train), else the whole batches (issue 45: a sample skip read "skipping
+    batches [199, 213)" in some reports and "[]" in others)."""
+    n = int(data.get("skipped_samples") or 0)
+    if n:
+        kept = ", ".join(f"[{a}, {b})" for a, b in data.get("batches_kept") or [])
+        plural = "s" if n != 1 else ""
+        return f"skipping {n} named sample{plural} of batches {kept} (the other rows train)"
+    ranges = data.get("skip_ranges") or []
+    if ranges:
+        return "skipping batches " + ", ".join(f"[{a}, {b})" for a, b in ranges)
+    return "skipping nothing"
 
 
 def suspect_devices(events: Iterable[Mapping[str, Any]]) -> dict[int, int]:

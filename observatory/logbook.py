@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from observatory import store
-from observatory.findings import findings
+from observatory.findings import findings, skipped
 
 __all__ = ["logbook"]
 
@@ -57,8 +57,7 @@ def _entry(e: store.EventRow) -> str | None:
     if e.kind == "rollback":
         out = (
             f"**Rollback** from step {d.get('from_step', e.step)} to the checkpoint of step "
-            f"{d.get('to_step')}, skipping batches "
-            f"{', '.join(f'[{a}, {b})' for a, b in d.get('skip_ranges', []))}, "
+            f"{d.get('to_step')}, {d.get('skipped') or skipped(d)}, "
             f"LR x{d.get('lr_scale', 1.0)}."
         )
         found = findings(d)

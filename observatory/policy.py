@@ -280,8 +280,7 @@ class Policy:
         return Plan(
             "rollback",
             f"{what} at step {verdict.step}, onset {onset}: back to step {to_step}"
-            + (f" (before the warning at step {start})" if start < onset else "")
-            + f", skipping batches [{skip[0]}, {skip[1]})",
+            + (f" (before the warning at step {start})" if start < onset else ""),
             to_step=to_step,
             skip_ranges=(skip,),
             lr_scale=lr_scale,

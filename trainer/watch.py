@@ -55,6 +55,7 @@ from trainer.core.attribution import (
     row_of,
     rows_in,
     select_rows,
+    tokens_in,
     tokens_of,
 )
 from trainer.core.callbacks import Callback
@@ -146,6 +147,7 @@ class Watch:
         self.model_info: dict[str, Any] = {}
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
+        self._ntok = 0  # the tokens of the batch `batches` yielded last (0: not known)
         self._loss_share: torch.Tensor | None = None
         self.grad_norm: torch.Tensor | None = None  # the step's global norm before clipping
         self._lr_scale = 1.0  # the LR scale of the step being decided
@@ -265,6 +267,7 @@ class Watch:
                     continue  # every row of it was named: the next batch
                 batch = select_rows(batch, keep)
             self.begin_step(index)
+            self._ntok = tokens_in(batch) * core.world.size  # each rank: its rows of the batch
             yield batch
 
     def take_index(self) -> int:
@@ -333,7 +336,8 @@ class Watch:
         lr = float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale
         tensors = self._tensors()
         self.grad_norm = tensors.grad_norm  # a replay's own norm never lands here
-        return core.gate(tensors, lr=lr)
+        ntok, self._ntok = self._ntok, 0
+        return core.gate(tensors, lr=lr, ntok=ntok)
 
     def apply(self, optimizer_step: Callable[[], Any]) -> None:
         """Run the optimizer's step with the rollback LR scale (restored after it, so the

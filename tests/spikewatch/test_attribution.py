@@ -26,9 +26,24 @@ def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) ->
     assert rollback["skip_ranges"] == [] and rollback["skipped_samples"] == len(named)
     assert all(s["preview"] and s["loss"] > rollback["attribution"]["median_loss"] for s in
                rollback["samples"])  # fmt: skip
+    capsys.readouterr()
     assert main(["quarantine", summary["run_id"], "--db", db]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert {(x["batch"], x["row"]) for x in lines if x["step"] == rollback["step"]} == spoilt
+    # one story of what was skipped (issue 45): the record, its reason, the summary, the logbook
+    story = f"skipping {len(named)} named samples of batches [{lo}, {hi}) (the other rows train)"
+    assert rollback["skipped"] == story and rollback["reason"].endswith(", " + story)
+    assert sorted(map(tuple, rollback["skipped_rows"])) == sorted(named)
+    assert summary["skipped_batches"] == [] and summary["skipped_samples"] == sorted(
+        [b, r] for b, r in named
+    )
+    assert main(["logbook", summary["run_id"], "--db", db]) == 0
+    book = capsys.readouterr().out
+    assert f"to the checkpoint of step {rollback['to_step']}, {story}, LR x" in book
+    # the tokens trained: every step's 8 rows of 64, less the named rows left out of the batches
+    # trained after the rollback (the loop's data flows on from the batch it had reached)
+    left_out = sum(1 for b, _ in named if b >= rollback["resumed_at_batch"])
+    assert left_out and summary["tokens"] == (summary["steps"] * 8 - left_out) * 64
 
 
 @pytest.mark.parametrize("example", ["hf_trainer", "lightning_module"])

@@ -287,6 +287,19 @@ def tokens_of(batch: Any, r: int) -> list[int] | None:
     return None
 
 
+def tokens_in(batch: Any) -> int:
+    """The tokens a batch feeds: the size of its inputs (a dict's "input_ids", else its first
+    integer tensor); 0 when it holds none."""
+    if isinstance(batch, dict):
+        for k in _TOKEN_KEYS:
+            if k in batch and torch.is_tensor(batch[k]):
+                return int(batch[k].numel())
+    for t in _tensors(batch):
+        if not t.is_floating_point():
+            return int(t.numel())
+    return 0
+
+
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
     if torch.is_tensor(batch):
         yield batch

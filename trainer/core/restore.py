@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from observatory.findings import findings
+from observatory.findings import findings, skipped
 from trainer.checkpoints.format import Snapshot
 from trainer.checkpoints.staging import Stager, to_host
 from trainer.core.actions import Rollback
@@ -130,15 +130,20 @@ class Checkpointed:
             lr_scale=action.lr_scale,
             dropped_checkpoints=abandoned,
         )
+        if named:
+            record["skipped_rows"] = [[s["batch"], s["row"]] for s in named]
+        record["skipped"] = skipped(record)  # the one story every report tells
+        record["reason"] = f"{record.get('reason') or action.reason}, {record['skipped']}"
         if self.data_flow == "forward":
             record["resumed_at_batch"] = self.run.data.batch_index
         found = findings(record)
         log.warning(
-            "rolled back from step %d to step %d (%s tier, %.3fs)%s",
+            "rolled back from step %d to step %d (%s tier, %.3fs), %s%s",
             from_step,
             step,
             ck.last_tier,
             record["restore_s"],
+            record["skipped"],
             f": {found}" if found else "",
         )
         for cb in self.callbacks:

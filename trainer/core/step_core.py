@@ -474,6 +474,8 @@ class StepCore(Checkpointed):
             "final_train_loss": run.history[-1][1] if run.history else run.resumed_loss,
             "final_val_loss": run.val_losses[-1][1] if run.val_losses else math.nan,
             "tokens": run.tokens,
+            "skipped_batches": [list(r) for r in run.data.skip_ranges],  # what the data skips
+            "skipped_samples": [list(p) for p in sorted(run.data.blocked)],  # (batch, row)
             "val_losses": [{"step": s, "loss": v} for s, v in run.val_losses],
             "interventions": list(run.interventions),
             "halted": run.halted,
