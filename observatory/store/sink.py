@@ -341,11 +341,15 @@ class DbSink(BaseSink):
     def persist(self, timeout: float | None = None) -> None:
         """Everything logged so far in the database or in the spool file, whichever is first.
         A store that is unreachable or behind is not waited for: the records go to the spool at
-        once (milliseconds). A store keeping pace is waited for `wait_bound()` (or `timeout`),
-        then spooled."""
+        once (milliseconds). A store keeping pace is waited for `wait_bound()`, then spooled.
+        With `timeout` (the end of a run), only an unreachable store is not waited for."""
         if self._closed:
             return
-        why = self.behind()
+        # a caller's own bound (the end of a run) waits for all but an unreachable database
+        if timeout is None:
+            why = self.behind()
+        else:
+            why = "the database is unreachable" if self._down else ""
         if not why:
             bound = self.wait_bound() if timeout is None else timeout
             if self.flush(bound):
