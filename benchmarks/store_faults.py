@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +180,16 @@ def _unlock_sqlite(ctx: Any) -> None:
     ctx["lock"].close()
 
 
+def _outage(name: str, after_s: float | None, **kw: Any) -> Fault:
+    """PostgreSQL stopped at the fault's step, started `after_s` later (None: after the run)."""
+    return Fault(
+        name, start=lambda c: _pg("stop"), end_after_s=after_s, end=lambda c: _pg("start"), **kw
+    )
+
+
 FAULTS = {
-    "pg_stop": Fault(
-        "pg_stop", start=lambda c: _pg("stop"), end_after_s=15, end=lambda c: _pg("start")
-    ),
-    "pg_stop_past": Fault(
-        "pg_stop_past", start=lambda c: _pg("stop"), end=lambda c: _pg("start"), after=_drain
-    ),
+    "pg_stop": _outage("pg_stop", 15),
+    "pg_stop_past": _outage("pg_stop_past", None, after=_drain),
     "pg_slow": Fault("pg_slow", at=0),
     "pg_refuse": Fault(
         "pg_refuse",
@@ -202,38 +205,13 @@ FAULTS = {
         end_after_s=35,
         end=_unlock_sqlite,
     ),
-    "spool_ro": Fault(
-        "spool_ro",
-        start=lambda c: _pg("stop"),
-        end_after_s=10,
-        end=lambda c: _pg("start"),
-        spool="ro,size=64k",
-    ),
-    "spool_full": Fault(
-        "spool_full",
-        start=lambda c: _pg("stop"),
-        end_after_s=10,
-        end=lambda c: _pg("start"),
-        spool="size=16k",
-    ),
-    "spool_full_past": Fault(
-        "spool_full_past",
-        start=lambda c: _pg("stop"),
-        end=lambda c: _pg("start"),
-        spool="size=16k",
-        after=_drain,
-    ),
+    "spool_ro": _outage("spool_ro", 10, spool="ro,size=64k"),
+    "spool_full": _outage("spool_full", 10, spool="size=16k"),
+    "spool_full_past": _outage("spool_full_past", None, spool="size=16k", after=_drain),
 }
 
 
 # -- the two clients -----------------------------------------------------------------------
-@dataclass
-class Run:
-    step_times: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    lost_counted: int = 0
-
-
 class _Clock:
     """Wall time between steps, less the garbage collector's pauses within it (Python's gen-2
     collections pause a step by up to 0.1 s in the reference run as much as under a fault,

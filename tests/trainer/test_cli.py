@@ -140,13 +140,22 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [sys.executable, "-m", "trainer.cli", "demo", "--port", str(port)]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "trainer.cli", "demo", "--port", str(port)]
     cmd += ["--set", "train.max_steps=40", "--set", "train.progress=false"]
     cmd += ["--run-dir", str(tmp_path / "runs" / "d")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     env["PYTHONPATH"] = str(Path(__file__).parents[2])
     env.pop("SPIKEWATCH_DB_URL", None)  # the default store: runs/spikewatch.db in its cwd
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a suite started in the background (`make test &`) ignores SIGINT, and so would the
+        # demo: Python installs its Ctrl-C handler only where SIGINT is not ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     lines = []
     deadline = time.monotonic() + 120
     while not any("Ctrl-C" in ln for ln in lines):
@@ -158,4 +167,10 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
         runs = json.loads(r.read())
     assert [run["status"] for run in runs] == ["completed"]
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 0
+    try:
+        _, out = proc.communicate(timeout=30)  # reading on: a full pipe must not block it
+    except subprocess.TimeoutExpired:  # say where it is stuck (faulthandler, all threads)
+        proc.send_signal(signal.SIGABRT)
+        _, out = proc.communicate(timeout=30)
+        raise AssertionError(f"the demo did not stop on Ctrl-C:\n{out[-6000:]}") from None
+    assert proc.returncode == 0, out[-3000:]

@@ -133,7 +133,8 @@ class Checkpointed:
         if named:
             record["skipped_rows"] = [[s["batch"], s["row"]] for s in named]
         record["skipped"] = skipped(record)  # the one story every report tells
-        record["reason"] = f"{record.get('reason') or action.reason}, {record['skipped']}"
+        if skips or named:
+            record["reason"] = f"{record.get('reason') or action.reason}, {record['skipped']}"
         if self.data_flow == "forward":
             record["resumed_at_batch"] = self.run.data.batch_index
         found = findings(record)
