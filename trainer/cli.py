@@ -313,12 +313,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from observatory.store.db import redact, store_url, upgrade
+    from observatory.store.drain import drain_spools
 
     if args.db:
         os.environ["SPIKEWATCH_DB_URL"] = args.db
     url = store_url(args.db)  # the rule every run records by
     upgrade(url)  # a new or older database gets the newest schema first
-    _drain(url)
+    drain_spools(url)  # what runs left in their spools while the database was away
     log.info(
         "dashboard at http://%s:%d/ for the runs in %s (API under /api, docs at /docs)",
         args.host,
@@ -391,6 +392,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import OperationalError
 
     from observatory.store.db import DatabaseURLError, redact, resolve_url, upgrade
+    from observatory.store.drain import drain_spools
 
     try:
         url = upgrade(args.db)
@@ -403,16 +405,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
         print(f"spikewatch: {where}{str(e).splitlines()[0]}", file=sys.stderr)  # noqa: T201
         return 2
     log.info("database %s is at the newest schema", redact(url))
-    _drain(url)
+    drain_spools(url)  # what runs left in their spools while the database was away
     return 0
-
-
-def _drain(url: str) -> None:
-    """Replay the spools runs left while the database was away (observatory/store/drain.py)."""
-    from observatory.store.drain import drain_spools
-
-    for spool, n in drain_spools(url).items():
-        log.info("replayed %d records left in %s", n, spool)
 
 
 def build_parser() -> argparse.ArgumentParser:
