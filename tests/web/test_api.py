@@ -162,3 +162,13 @@ def test_plotly_js_comes_from_the_package_and_is_cached() -> None:
 def test_runs_page_filters_by_tag(client) -> None:
     assert "r1" in client.get("/").text
     assert "/runs/r1" not in client.get("/", params={"tag": "nope"}).text
+
+
+def test_the_run_page_needs_no_emoji_font(client) -> None:
+    """Issue 45: the pin glyph showed as a box where no emoji font exists; pinned checkpoints are
+    marked in words, and the page holds no character outside the Basic Multilingual Plane."""
+    page = client.get("/runs/r1").text
+    assert "&#128204;" not in page and not [c for c in page if ord(c) > 0xFFFF]
+    kept = page[page.index('id="ckpt-kept"') :].split("</p>")[0]
+    pinned = kept.count(", pinned)")  # in each checkpoint's title
+    assert pinned >= 1 and kept.count('<sup class="pin">pinned</sup>') == pinned
