@@ -280,6 +280,10 @@ def test_a_best_interval_at_the_grid_end_is_said_to_be_a_bound(capsys) -> None:
     assert main(["simulate", "--seeds", "10"]) == 0
     text = capsys.readouterr().out
     assert "min or longer (the longest tried" in text
+    # and says why Daly's interval does not apply here (issue 45): the memory tier's restores
+    assert "Daly's interval assumes every failure restores from disk; here " in text
+    assert main(["simulate", "--seeds", "10", "--tiers", "disk", "--no-search"]) == 0
+    assert "assumes every failure restores from disk" not in capsys.readouterr().out
 
 
 def test_keep_last_k_loses_the_pre_onset_target_under_palm_spikes() -> None:
