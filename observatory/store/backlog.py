@@ -33,6 +33,7 @@ __all__ = ["Backlog"]
 log = logging.getLogger(__name__)
 
 SPOOL_RETRY_S = 5.0  # after the spool failed, the caller's thread tries it again this late
+SPOOL_RETRY_WRITER_S = 1.0  # ... and the writer thread (off the training step) this late
 
 
 class Backlog:
@@ -143,7 +144,8 @@ class Backlog:
         with self._order:
             if self.moved():
                 return  # the caller's thread spooled it already
-            if self._spool_failed_at is None or time.monotonic() - self._spool_failed_at > 1.0:
+            failed_at = self._spool_failed_at
+            if failed_at is None or time.monotonic() - failed_at > SPOOL_RETRY_WRITER_S:
                 if self._append([*self._held, *batch]):
                     self._clear_held()
                     return

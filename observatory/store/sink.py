@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -458,14 +458,7 @@ class DbSink(BaseSink):
         nothing older than the queue is left."""
         for path in self._spool.rotate():
             try:
-                t0 = time.monotonic()
-                for chunk in Spool.read(path, min(self.batch_values, REPLAY_CHUNK)):
-                    n = self._write(chunk)
-                    self.stats["replayed"] += len(chunk)
-                    self._ok(0, n)
-                    # as long a pause as the chunk took: the training thread's turn at the GIL
-                    time.sleep(min(REPLAY_PAUSE_MAX_S, time.monotonic() - t0))
-                    t0 = time.monotonic()
+                self._paced(Spool.read(path, min(self.batch_values, REPLAY_CHUNK)))
             except RecordError as e:
                 self._spool.reject(path, str(e))
                 continue
@@ -475,16 +468,26 @@ class DbSink(BaseSink):
             self._spool.done(path)
             log.info("sink: replayed %s into the database", path.name)
         held, gen = self._backlog.held()
-        if held:
-            try:
-                n = self._write(held)
-            except Exception as e:
-                self._failed(e)
-                return False
-            self._backlog.written(len(held), gen)
-            self.stats["replayed"] += len(held)
-            self._ok(0, n)
+        try:
+            self._paced(_chunks(held, REPLAY_CHUNK), lambda c: self._backlog.written(len(c), gen))
+        except Exception as e:
+            self._failed(e)
+            return False
         return not self._backlog.pending()
+
+    def _paced(
+        self, chunks: Iterable[list[Record]], done: Callable[[list[Record]], object] = len
+    ) -> None:
+        """Write older records chunk by chunk, each followed by a pause as long as it took: the
+        training thread's turn at the GIL."""
+        t0 = time.monotonic()
+        for chunk in chunks:
+            n = self._write(chunk)
+            done(chunk)
+            self.stats["replayed"] += len(chunk)
+            self._ok(0, n)
+            time.sleep(min(REPLAY_PAUSE_MAX_S, time.monotonic() - t0))
+            t0 = time.monotonic()
 
     def _ok(self, records: int, values: int) -> None:
         self.stats["records"] += records
@@ -511,6 +514,20 @@ class DbSink(BaseSink):
             for ev in self._waiting:
                 ev.set()
             self._waiting.clear()
+
+
+def _chunks(records: list[Record], values: int) -> Iterator[list[Record]]:
+    """`records` in order, in runs of about `values` metric values."""
+    chunk: list[Record] = []
+    size = 0
+    for rec in records:
+        chunk.append(rec)
+        size += rec.size
+        if size >= values:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def open_run_sink(
