@@ -265,6 +265,9 @@ def mfu_check(smoke: bool) -> dict:
                 times[variant].append((time.perf_counter() - t0) / block)
         watch = runs["watched"]["watch"]
         host_path = watch.core.host_path
+        _switch(watch, "memory_tier")
+        host = _host_split(runs["watched"], one, 4 if smoke else 20)
+        _profile(runs, one, 2 if smoke else 6)
         watch.close()
     params = sum(p.numel() for p in runs["none"]["model"].parameters())
     flops = (6 * params + 12 * L * T * d) * B * T
@@ -281,8 +284,75 @@ def mfu_check(smoke: bool) -> dict:
         "breakdown_cost_over_none": {v: step[v] / off - 1 for v in variants},
         "compile_s": compile_s,
         "watch_host_path": host_path,
+        "watch_host_split_ms": host,
         "nan_free": all(math.isfinite(t) for ts in times.values() for t in ts),
     }
+
+
+OUT_DIR: Path | None = None  # where the profiles go (main sets it)
+
+
+def _host_split(run: dict, one: Callable[[dict], None], steps: int) -> dict:
+    """Where a watched step's wall time goes on the host (ms a step): waiting for the step's
+    copy (`HostTransfer.fetch`), the core's gate and conclude, and the rest (the client's
+    forward/backward launches and the optimizer)."""
+    from trainer.core import step_core, transfer
+
+    spent: Counter[str] = Counter()
+
+    def timed(owner, name: str, key: str) -> Callable[[], None]:  # noqa: ANN001
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, fn)
+
+    undo = [
+        timed(transfer.HostTransfer, "fetch", "fetch_wait"),
+        timed(step_core.StepCore, "gate", "gate"),
+        timed(step_core.StepCore, "conclude", "conclude"),
+        timed(step_core.StepCore, "save_if_due", "save_if_due"),
+    ]
+    try:
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one(run)
+        _sync()
+        wall = time.perf_counter() - t0
+    finally:
+        for u in undo:
+            u()
+    out = {k: 1e3 * v / steps for k, v in spent.items()}
+    out["conclude_without_wait"] = out.get("conclude", 0.0) - out.get("fetch_wait", 0.0)
+    out["step"] = 1e3 * wall / steps
+    return out
+
+
+def _profile(runs: dict, one: Callable[[dict], None], steps: int) -> None:
+    """torch.profiler over a few steps with and without the Watch: the kernels and host calls
+    that take the time, to OUT_DIR/profile_{none,watched}.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    for name, run in runs.items():
+        _sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                one(run)
+            _sync()
+        table = prof.key_averages()
+        text = [f"{steps} steps, {name}"]
+        for key in (["self_cuda_time_total"] if CUDA else []) + ["self_cpu_time_total"]:
+            text.append(table.table(sort_by=key, row_limit=40, max_name_column_width=70))
+        if OUT_DIR is not None:
+            (OUT_DIR / f"profile_{name}.txt").write_text("\n".join(text))
 
 
 # -- 3. the Triton attention --------------------------------------------------------------------
@@ -427,7 +497,8 @@ def main() -> None:
         sys.exit("gpu_check needs a CUDA device (or --smoke)")
     if not CUDA:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    out_dir = Path(args.out_dir)
+    global OUT_DIR
+    out_dir = OUT_DIR = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
     result: dict = {

@@ -26,5 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 # one call, <= 8 minutes: the product end to end (demo, examples, resume, fp16, a fault at 124M),
 # then its cost (syncs, MFU with the per-probe breakdown, the Triton kernel, the memory tier)
-timeout 480 python3 benchmarks/gpu_check.py "$out" --work /tmp/gpu_check_work \
+# GPU_CHECK_ONLY=a,b (sections, in that order) and GPU_CHECK_TIMEOUT (s) for a shorter rerun
+timeout "${GPU_CHECK_TIMEOUT:-480}" python3 benchmarks/gpu_check.py "$out" --work /tmp/gpu_check_work \
+  ${GPU_CHECK_ONLY:+--only "$GPU_CHECK_ONLY"} \
   || echo "gpu_check.py exited $?"
