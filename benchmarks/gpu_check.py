@@ -371,6 +371,7 @@ def _bench(fn: Callable[[], None], reps: int = 20) -> float:
 
 def attention_check(smoke: bool) -> list[dict]:
     from trainer.model.kernels.attention import flash_attention
+    from trainer.model.kernels.max_logits import fused_max_logits
 
     out = []
     shapes = [(64, 32)] if smoke else [(1024, 64), (1024, 128), (4096, 64), (4096, 128)]
@@ -388,7 +389,7 @@ def attention_check(smoke: bool) -> list[dict]:
         grads = torch.autograd.grad(o, (q, k, v), do)
         ro = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         rgrads = torch.autograd.grad(ro, (q, k, v), do)
-        rmx = max_logits(q.detach().float(), k.detach().float(), chunk=512)
+        rmx = max_logits(q.detach().float(), k.detach().float(), chunk=512, fused=False)
         row = {
             "T": T,
             "D": D,
@@ -412,6 +413,22 @@ def attention_check(smoke: bool) -> list[dict]:
         row["triton_fwd_bwd_ms"] = 1e3 * statistics.median(t_tri)
         row["sdpa_fwd_bwd_ms"] = 1e3 * statistics.median(t_ref)
         row["ratio_vs_sdpa"] = row["triton_fwd_bwd_ms"] / row["sdpa_fwd_bwd_ms"]
+        # SDPA with the maxima from the fused max pass (the GPU default) or the blockwise one
+        qd, kd = q.detach(), k.detach()
+        fmx = fused_max_logits(qd, kd, causal=True)
+        row["fused_max_max_abs_err"] = (fmx - rmx).abs().max().item()
+        t_fused = _bench(
+            lambda qd=qd, kd=kd: fused_max_logits(qd, kd, causal=True), 2 if smoke else 20
+        )
+        t_block = _bench(
+            lambda qd=qd, kd=kd: max_logits(qd, kd, chunk=64, fused=False), 2 if smoke else 10
+        )
+        row["fused_max_ms"] = 1e3 * t_fused
+        row["blockwise_max_ms"] = 1e3 * t_block
+        row["sdpa_plus_fused_max_over_sdpa"] = 1 + row["fused_max_ms"] / row["sdpa_fwd_bwd_ms"]
+        row["sdpa_plus_fused_max_over_triton"] = (
+            row["sdpa_fwd_bwd_ms"] + row["fused_max_ms"]
+        ) / row["triton_fwd_bwd_ms"]
         print(json.dumps(row), flush=True)
         out.append(row)
     return out

@@ -31,11 +31,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from trainer.model.kernels import attention as A  # noqa: E402
+from trainer.model.kernels import max_logits as MX  # noqa: E402
 
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory a block may use (opt-in)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NAMES = {v: k for k, v in DTYPES.items()}
-KERNELS = ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+KERNELS = {A: ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"), MX: ("_max_kernel",)}
 
 
 class _Recorder:
@@ -50,16 +51,20 @@ class _Recorder:
 
 
 def launches(cases: list[list[Any]]) -> list[dict[str, Any]]:
-    """The kernel launches of flash_attention forward + backward for each case
-    (B, H, T, D, q dtype, k dtype, v dtype, causal), on CPU tensors standing in for CUDA ones."""
+    """The kernel launches of flash_attention forward + backward and of the fused max logits
+    (keys shared by two query heads where H is even) for each case (B, H, T, D, q dtype, k dtype,
+    v dtype, causal), on CPU tensors standing in for CUDA ones."""
     seen: list[dict[str, Any]] = []
-    for name in KERNELS:
-        setattr(A, name, _Recorder(name, getattr(A, name), seen))
+    for module, names in KERNELS.items():
+        for name in names:
+            setattr(module, name, _Recorder(name, getattr(module, name), seen))
     A._check = lambda q, k, v: None  # type: ignore[assignment]  # the CPU stands in for a GPU
+    MX.refusal = lambda q, k, mask=None: None  # type: ignore[assignment]
     for B, H, T, D, qd, kd, vd, causal in cases:
         q, k, v = (torch.randn(B, H, T, D).to(DTYPES[d]).requires_grad_() for d in (qd, kd, vd))
         out, _ = A.flash_attention(q, k, v, causal=causal)
         out.backward(torch.randn_like(out))
+        MX.fused_max_logits(q, k[:, : H // 2 or 1], causal=causal)
     return seen
 
 
@@ -96,7 +101,7 @@ def compile_all(cases: list[list[Any]]) -> list[dict[str, Any]]:
                 arch=arch,
                 grid=list(launch["grid"]),
                 pointer_dtypes=sorted({sig[n] for n in sig if sig[n].startswith("*")}),
-                qkv=[sig[n] for n in ("Q", "K", "V")],
+                qkv=[sig[n] for n in ("Q", "K", "V") if n in sig],
                 constexprs={k: v for k, v in constexprs.items()},
                 limit=SHARED_LIMIT[arch],
             )

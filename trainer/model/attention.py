@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RECORD_CHUNK", "attention", "max_logits"]
+__all__ = ["RECORD_CHUNK", "attention", "fused_max", "max_logits"]
 
 Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
 
@@ -123,6 +123,30 @@ def attention(
     return torch.cat(outs, dim=2), mx
 
 
+# The fused pass (trainer/model/kernels/max_logits.py) is taken on CUDA only; tests set this to
+# run it through Triton's interpreter on a CPU.
+FUSED_OFF_GPU = False
+
+
+def fused_max(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """The fused max-logit pass's (B, nh) maxima where it takes the call (CUDA, no mask, head
+    dim 16..128; k may have fewer heads, shared by groups of queries), else None."""
+    if mask is not None or not (q.is_cuda or FUSED_OFF_GPU):
+        return None
+    from trainer.model.kernels.max_logits import fused_max_logits, refusal  # imports Triton
+
+    if refusal(q, k) is not None:
+        return None
+    return fused_max_logits(q, k, causal=causal, scale=scale)
+
+
 @torch.no_grad()
 def max_logits(
     q: torch.Tensor,
@@ -132,13 +156,19 @@ def max_logits(
     chunk: int = 128,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
-    """Max scaled logit per (B, nh), blockwise; for backends that do not expose their scores.
-    No softmax and no backward: about a quarter of attention's forward cost.
+    """Max scaled logit per (B, nh), for backends that do not expose their scores: the fused
+    pass where it takes the call (`fused_max`: one kernel, no score matrix in memory), else
+    blockwise in PyTorch (no softmax and no backward: about a quarter of attention's forward).
 
     q: (B, nh, Tq, hs), k: (B, nh, Tk, hs) (grouped-query keys repeated to nh by the caller);
     `mask`: an attention mask broadcastable to (B, nh, Tq, Tk), boolean (True = attend) or
-    additive (0 / -inf), as Hugging Face models pass it; `scale` defaults to 1/sqrt(hs)."""
+    additive (0 / -inf), as Hugging Face models pass it; `scale` defaults to 1/sqrt(hs);
+    `fused=False`: the blockwise pass even where the fused one runs."""
+    out = fused_max(q, k, causal=causal, mask=mask, scale=scale) if fused else None
+    if out is not None:
+        return out
     T, mx = q.size(-2), None
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     for start in range(0, T, chunk):

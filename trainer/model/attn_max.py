@@ -25,7 +25,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from trainer.model.attention import RECORD_CHUNK, max_logits
+from trainer.model.attention import RECORD_CHUNK, fused_max, max_logits
 
 __all__ = ["AttnMax"]
 
@@ -120,6 +120,9 @@ def _max_logits(
     scale: float | None,
     n_rep: int,
 ) -> torch.Tensor:
+    fused = fused_max(q, k, causal=causal, mask=mask, scale=scale)  # GPU: k's heads shared
+    if fused is not None:
+        return fused
     if n_rep > 1:  # grouped-query attention: each key head serves n_rep query heads
         k = k.repeat_interleave(n_rep, dim=1)
     return max_logits(q, k, causal=causal, mask=mask, scale=scale, chunk=RECORD_CHUNK)

@@ -1,0 +1,167 @@
+"""The per-head maximum pre-softmax logit in one fused pass: q k^T tiles in registers, a
+running maximum, nothing else (no softmax, no V, no backward, no score matrix in memory).
+
+For attention that runs as `scaled_dot_product_attention` (flash on a GPU, which cannot report
+its scores), the probes and QK-Clip still need max_j q_i . k_j per (batch, head). The torch
+path (trainer/model/attention.py: `max_logits`) materialises score blocks, ~0.4 GB a layer at
+B=16, H=12, T=1024, and launches a few kernels per 64-row block; this kernel reads q and k once
+and costs one matmul's FLOPs at the tensor cores' rate (a seventh of attention's forward plus
+backward). The maximum is of fp32 accumulations of the same products SDPA computes, scaled
+after the max (max(c s) = c max(s) for c > 0): exact, unlike a maximum of bf16-rounded scores.
+
+Strided q and k are read in place (the usual `view(B, T, H, D).transpose(1, 2)` needs no
+copy); grouped-query keys are shared by `n_rep` query heads without being repeated. Causal is
+top-left aligned, as SDPA's `is_causal`: query i sees keys j <= i. Which calls it takes:
+`refusal` (CUDA, or the interpreter on a CPU; no mask; head dim 16..128; fp16 / bf16 / fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from trainer.model.kernels.eligibility import DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, interpreting
+
+__all__ = ["fused_max_logits", "refusal"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_GRID_Y = 65535
+
+
+@triton.jit
+def _max_kernel(
+    Q, K, MAXB,
+    T, S, H, n_rep, num_m_blocks,
+    sqb, sqh, sqt, skb, skh, skt,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)  # B * H on the long axis
+    pid_m = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_base = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = b.to(tl.int64) * skb + (h // n_rep).to(tl.int64) * skh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < T
+    mask_d = offs_d < D
+    q = tl.load(
+        Q + q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # (M, Dp)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, S)
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        kt = tl.load(
+            K + k_base + n[None, :].to(tl.int64) * skt + offs_d[:, None],
+            mask=(n[None, :] < S) & mask_d[:, None],
+            other=0.0,
+        )  # (Dp, N)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION)  # (M, N), fp32 accumulation
+        valid = (n[None, :] < S) & mask_m[:, None]
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= n[None, :])
+        m_i = tl.maximum(m_i, tl.max(tl.where(valid, s, float("-inf")), 1))
+    tl.store(MAXB + bh.to(tl.int64) * num_m_blocks + pid_m, tl.max(m_i, 0))
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
+    """Why the fused pass cannot take these q (B, H, T, D) and k (B, H / n_rep, S, D); None: it
+    can."""
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
+        return f"it runs on CUDA (or TRITON_INTERPRET=1 on a CPU), not on {q.device.type}"
+    if mask is not None:
+        return "it takes no attention mask (causal or full attention only)"
+    if q.dim() != 4 or k.dim() != 4 or q.size(0) != k.size(0) or q.size(-1) != k.size(-1):
+        return f"q and k must be (B, H, T, D) and (B, Hk, S, D), got {q.shape}, {k.shape}"
+    if k.size(1) == 0 or q.size(1) % k.size(1):
+        return f"{q.size(1)} query heads do not share {k.size(1)} key heads evenly"
+    if q.device != k.device:
+        return f"q and k on different devices ({q.device}, {k.device})"
+    if not MIN_HEAD_DIM <= q.size(-1) <= MAX_HEAD_DIM:
+        return f"head dim {q.size(-1)} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}"
+    if q.dtype not in DTYPES or k.dtype not in DTYPES:
+        return f"dtypes {q.dtype}, {k.dtype} are not fp16, bf16 or fp32"
+    return None
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): q stays in registers, k streams through
+    shared memory (within an A100's 166,912 bytes a block; tests/trainer/test_kernel_aot.py)."""
+    if INTERPRET:
+        return 16, 16, 1, 1
+    if dtype == torch.float32:
+        return 64, 64, 4, 2
+    return 128, 64, 8, 3
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, H) max of q k^T, unscaled."""
+    B, H, T, D = q.shape
+    S = k.size(2)
+    if k.dtype != q.dtype:  # one dtype for tl.dot: the queries' (the activations')
+        k = k.to(q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    bm, bn, warps, stages = _blocks(q.dtype)
+    nm = triton.cdiv(T, bm)
+    if nm > MAX_GRID_Y:
+        raise ValueError(f"sequence too long for the fused max: {nm} blocks > {MAX_GRID_Y}")
+    maxb = torch.empty(B * H, max(nm, 1), device=q.device, dtype=torch.float32)
+    if T == 0 or S == 0:
+        return maxb.fill_(float("-inf")).view(B, H, -1).amax(-1)
+    _max_kernel[(B * H, nm)](
+        q, k, maxb, T, S, H, H // k.size(1), nm,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=triton.next_power_of_2(D),
+        CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return maxb.view(B, H, nm).amax(-1)
+
+
+# One opaque call for torch.compile (no tracing into the launch); eager code the same.
+@torch.library.custom_op("spikewatch::fused_max_logits", mutates_args=())
+def _fused(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    return _launch(q, k, causal) * scale
+
+
+@_fused.register_fake
+def _(q, k, causal, scale):  # noqa: ANN001, ANN202
+    return q.new_empty((q.size(0), q.size(1)), dtype=torch.float32)
+
+
+@torch.no_grad()
+def fused_max_logits(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """(B, H) fp32: max over (i, j) of scale * q_i . k_j (causal: j <= i), k's heads shared by
+    groups of H / Hk query heads. Raises ValueError for a call `refusal` refuses."""
+    why = refusal(q, k)
+    if why is not None:
+        raise ValueError(f"the fused max logits cannot take this call: {why}")
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if scale <= 0:
+        raise ValueError(f"the scale must be positive, got {scale}")
+    return _fused(q.detach(), k.detach(), causal, scale)
