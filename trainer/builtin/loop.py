@@ -140,6 +140,8 @@ class Trainer:
                     if self._eval_due(last):
                         self._evaluate()
                     core.save_if_due()
+                    if core.step_count >= last and core.drain() == ROLLED_BACK:
+                        continue  # read late: the last step's values rolled back; train on
                 if core.stop_requested:
                     log.warning(
                         "stopping at step %d: %s", core.step_count, core.halted or "on request"

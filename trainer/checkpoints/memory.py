@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,8 +104,15 @@ class MemoryTier:
         self._pending: _Slot | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._copies = SideCopies()
+        self._copies = SideCopies(stage=True)  # the update waits for an HBM copy only
         self._warned = False
+        # the next snapshot's host block, pinned ahead in a thread (CUDA: registering ~1 GB
+        # takes a good part of a second); `spare_ahead` also on a CPU (tests)
+        self.spare_ahead = False
+        self._spare: Future[HostBlock] | None = None
+        self._spare_pool: ThreadPoolExecutor | None = None
+        self._need = 0  # bytes of the last snapshot
+        self._spare_state = 0  # parameters with optimizer state when the spare was shaped
 
     # -- what the tiers facade asks -------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -148,8 +155,46 @@ class MemoryTier:
         self.slots[step] = slot
         self._copy(slot, live)
         self.last_saved = step
+        self._need = need
+        if self._room():
+            self._prepare_spare(live)
         self.last_stall_s = time.perf_counter() - t0
         return self.last_stall_s
+
+    def ahead(self) -> None:
+        """Between snapshots (each step that saves none): pin the next snapshot's block in a
+        thread while training goes on, when no evicted one may serve it and the budget holds
+        one more. Also once the optimizer's state has appeared after the step-0 snapshot."""
+        if self._spare is not None and self._spare_state != len(self.optimizer.state):
+            self._spare = None  # made before the optimizer's state existed: of another shape
+        if self._spare is None and not self.free and self.slots and self._room():
+            self._prepare_spare(dict(_live_tensors(self.model, self.optimizer)))
+
+    def _room(self) -> bool:
+        return len(self.slots) + 1 < self.capacity(self._need)
+
+    def _prepare_spare(self, live: dict[str, torch.Tensor]) -> None:
+        pin = any(t.is_cuda for t in live.values())
+        if not (pin or self.spare_ahead) or self._spare is not None or self.free:
+            return
+        if self._spare_pool is None:
+            self._spare_pool = ThreadPoolExecutor(1, thread_name_prefix="mem-pin")
+        like = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in live.items()}
+        self._spare = self._spare_pool.submit(HostBlock, like, pin)
+        self._spare_state = len(self.optimizer.state)
+
+    def _take_spare(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The block pinned ahead, if it fits `live` (it waits for the thread if still
+        pinning)."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        block = spare.result()
+        fits = block.tensors.keys() == live.keys() and all(
+            block.tensors[k].shape == t.shape and block.tensors[k].dtype == t.dtype
+            for k, t in live.items()
+        )
+        return _Buffers(block) if fits else None
 
     def _make_room(self, step: int, need: int) -> bool:
         """Evict what retention drops, then (budget) the oldest unpinned and the oldest pinned
@@ -190,6 +235,9 @@ class MemoryTier:
             ):
                 return self.free.pop(i)
         self.free.clear()  # another shape (the optimizer state appeared): map afresh
+        spare = self._take_spare(live)
+        if spare is not None:
+            return spare
         block = HostBlock(live, pin=any(t.is_cuda for t in live.values()))
         return _Buffers(block)
 

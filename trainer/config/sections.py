@@ -265,6 +265,14 @@ class ProbesConfig(_Section):
         True, description="Per-layer, per-head max attention logit (needs a backend that sees it)."
     )
     output_logits: bool = Field(True, description="Mean log-partition z and max output logit.")
+    read: Literal["auto", "same_step", "next_step"] = Field(
+        "auto",
+        description="When the host reads a step's values: 'next_step' while the device computes "
+        "the next step (the GPU never waits for the host; a rollback decided from step t "
+        "happens at step t + 1's end, checkpoints wait for their step's values), 'same_step' at "
+        "the step's end; auto = next_step on CUDA, same_step elsewhere (nothing is asynchronous "
+        "there). A refused update is refused on its own step either way.",
+    )
 
 
 class LoopConfig(_Section):

@@ -103,6 +103,9 @@ class _Read:
     late_step: int | None  # the step of the update statistics riding along
     lr: float
     ntok: int
+    step: int = 0
+    batch_index: int = 0
+    tokens: int = 0  # the run's tokens once this step is counted
 
 
 @dataclass
@@ -135,6 +138,9 @@ class StepCore(Checkpointed):
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
+    late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
+    _late: _Read | None = None  # the step whose values are read at the next step's end
+    _unapplied: set[int] = field(default_factory=set)  # late: steps the device refused
     _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
     _read: _Read | None = None
     _applied: bool = False  # what the device did with the step's update
@@ -152,6 +158,11 @@ class StepCore(Checkpointed):
         mine = self._stepper is None or bool(before)
         # one path for all ranks: where one must read before the update, every rank does
         self.host_path = -self.world.min_int(-int(mine)) > 0
+        read = self.probes.cfg.read
+        cuda = self.probes.device.type == "cuda"
+        self.late = not self.host_path and (read == "next_step" or (read == "auto" and cuda))
+        if self.late and hasattr(self._stepper, "unsettled_allowed"):
+            self._stepper.unsettled_allowed = 1  # type: ignore[union-attr]
         if self.host_path:
             why = (
                 f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW and "
@@ -235,9 +246,11 @@ class StepCore(Checkpointed):
         if t.overflow is not None:
             xfer.add([_OVERFLOW], t.overflow)
         xfer.start()
-        self._read = _Read(xfer, None if pending is None else pending[0], lr, ntok)
+        late_step = None if pending is None else pending[0]
+        tokens = self.run.tokens + ntok
+        self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens)
         if self.host_path:
-            self._agree(self._take_read())
+            self._agree(self._take_read(self._taken()))
             if self.outcome != APPLIED:
                 return Gate(False)
             self._before_update(step)
@@ -251,10 +264,13 @@ class StepCore(Checkpointed):
         self.checkpointer.before_mutation()  # an async save may still be copying weights
         self.probes.before_update(step)
 
-    def _take_read(self) -> StepState:
-        """The step's one host read (its copy was enqueued in `gate`) -> StepState."""
+    def _taken(self) -> _Read:
         read, self._read = self._read, None
         assert read is not None, "gate() was not called this step"
+        return read
+
+    def _take_read(self, read: _Read) -> StepState:
+        """A step's one host read (its copy was enqueued in its `gate`) -> StepState."""
         metrics, late = read.transfer.fetch()
         if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
             self.stop_requested = True
@@ -266,7 +282,7 @@ class StepCore(Checkpointed):
         refused_by = ""
         if self.same_step is not None and not overflow:
             refused_by = self.same_step.observe(loss, gnorm, refused and not nonfinite)
-        if read.late_step is not None:
+        if read.late_step is not None and read.late_step not in self._unapplied:
             self._emit_update_metrics(read.late_step, late)
         metrics[M.LR] = read.lr
         now = time.perf_counter()
@@ -275,14 +291,14 @@ class StepCore(Checkpointed):
         self._last_step_end = now
         self.metric_names.update(metrics)
         return StepState(
-            step=self.step_count + 1,
-            batch_index=self.run.index,
+            step=read.step,
+            batch_index=read.batch_index,
             loss=loss,
             ce=metrics.get(M.CE, loss),
             grad_norm=gnorm,
             clip_factor=metrics[M.CLIP_FACTOR],
             lr=read.lr,
-            tokens=self.run.tokens + read.ntok,
+            tokens=read.tokens,
             nonfinite=nonfinite,
             refused_by=refused_by,
             overflow=overflow,
@@ -333,9 +349,24 @@ class StepCore(Checkpointed):
         """After the update (or its refusal): the step's values are read (unless the host path
         read them before the update), the callbacks decide, the step is recorded and their
         notes delivered, then a rollback or a halt is carried out. Returns what the step came
-        to."""
+        to.
+
+        Read late (`late`, the GPU default): the step is counted now and its values stay on
+        their way; the values of the step before, whose copy landed while the device computed
+        this one, are read, decided on and recorded instead, and a rollback or halt they call
+        for happens now, at this step's end. The device refused this step's update itself if
+        it had to (the step factor); it returns 'applied' until its values are read."""
+        if self.late and self._read is not None:
+            read = self._taken()
+            self.probes.after_update(read.step, True)  # dropped if the device refused it
+            self.optimizer.zero_grad(set_to_none=True)
+            self.run.step, self.run.tokens = read.step, read.tokens
+            self._steps_timed += 1
+            earlier, self._late = self._late, read
+            self.outcome = APPLIED
+            return APPLIED if earlier is None else self._conclude_read(earlier)
         if self._read is not None:
-            self._agree(self._take_read())
+            self._agree(self._take_read(self._taken()))
         state, action, self._state = self._state, self._action, None
         if state is None or self.outcome == SKIPPED_BATCH:
             return self.outcome
@@ -346,18 +377,63 @@ class StepCore(Checkpointed):
         self.probes.after_update(state.step, applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.run.step, self.run.tokens = state.step, state.tokens
+        self._steps_timed += 1
+        return self._record(state, action, applied)
+
+    def _conclude_read(self, read: _Read) -> str:
+        """Read late: an earlier step's values -> the agreed action, the record, then the
+        rollback or halt (at the current step's end)."""
+        self._agree(self._take_read(read))
+        state, action, self._state = self._state, self._action, None
+        assert state is not None and self._stepper is not None
+        self._stepper.settle(self._applied)
+        if not self._applied:
+            self._unapplied.add(state.step)  # its update statistics are not emitted
+        self._unapplied = {s for s in self._unapplied if s >= state.step - 2}
+        if isinstance(action, Rollback) and self._late is not None:
+            self._record_abandoned(state, action)
+            return self.outcome
+        return self._record(state, action, self._applied and not isinstance(action, Rollback))
+
+    def _record_abandoned(self, state: StepState, action: Rollback) -> None:
+        """A rollback decided from a step read late: that step's record (with the action),
+        then the step in flight's (its values on the branch the rollback leaves: recorded, not
+        decided on; its update settled as the device did it), then the rollback."""
+        self._record(state, action, False, act=False)
+        read, self._late = self._late, None
+        assert read is not None and self._stepper is not None
+        after = self._take_read(read)
+        self._stepper.settle(not (after.nonfinite or after.refused_by or after.overflow))
+        self.probes.pending = None  # the abandoned step's update statistics
+        self._record(after, Continue(), False, act=False)
+        self.rollback(action)
+        self.outcome = ROLLED_BACK
+
+    def drain(self) -> str:
+        """Read late: the step in flight is read, decided on and recorded now (one wait for
+        its copy), as at a checkpoint and at the end of a run. Returns what it came to
+        ('applied' when nothing was in flight)."""
+        read, self._late = self._late, None
+        if read is None:
+            return APPLIED
+        self.outcome = APPLIED
+        return self._conclude_read(read)
+
+    def _record(self, state: StepState, action: Action, applied: bool, act: bool = True) -> str:
+        """A step's record (history, notes, callbacks), then its rollback or halt."""
         self.run.history.append((state.step, state.ce))  # the cross-entropy
         deliver_notes(self.callbacks)  # the verdicts that led to the action, before its record
         reason = "" if isinstance(action, Continue) else action.reason
         done = replace(state, applied=applied, action=action_name(action), reason=reason)
         for cb in self.callbacks:
             cb.post_step(done)
+        if not act:
+            return self.outcome
         if isinstance(action, Rollback):
             self.rollback(action)
             self.outcome = ROLLED_BACK
         elif isinstance(action, Halt):
             self.outcome = HALTED
-        self._steps_timed += 1
         return self.outcome
 
     def request_stop(self) -> None:
@@ -383,7 +459,7 @@ class StepCore(Checkpointed):
     def flush_probes(self) -> None:
         """The waiting update statistics, now (one sync): before a checkpoint, at the end."""
         pending = self.probes.take_pending_metrics()
-        if pending is not None:
+        if pending is not None and pending[0] not in self._unapplied:
             self._emit_update_metrics(*pending)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -399,10 +475,15 @@ class StepCore(Checkpointed):
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
         due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
+        if due and self._late is not None:  # a checkpoint holds only steps read and decided
+            self.drain()
+            due = ck.due(self.step_count, self.seconds_per_step)
         if due:
             self.save(due)
             return True
         ck.report(self.callbacks)  # an asynchronous save that landed meanwhile
+        if ck.memory is not None:
+            ck.memory.ahead()  # the next snapshot's pinned block, prepared off the loop
         return False
 
     def save(self, tiers: list[str] | None = None) -> None:
@@ -433,6 +514,7 @@ class StepCore(Checkpointed):
         checkpoint, then the callbacks hear how it ended."""
         self.start()
         try:
+            self.drain()  # read late: the last step's values
             self.flush_probes()
             disk = self.checkpointer.disk
             if disk.enabled and disk.last_saved != self.step_count:

@@ -9,8 +9,12 @@ gradients included (0 * nan is nan, so the gradients are masked first, and the u
 divided by an infinite denominator rather than multiplied by 0).
 
 The step count lives on the host (a Python int per parameter, as the bias corrections need it
-as a number): the loop learns the factor from its one host read after the update and tells the
-optimizer (`settle`), so the count of the next step is known before it starts.
+as a number). A factor step counts at once, as if applied; the loop learns the factor from its
+one host read and tells the optimizer (`settle`), which takes the count back if the step was
+refused. Read at the step's end (the CPU default) that happens before the next step starts, so
+the counts are torch's exactly. Read one step late (the GPU default: core/step_core.py), the
+step right after a refused one runs with its bias corrections one step further along (1 - b^(k+1)
+for 1 - b^k: ~0.1% for b2 = 0.999 after 1,000 steps) and the count is right again after it.
 
 The step core (trainer/core/step_core.py) drives any `StepFactor`: spikewatch's `AdamW` and
 the built-in Muon (the `FactorStep` mixin), and torch's own Adam / AdamW with `fused=True` (CUDA
@@ -50,7 +54,10 @@ class FactorStep:
     applied (the step count moves only then)."""
 
     _factor: torch.Tensor | None = None
-    _unsettled: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (factor, params)
+    _unsettled: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = None  # (factor, params)
+    # factor steps that may await their word when the next one starts: 1 for a loop that reads
+    # one step late (the step core sets it), else 0 (the factor is read: a sync, logged)
+    unsettled_allowed: int = 0
 
     def set_step_factor(self, factor: torch.Tensor | None) -> None:
         self._factor = factor
@@ -78,36 +85,40 @@ class FactorStep:
         raise NotImplementedError
 
     def _take_factor(self) -> torch.Tensor | None:
-        """The factor of this step (consumed); an unsettled earlier one is settled first."""
-        if self._unsettled is not None:  # the loop did not say: read it (one sync, logged)
+        """The factor of this step (consumed). Earlier steps beyond `unsettled_allowed` that
+        still await their word are settled first by reading their factor (a sync, logged)."""
+        while self._unsettled and len(self._unsettled) > self.unsettled_allowed:
             log.debug("%s: a step factor was not settled; reading it", type(self).__name__)
-            self.settle(bool(self._unsettled[0]))
+            self.settle(bool(self._unsettled[0][0]))
         factor, self._factor = self._factor, None
         return factor
 
     def _stepped(self, factor: torch.Tensor | None, params: list[torch.Tensor]) -> None:
-        """After the update of `params`: count it now (no factor), or when settled."""
-        if factor is None:
-            self._count(params)
-        else:
-            self._unsettled = (factor, params)
+        """After the update of `params`: counted now; a factor step is taken back if settled
+        as refused."""
+        self._count(params, 1)
+        if factor is not None:
+            self._unsettled = [*(self._unsettled or []), (factor, params)]
 
     def settle(self, applied: bool) -> None:
-        """The host's word on the last factor step: count it if it was applied."""
-        pending, self._unsettled = self._unsettled, None
-        if pending is not None and applied:
-            self._count(pending[1])
+        """The host's word on the oldest factor step not yet settled: refused, its count is
+        taken back."""
+        if not self._unsettled:
+            return
+        (_, params), *self._unsettled = self._unsettled
+        if not applied:
+            self._count(params, -1)
 
-    def _count(self, params: Iterable[torch.Tensor]) -> None:
+    def _count(self, params: Iterable[torch.Tensor], by: int) -> None:
         state = self.state  # type: ignore[attr-defined]
         for p in params:
-            state[p]["step"] = state[p]["step"] + 1
+            state[p]["step"] = state[p]["step"] + by
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format: step counts as float32 CPU tensors, so that torch's optimizer can
         load it too (the live state keeps them as host numbers)."""
-        if self._unsettled is not None:  # the count must be right in a checkpoint
-            self.settle(bool(self._unsettled[0]))
+        while self._unsettled:  # the count must be right in a checkpoint (reads the factor)
+            self.settle(bool(self._unsettled[0][0]))
         out = super().state_dict()  # type: ignore[misc]
         out["state"] = {
             i: {k: torch.tensor(float(v)) if k == "step" else v for k, v in s.items()}

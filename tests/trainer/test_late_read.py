@@ -1,0 +1,168 @@
+"""Read late (issue 47, `probes.read = "next_step"`, the GPU default): a step's values are read
+at the next step's end, while the device computes that step, so the host waits only on copies
+enqueued a step earlier; checkpoints and the run's end wait for their own step. On a CPU the
+copies are host memory already, so the order is what is tested: which step's transfer each host
+read takes, against the step being computed. The outcomes are those of the read at the step's
+end, the rollback one step later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spikewatch import AdamW, Watch
+from spikewatch.corpus import shift_labels, text_corpus, windows
+from trainer.builtin.loop import build_trainer
+from trainer.checkpoints.tiers import Tiers
+from trainer.config import FaultConfig, load_config
+from trainer.core import step_core, transfer
+
+from ..spikewatch.conftest import example
+
+
+class Trace:
+    """Each host read of a step's transfer: (the step being computed, the step whose transfer
+    it is, read inside a drain); the steps checkpointed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[int, int, bool]] = []
+        self.saved: list[int] = []
+        self.rolled_back: list[int] = []  # the steps at whose end a rollback happened
+        self.gates = 0
+        now = {"step": 0, "draining": False}
+        gate, start, fetch = (
+            step_core.StepCore.gate,
+            transfer.HostTransfer.start,
+            transfer.HostTransfer.fetch,
+        )
+        drain, save, rollback = step_core.StepCore.drain, Tiers.save, step_core.StepCore.rollback
+
+        def traced_gate(core, *a: Any, **k: Any):  # noqa: ANN001, ANN202
+            now["step"] = core.step_count + 1
+            self.gates += 1
+            return gate(core, *a, **k)
+
+        def traced_start(xfer) -> None:  # noqa: ANN001
+            xfer.born = now["step"]
+            start(xfer)
+
+        def traced_fetch(xfer):  # noqa: ANN001, ANN202
+            self.reads.append((now["step"], xfer.born, now["draining"]))
+            return fetch(xfer)
+
+        def traced_drain(core):  # noqa: ANN001, ANN202
+            now["draining"] = True
+            try:
+                return drain(core)
+            finally:
+                now["draining"] = False
+
+        def traced_rollback(core, action):  # noqa: ANN001, ANN202
+            self.rolled_back.append(core.step_count)
+            return rollback(core, action)
+
+        def traced_save(tiers, step, *a: Any, **k: Any):  # noqa: ANN001, ANN202
+            self.saved.append(step)
+            return save(tiers, step, *a, **k)
+
+        monkeypatch.setattr(step_core.StepCore, "gate", traced_gate)
+        monkeypatch.setattr(transfer.HostTransfer, "start", traced_start)
+        monkeypatch.setattr(transfer.HostTransfer, "fetch", traced_fetch)
+        monkeypatch.setattr(step_core.StepCore, "drain", traced_drain)
+        monkeypatch.setattr(Tiers, "save", traced_save)
+        monkeypatch.setattr(step_core.StepCore, "rollback", traced_rollback)
+
+    def check_late(self, last: int) -> None:
+        """Every step read once; outside a drain, only transfers of an earlier step, but for
+        the step in flight when a rollback discards it; drains only where a checkpoint is
+        taken, or at the end."""
+        assert len(self.reads) == self.gates
+        outside = [(now, born) for now, born, drained in self.reads if not drained]
+        own = [(now, born) for now, born in outside if born > now - 1]
+        assert len(outside) > 100 and [now for now, _ in own] == self.rolled_back
+        assert all(born == now for now, born in own)
+        drained = {now for now, born, d in self.reads if d}
+        assert drained <= set(self.saved) | {last}, drained - set(self.saved)
+
+
+def _builtin(tmp: Path, read: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Trace, Any]:
+    cfg = load_config(
+        "tiny_cpu", [f"probes.read={read}", "train.max_steps=160", "checkpoint.memory_interval=10"]
+    )
+    cfg.faults = [FaultConfig(kind="shifted_labels", start=100, length=10)]
+    trace = Trace(monkeypatch)
+    tr = build_trainer(cfg, run_dir=tmp / read)
+    tr.fit()
+    monkeypatch.undo()
+    return trace, tr
+
+
+def _rollbacks(summary: dict) -> list[tuple]:
+    return [
+        (i["onset_step"], i["to_step"], i["from_step"], i["skipped"])
+        for i in summary["interventions"]
+        if i.get("to_step") is not None
+    ]
+
+
+def test_the_builtin_trainer_reads_a_step_late_and_ends_where_the_same_step_read_does(
+    tmp_path, monkeypatch
+) -> None:
+    late, tr_late = _builtin(tmp_path, "next_step", monkeypatch)
+    now, tr_now = _builtin(tmp_path, "same_step", monkeypatch)
+    assert tr_late.core.late and not tr_now.core.late
+    late.check_late(160)
+    assert all(born == step for step, born, _ in now.reads)  # the contrast: its own step
+    a, b = _rollbacks(tr_late.core.summary()), _rollbacks(tr_now.core.summary())
+    assert b and [r[:2] + r[3:] for r in a] == [r[:2] + r[3:] for r in b]  # onset, target, skips
+    assert [r[2] for r in a] == [r[2] + 1 for r in b]  # rolled back one step later
+    for p, q in zip(tr_late.model.parameters(), tr_now.model.parameters(), strict=True):
+        assert torch.equal(p, q)  # the discarded step is discarded: the same weights
+
+
+def _watched(tmp: Path, read: str, monkeypatch: pytest.MonkeyPatch, fused: bool) -> tuple:
+    """The plain-loop example's GPT in a loop of our own, 8 batches poisoned."""
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    if fused:  # torch's fused kernel, refused through its found_inf flag
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    else:  # spikewatch's, with its host step counts
+        opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    trace = Trace(monkeypatch)
+    settings = {"probes": {"read": read}, "checkpoint": {"memory_interval": 10}}
+    watch = Watch(model, opt, run_dir=tmp / f"{read}{fused}", db="none", max_steps=150,
+                  settings=settings)  # fmt: skip
+    model.use_recorder(watch.attn)
+    train, _ = text_corpus()
+
+    def batch_at(i: int):
+        x, y = windows(train, i, 8, 32)
+        return x, shift_labels(y) if 100 <= i < 108 else y
+
+    with watch:
+        for x, y in watch.batches(batch_at):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    monkeypatch.undo()
+    return trace, watch, model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_watched_loop_reads_a_step_late_and_ends_where_the_same_step_read_does(
+    tmp_path, monkeypatch, fused
+) -> None:
+    late, w_late, m_late = _watched(tmp_path, "next_step", monkeypatch, fused)
+    now, w_now, m_now = _watched(tmp_path, "same_step", monkeypatch, fused)
+    assert w_late.core.late and not w_now.core.late
+    late.check_late(150)
+    assert all(born == step for step, born, _ in now.reads)
+    a, b = _rollbacks(w_late.core.summary()), _rollbacks(w_now.core.summary())
+    assert b and [r[:2] + r[3:] for r in a] == [r[:2] + r[3:] for r in b]
+    assert [r[2] for r in a] == [r[2] + 1 for r in b]
+    for p, q in zip(m_late.parameters(), m_now.parameters(), strict=True):
+        assert torch.equal(p, q)
