@@ -70,13 +70,49 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--at", type=int, default=150)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument(
+        "--reads",
+        default="same_step",
+        help="probes.read orders, comma-separated (same_step,next_step: both, and where the "
+        "one-step-late read of a GPU changes an outcome, by how much)",
+    )
     args = ap.parse_args()
+    reads = args.reads.split(",")
+    by_read = {read: _table(args, read) for read in reads}
+    if len(reads) > 1:
+        _compare(by_read)
+
+
+def _compare(by_read: dict[str, dict]) -> None:
+    (a, ra), (b, rb) = list(by_read.items())[:2]
+    print(f"\n{b} against {a}: val loss, rollbacks, same-step refusals")
+    print("| fault | shape | strategy | val | rollbacks | refusals |")
+    print("|---|---|---|---:|---|---|")
+    changed = 0
+    for x, y in zip(ra["rows"], rb["rows"], strict=True):
+        dv = y["val"] - x["val"]
+        same = dv == 0 and (x["rollbacks"], x["same_step_refusals"]) == (
+            y["rollbacks"],
+            y["same_step_refusals"],
+        )
+        changed += not same
+        print(
+            f"| {x['fault']} | {x['shape']} | {x['strategy']} | {dv:+.6f} | "
+            f"{x['rollbacks']} -> {y['rollbacks']} | "
+            f"{x['same_step_refusals']} -> {y['same_step_refusals']} |"
+        )
+    worst = max(abs(y["val"] - x["val"]) for x, y in zip(ra["rows"], rb["rows"], strict=True))
+    print(json.dumps({"compare": [a, b], "cells_changed": changed, "max_abs_val_change": worst}))
+
+
+def _table(args: argparse.Namespace, read: str) -> dict:
     base = [
         "train.progress=false",
         f"train.max_steps={args.steps}",
         "checkpoint.interval=10",
         "eval.interval=none",
         "eval.batches=16",
+        f"probes.read={read}",
     ]
     cells = [("clean", "-", "both", [])]
     for name, (kind, short, long) in FAULTS.items():
@@ -88,6 +124,7 @@ def main() -> None:
         jobs = [([*base, *over], f"{tmp}/{i}") for i, (*_, over) in enumerate(cells)]
         results = list(pool.map(_train, jobs))
     clean = results[0]["val"]
+    print(f"probes.read = {read}")
     rows = []
     print(f"clean run: final val loss {clean:.4f}\n")
     print("| fault | shape | strategy | same-step refusals | rollbacks | val loss | excess |")
@@ -117,7 +154,9 @@ def main() -> None:
     )
     print(f"both tiers: needed a rollback: {', '.join(rolled) or '-'}")
     summary = {"absorbed": absorbed, "nonfinite_refused": nonfinite, "rolled_back": rolled}
-    print(json.dumps({"clean_val": clean, **summary, "rows": rows}))
+    out = {"read": read, "clean_val": clean, **summary, "rows": rows}
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from spikewatch._adapter import Adapter
 from spikewatch._optional import require
 from trainer.core.attribution import FED_STEPS, MicroBatches
 from trainer.model.attn_max import AttnMax
-from trainer.model.kernels.eligibility import tensor_refusal
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -116,26 +115,18 @@ def _recording(
     causal: bool,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A probed eager step: the fused Triton kernel (the maxima come free) where it applies,
-    else the maxima in a separate score pass, then the model's own attention."""
+    """A probed eager step: the maxima (the fused max pass on a GPU, grouped-query keys
+    shared; a separate score pass elsewhere), then the model's own attention."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     softcap = kwargs.get("softcap")
     n_rep = query.size(1) // key.size(1)
-    keys = repeat_kv(key, n_rep)  # (B, H, S, D)
-    # (keys stand in for the values' shape: the values are repeated only where they are used)
-    why = tensor_refusal(query, keys, keys, mask=attention_mask, dropout=dropout, softcap=softcap)
-    if why is None and query.is_cuda:
-        from trainer.model.kernels.attention import flash_attention
-
-        values = repeat_kv(value, n_rep)
-        out, mx = flash_attention(query, keys, values, causal=causal, sm_scale=scaling)
-        rec.record(_layer(module), mx)
-        return out.transpose(1, 2).contiguous(), None
     layer = _layer(module)
-    rec.record_logits(layer, query, keys, causal=causal, mask=attention_mask, scale=scaling)
+    rec.record_logits(
+        layer, query, key, causal=causal, mask=attention_mask, scale=scaling, n_rep=n_rep
+    )
     if softcap is not None:
-        values = repeat_kv(value, n_rep)
+        keys, values = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
         return _eager(
             module, query, keys, values, attention_mask, dropout, scaling, softcap, causal
         )

@@ -328,7 +328,7 @@ def test_the_store_holds_one_copy_of_each_metric(cli_run) -> None:
         assert kinds.count("rollback") == 1 and kinds.count("spike") == 1
         branches = store.series(session, run_id=run_id, metric="train/loss", branch="all")
         counts = [sum(b.n for b in s.buckets) for s in branches]
-        assert counts == [iv["step"], 60 - iv["to_step"]]  # each step once, on its branch
+        assert counts == [iv["from_step"], 60 - iv["to_step"]]  # each step once, on its branch
         cks = store.checkpoints(session, run_id=run_id)
         assert len(cks) == len({(c.branch, c.step) for c in cks})
 
