@@ -64,7 +64,7 @@ def test_a_framework_callback_names_the_rows_it_fed(example: str, tmp_path) -> N
     rollback = the_rollback(summary)
     named = {(s["batch"], s["row"]) for s in rollback["samples"]}
     fed = {b for b, _ in named}  # the batches trained before the rollback: onset to detection
-    assert fed and min(fed) == 100 and max(fed) < rollback["step"]
+    assert fed and min(fed) == 100 and max(fed) < rollback["from_step"]  # (read late: step + 1)
     assert named == {(b, r) for b in fed for r in range(4)}
     assert rollback["skip_ranges"] and "skipped_samples" not in rollback
     assert summary["steps"] == summary.get("framework_step", 150) == 150

@@ -241,9 +241,10 @@ def test_device_side_copies_run_on_each_source_devices_own_stream(monkeypatch) -
     events = pinned.SideCopies().start(pairs)
     assert copied == [gpu0, gpu1, gpu1] and on_host.item() == 7.0  # the CPU one at once
     assert [s.device for s in kept] == [gpu0, gpu1, gpu1]  # not reused before the copy
-    assert [dev for dev, _ in events] == [gpu0, gpu1]  # no stream asked of the CPU
+    assert [dev for dev, _, _ in events] == [gpu0, gpu1]  # no stream asked of the CPU
     assert ("wait_stream", gpu1, gpu1) in fake.log  # after the work queued on gpu1
-    assert [e.stream.device for _, e in events] == [gpu0, gpu1]
+    assert [e.stream.device for _, e, _ in events] == [gpu0, gpu1]
+    assert all(landed is free for _, landed, free in events)  # copied straight to the host
 
 
 def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypatch) -> None:
@@ -254,14 +255,16 @@ def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypat
     model = torch.nn.Linear(2, 2)
     tier = MemoryTier(model, torch.optim.SGD(model.parameters()), interval=1, budget_bytes=2**20)
     gpu1 = torch.device("cuda", 1)
-    event = fake.Event()
-    event.record(fake.Stream(gpu1))
+    free, landed = fake.Event(), fake.Event()
+    free.record(fake.Stream(gpu1))  # the copy staged on the device (HBM to HBM): done soon
+    landed.record(fake.Stream(torch.device("cuda", 0)))  # (another stream, to tell them apart)
     fake.log.clear()
     tier._pending = _Slot(step=1, buffers={}, small={}, opt_other={}, groups=[])
-    tier._pending.events = [(gpu1, event)]
+    tier._pending.events = [(gpu1, landed, free)]
     tier._pending.ready.set()  # (a host wait on it could not hang the test)
     tier.before_mutation()
-    assert fake.log == [("wait_event", gpu1, gpu1)]  # no ("synchronize", ...)
+    # the update waits for the staging copy, not for the host's: no ("synchronize", ...)
+    assert fake.log == [("wait_event", gpu1, gpu1)]
 
 
 def test_device_the_attention_max_ops_are_unsafe_to_capture_in_a_cuda_graph() -> None:

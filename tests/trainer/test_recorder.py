@@ -66,7 +66,9 @@ def test_both_branches_keep_their_history(run) -> None:
         by_branch = {d.branch: d for d in data}
         assert set(by_branch) == {0, 1}
         steps0 = [b.end for b in by_branch[0].buckets]
-        assert max(steps0) == iv["detect_step"]  # the abandoned branch ends at the detection
+        # the abandoned branch ends where the rollback happened: the detection, or (read a step
+        # late, the GPU default) the step after it
+        assert max(steps0) == iv["from_step"] >= iv["detect_step"]
         names = set(store.metric_names(s, run_id="r1"))
         assert {
             "train/loss",

@@ -163,7 +163,9 @@ def _tiny_counts(vs: list[torch.Tensor], device: torch.device, index: dict) -> t
     owner = index.get(sizes)
     if owner is None:
         counts = torch.tensor(sizes, device=device)
-        owner = index[sizes] = torch.repeat_interleave(torch.arange(len(vs), device=device), counts)
+        owner = index[sizes] = torch.repeat_interleave(  # its size given: no device read
+            torch.arange(len(vs), device=device), counts, output_size=sum(sizes)
+        )
     below = (torch.cat(samples) < V_TINY).float()
     return torch.zeros(len(vs), device=device).index_add_(0, owner, below)
 
