@@ -127,3 +127,15 @@ def test_the_recorder_takes_the_fused_pass_where_it_runs(monkeypatch) -> None:
     taken = rec.take()
     assert taken is not None and len(launches) == 2
     torch.testing.assert_close(taken[1], blockwise)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_and_keys_past_the_end_do_not_count_when_every_logit_is_negative(causal) -> None:
+    """The padding of a tail block (zero queries, zero keys) gives logits of 0: were they
+    counted, a head whose logits are all negative would report 0."""
+    g = torch.Generator().manual_seed(9)
+    q = -torch.rand(1, 2, 70, 32, generator=g) - 0.1
+    k = torch.rand(1, 2, 70 if causal else 45, 32, generator=g) + 0.1
+    got = fused_max_logits(q, k, causal=causal)
+    assert (got < 0).all()
+    torch.testing.assert_close(got, _reference(q, k, causal, 32**-0.5).float())

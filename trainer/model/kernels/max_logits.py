@@ -54,27 +54,43 @@ def _max_kernel(
         Q + q_base + offs_m[:, None].to(tl.int64) * sqt + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
-    )  # (M, Dp)
+    )  # (M, Dp); rows past T are zeros, left out at the end
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # an elementwise running maximum: one max per score, reduced over rows once at the end
+    m2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    # key blocks every row of this query block sees whole (no mask): below the block's first
+    # row (causal), and inside S
+    lo = (S // BLOCK_N) * BLOCK_N
     hi = S
     if CAUSAL:
+        lo = tl.minimum(pid_m * BLOCK_M, lo)
         hi = tl.minimum((pid_m + 1) * BLOCK_M, S)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, lo, BLOCK_N):
+        n = start_n + offs_n
+        kt = tl.load(
+            K + k_base + n[None, :].to(tl.int64) * skt + offs_d[:, None],
+            mask=mask_d[:, None],
+            other=0.0,
+        )  # (Dp, N)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        m2 = tl.maximum(m2, tl.dot(q, kt, input_precision=PRECISION))  # fp32 accumulation
+    for start_n in range(lo, hi, BLOCK_N):  # the diagonal and the tail: masked
         n = start_n + offs_n
         kt = tl.load(
             K + k_base + n[None, :].to(tl.int64) * skt + offs_d[:, None],
             mask=(n[None, :] < S) & mask_d[:, None],
             other=0.0,
-        )  # (Dp, N)
+        )
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION)  # (M, N), fp32 accumulation
-        valid = (n[None, :] < S) & mask_m[:, None]
+        s = tl.dot(q, kt, input_precision=PRECISION)
+        valid = n[None, :] < S
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= n[None, :])
-        m_i = tl.maximum(m_i, tl.max(tl.where(valid, s, float("-inf")), 1))
+        m2 = tl.maximum(m2, tl.where(valid, s, float("-inf")))
+    m_i = tl.where(mask_m, tl.max(m2, 1), float("-inf"))
     tl.store(MAXB + bh.to(tl.int64) * num_m_blocks + pid_m, tl.max(m_i, 0))
 
 
