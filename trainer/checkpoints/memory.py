@@ -171,7 +171,9 @@ class MemoryTier:
             self._prepare_spare(dict(_live_tensors(self.model, self.optimizer)))
 
     def _room(self) -> bool:
-        return len(self.slots) + 1 < self.capacity(self._need)
+        """A spare fits in the budget beside what is held (bytes, not a count of full
+        snapshots: the step-0 snapshot holds no optimizer state and is smaller)."""
+        return self.bytes_held + self._need <= self.budget_bytes
 
     def _prepare_spare(self, live: dict[str, torch.Tensor]) -> None:
         pin = any(t.is_cuda for t in live.values())
