@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from trainer.builtin.loop import build_trainer
 from trainer.config import load_config
@@ -116,3 +117,40 @@ def test_one_bad_batch_is_refused_on_its_step_without_a_rollback(tmp_path, tier)
     else:
         assert r.interventions == [] and step151.applied
     assert all(s.applied for s in seen.steps if s.step != 151)
+
+
+def test_thresholds_with_the_step_before_on_the_device_are_those_after_observing_it() -> None:
+    """Read one step late (the GPU default), step t + 1's thresholds are set while step t's
+    values are still on the device: `limits_after` must give what `limits()` gives once
+    `observe` has learnt step t, whatever step t was (learnt, refused by the tier, non-finite,
+    a GradScaler's overflow), through the window's filling, its evictions and the refusals in
+    a row that disarm it."""
+    import random
+
+    from trainer.core.same_step import SameStepConfig, SameStepGate
+
+    rng = random.Random(0)
+    cfg = SameStepConfig(window=16, min_history=8, max_refusals=2, sigma=2.0)
+    gate = SameStepGate(cfg)
+    kinds = {"learnt": 0, "refused": 0, "nonfinite": 0, "overflow": 0, "armed": 0}
+    for _ in range(400):
+        loss, gnorm = rng.lognormvariate(0, 0.3), rng.lognormvariate(0, 0.5)
+        kind = rng.choices(["learnt", "refused", "nonfinite", "overflow"], [8, 2, 1, 1])[0]
+        if kind == "nonfinite":
+            gnorm = math.inf if rng.random() < 0.5 else math.nan
+        if kind == "overflow":
+            gnorm = math.inf
+        factor = 0.0 if kind in ("refused", "nonfinite", "overflow") else 1.0
+        t = [torch.tensor(v) for v in (loss, gnorm, factor)]  # float32, as on the device
+        loss, gnorm = float(t[0]), float(t[1])  # the host reads those same values
+        ov = torch.tensor(1.0 if kind == "overflow" else 0.0)
+        lim, armed = gate.limits_after(*t, ov)
+        if kind != "overflow":  # as the core: the scaler's overflow is not the tier's to learn
+            gate.observe(loss, gnorm, kind == "refused")
+        want = gate.limits()
+        kinds[kind] += 1
+        assert bool(armed) == (want is not None)
+        if want is not None:
+            kinds["armed"] += 1
+            assert lim.tolist() == pytest.approx(list(want), rel=1e-12, abs=1e-12)
+    assert min(kinds.values()) > 20, kinds

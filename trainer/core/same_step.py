@@ -78,6 +78,56 @@ class SameStepGate:
             out.append(mean + cfg.sigma * max(math.sqrt(var), cfg.floor))
         return out[0], out[1]
 
+    def limits_after(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        factor: torch.Tensor,
+        overflow: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's thresholds while the step before it is still on the device (read
+        one step late): what `limits()` would give once `observe` had learnt that step, its
+        values and the device's factor taken where they are. Returns ((2,) log-thresholds,
+        () armed), both on the device. The host gives the window as its exact mean and sum of
+        squared deviations per series; the device adds the step, drops the value it evicts,
+        and counts the refusals in a row, with `observe`'s rule (non-finite values never
+        learnt, a GradScaler's overflow leaving the window alone)."""
+        cfg = self.cfg
+        dev = loss.device
+        n = self.count
+        mu, m2, evicted = [], [], []
+        for series in self.values:
+            held = series[:n]
+            avg = math.fsum(held) / n if n else 0.0
+            mu.append(avg)
+            m2.append(math.fsum((v - avg) ** 2 for v in held))
+            evicted.append(series[self.pos] - avg if n == cfg.window else 0.0)
+        f64 = torch.float64
+        x = torch.stack([loss.detach(), grad_norm.detach()]).to(f64)  # (2,)
+        lx = torch.where(x > 0, x.clamp_min(1e-300).log(), torch.full_like(x, math.nan))
+        loss_ok = torch.isfinite(x[0])
+        over = torch.zeros((), dtype=torch.bool, device=dev)
+        if overflow is not None:
+            over = (overflow > 0) & loss_ok
+        nonfinite = ~(loss_ok & (torch.isfinite(x[1]) | over))
+        refused = (factor == 0) & ~nonfinite  # by the tier: a finite step the device refused
+        pushed = ~over & torch.isfinite(lx).all() & ~refused
+        full = n == cfg.window
+        n_new = pushed.to(f64) * (0.0 if full else 1.0) + n
+        d = lx - torch.tensor(mu, dtype=f64, device=dev)  # the step from each mean
+        e = torch.tensor(evicted, dtype=f64, device=dev)
+        keep = pushed.to(f64)
+        d = torch.where(pushed, d, torch.zeros_like(d))
+        s1 = keep * (d - (e if full else 0.0))
+        s2 = torch.tensor(m2, dtype=f64, device=dev) + keep * (d * d - (e * e if full else 0.0))
+        nn = n_new.clamp_min(1.0)
+        mean = torch.tensor(mu, dtype=f64, device=dev) + s1 / nn
+        var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
+        lim = mean + cfg.sigma * var.sqrt().clamp_min(cfg.floor)
+        run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
+        armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
+        return lim, armed
+
     def z(self, loss: float, grad_norm: float) -> tuple[float, float]:
         """Deviations of the two log-values above their rolling means (0 without history)."""
         x = [_log(loss), _log(grad_norm)]
@@ -155,15 +205,22 @@ class SameStepGate:
 
 
 def step_factor(
-    loss: torch.Tensor, grad_norm: torch.Tensor, limits: tuple[float, float] | None
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    limits: tuple[float, float] | tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """() float on the device: 1.0 = apply the update, 0.0 = refuse it (a non-finite loss or
-    norm, or one above the same-step `limits`). No host read: the limits are host numbers."""
+    norm, or one above the same-step `limits`). No host read: the limits are host numbers, or
+    (read one step late) `limits_after`'s device thresholds and armed flag."""
     x = torch.stack([loss.detach().float(), grad_norm.detach().float()]).double()  # (2,)
     ok = torch.isfinite(x).all()
     if limits is not None:  # as _log: a value <= 0 has no log, and is never refused
         lx = x.log()
-        over = (lx[0] > limits[0]) | (lx[1] > limits[1])
+        a, b = limits
+        if torch.is_tensor(a):
+            over = ((lx[0] > a[0]) | (lx[1] > a[1])) & b
+        else:
+            over = (lx[0] > a) | (lx[1] > b)
         ok = ok & ~(over & (x > 0).all())
     return ok.float()
 

@@ -106,6 +106,8 @@ class _Read:
     step: int = 0
     batch_index: int = 0
     tokens: int = 0  # the run's tokens once this step is counted
+    # read late: the same-step tier's inputs, on the device (loss, grad norm, factor, overflow)
+    tier: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -231,7 +233,10 @@ class StepCore(Checkpointed):
         path) they are read now and the callbacks decide before the update."""
         step = self.step_count + 1
         t = self.world.reduce(t, stop=self.stop_asked)
-        limits = self.same_step.limits() if self.same_step is not None else None
+        limits: Any = None
+        if self.same_step is not None:  # read late: the step before is still on the device
+            ahead = self._late.tier if self._late is not None else None
+            limits = self.same_step.limits_after(*ahead) if ahead else self.same_step.limits()
         factor = step_factor(t.loss, t.grad_norm, limits)
         xfer = HostTransfer()
         xfer.add_step(t)
@@ -248,7 +253,8 @@ class StepCore(Checkpointed):
         xfer.start()
         late_step = None if pending is None else pending[0]
         tokens = self.run.tokens + ntok
-        self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens)
+        tier = (t.loss, t.grad_norm, factor, t.overflow) if self.late else None
+        self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens, tier)
         if self.host_path:
             self._agree(self._take_read(self._taken()))
             if self.outcome != APPLIED:
