@@ -9,8 +9,10 @@ each part of spikewatch's per-step work, before issue 47 and now:
   fused max pass (now; on meta its fake, one op per layer);
 - Adam's v-below-1e-16 count on a state step: five ops per tensor (before) against one
   concatenation, comparison and index_add (now);
-- what stayed: the clip with its per-tensor norms and per-layer sums, the step factor, the one
-  packed transfer (its bytes), and the update and moment statistics of a state step.
+- the step factor: read one step late, the same-step tier's thresholds now take the step
+  before from the device (scalar ops added, counted);
+- what stayed: the clip with its per-tensor norms and per-layer sums, the one packed transfer
+  (its bytes), and the update and moment statistics of a state step.
 
 Host time is the Python and dispatch time of each part on meta (what a GPU's host pays before
 the kernels run), medians of repeats.
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import ProbesConfig  # noqa: E402
 from trainer.core import probes as P  # noqa: E402
-from trainer.core.same_step import step_factor  # noqa: E402
+from trainer.core.same_step import SameStepConfig, SameStepGate, step_factor  # noqa: E402
 from trainer.core.transfer import HostTransfer, StepTensors, clip_by_global_norm  # noqa: E402
 from trainer.model.attention import max_logits  # noqa: E402
 from trainer.model.attn_max import AttnMax  # noqa: E402
@@ -126,8 +128,19 @@ def main() -> None:
     clip_and_norms()
     attn = torch.empty(L, H, device="meta")
 
-    def factor_and_transfer() -> None:
-        f = step_factor(loss, norm_out["norm"], (1.0, 1.0))
+    tier = SameStepGate(SameStepConfig())
+    for i in range(200):  # a full window
+        tier.observe(2.0 + 0.01 * (i % 7), 1.0 + 0.02 * (i % 5), False)
+    one = torch.ones((), device="meta")
+
+    def factor_and_transfer(late: bool) -> Callable[[], None]:
+        def run() -> None:  # read late, the thresholds take the step before on the device
+            limits = tier.limits_after(loss, norm_out["norm"], one, None) if late else tier.limits()
+            transfer(step_factor(loss, norm_out["norm"], limits))
+
+        return run
+
+    def transfer(f: torch.Tensor) -> None:
         x = HostTransfer()
         x.add_step(StepTensors(loss, norm_out["norm"], norm_out["factor"], norm_out["per"],
                                attn_max=attn))  # fmt: skip
@@ -161,7 +174,11 @@ def main() -> None:
     parts = {
         "attention maxima (12 layers)": (maxima_blockwise, maxima_fused, 1),
         "clip, per-tensor norms, per-layer grad norms": (clip_and_norms, clip_and_norms, 1),
-        "step factor and the packed transfer": (factor_and_transfer, factor_and_transfer, 1),
+        "step factor and the packed transfer": (
+            factor_and_transfer(False),
+            factor_and_transfer(True),
+            1,
+        ),
         "update and moment statistics (a state step)": (
             state_step(per_tensor),
             state_step(few),

@@ -104,24 +104,25 @@ class SameStepGate:
             evicted.append(series[self.pos] - avg if n == cfg.window else 0.0)
         f64 = torch.float64
         x = torch.stack([loss.detach(), grad_norm.detach()]).to(f64)  # (2,)
-        lx = torch.where(x > 0, x.clamp_min(1e-300).log(), torch.full_like(x, math.nan))
-        loss_ok = torch.isfinite(x[0])
+        fin = torch.isfinite(x)
+        loss_ok = fin[0]
         over = torch.zeros((), dtype=torch.bool, device=dev)
         if overflow is not None:
             over = (overflow > 0) & loss_ok
-        nonfinite = ~(loss_ok & (torch.isfinite(x[1]) | over))
+        nonfinite = ~(loss_ok & (fin[1] | over))
         refused = (factor == 0) & ~nonfinite  # by the tier: a finite step the device refused
-        pushed = ~over & torch.isfinite(lx).all() & ~refused
+        learnable = (fin & (x > 0)).all()  # as `_log`: a value <= 0 or non-finite is not learnt
+        pushed = ~over & learnable & ~refused
         full = n == cfg.window
         n_new = pushed.to(f64) * (0.0 if full else 1.0) + n
-        d = lx - torch.tensor(mu, dtype=f64, device=dev)  # the step from each mean
-        e = torch.tensor(evicted, dtype=f64, device=dev)
+        window = torch.tensor([*mu, *m2, *evicted], dtype=f64, device=dev)  # one small copy
+        mean0, dev2, e = window[:2], window[2:4], window[4:]
         keep = pushed.to(f64)
-        d = torch.where(pushed, d, torch.zeros_like(d))
+        d = torch.where(pushed, x.log() - mean0, 0.0)  # the step from each mean
         s1 = keep * (d - (e if full else 0.0))
-        s2 = torch.tensor(m2, dtype=f64, device=dev) + keep * (d * d - (e * e if full else 0.0))
+        s2 = dev2 + keep * (d * d - (e * e if full else 0.0))
         nn = n_new.clamp_min(1.0)
-        mean = torch.tensor(mu, dtype=f64, device=dev) + s1 / nn
+        mean = mean0 + s1 / nn
         var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
         lim = mean + cfg.sigma * var.sqrt().clamp_min(cfg.floor)
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
