@@ -69,10 +69,10 @@ class ModelConfig(_Section):
     attention: Literal["auto", "sdpa", "eager", "chunked", "triton"] = Field(
         "auto",
         description=(
-            "Attention backend. 'auto': on CUDA the fused Triton kernel when the max logit is "
-            "needed, else SDPA; on CPU SDPA plus a separate max-logit pass; 'chunked' whenever "
-            "an attention soft-cap is set. 'eager' materialises QK^T; 'chunked' is blockwise; "
-            "'triton' needs CUDA (or TRITON_INTERPRET=1)."
+            "Attention backend. 'auto': SDPA, with the max logit (when needed) from a separate "
+            "pass, one fused kernel on CUDA; 'chunked' whenever an attention soft-cap is set. "
+            "'eager' materialises QK^T; 'chunked' is blockwise; 'triton' (the fused flash "
+            "attention, the max from its online softmax) needs CUDA (or TRITON_INTERPRET=1)."
         ),
     )
     attn_chunk: int = Field(128, ge=1, description="Query block size of the chunked backend.")
