@@ -49,12 +49,12 @@ from trainer.core.attribution import (
     MicroBatches,
     RowStat,
     id_of,
+    leave_out,
     moved,
     preview,
     row_grad_norm,
     row_of,
     rows_in,
-    select_rows,
     tokens_in,
     tokens_of,
 )
@@ -265,7 +265,7 @@ class Watch:
                 keep = [r for r in range(rows_in(batch)) if r not in set(left_out)]
                 if not keep:
                     continue  # every row of it was named: the next batch
-                batch = select_rows(batch, keep)
+                batch = leave_out(batch, keep, index, self)
             self.begin_step(index)
             self._ntok = tokens_in(batch) * core.world.size  # each rank: its rows of the batch
             yield batch

@@ -68,3 +68,44 @@ def test_a_framework_callback_names_the_rows_it_fed(example: str, tmp_path) -> N
     assert named == {(b, r) for b in fed for r in range(4)}
     assert rollback["skip_ranges"] and "skipped_samples" not in rollback
     assert summary["steps"] == summary.get("framework_step", 150) == 150
+
+
+def test_a_batch_with_samples_left_out_is_marked_dynamic_once_said(tmp_path, caplog) -> None:
+    """Issue 45, item 6: the Watch leaves the named rows out of their batches (the loop's data
+    is its own: nothing refills them), so the batch shrinks. Its batch dimension is marked
+    dynamic, so that a compiled model compiles once more for the smaller batch and not once
+    per size (with automatic dynamic shapes off too), and the Watch says why, once."""
+    import logging
+
+    import torch
+
+    from spikewatch import Watch
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = Watch(model, opt, run_dir=tmp_path / "run", db="none", max_steps=6)
+    core = watch.open()
+    core.run.data.block([(2, 0), (2, 5), (4, 1)])  # batch 2 loses 2 rows, batch 4 one
+    graphs = []
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sum(), backend=backend)
+    sizes = []
+    with (
+        caplog.at_level(logging.WARNING),
+        torch._dynamo.config.patch(automatic_dynamic_shapes=False),
+    ):
+        for (x,) in watch.batches(lambda i: (torch.full((16, 4), float(i)),)):
+            sizes.append(x.size(0))
+            loss = fn(x) * model.weight.sum()
+            loss.backward()
+            watch.step(loss)
+    watch.close()
+    assert sizes == [16, 16, 14, 16, 15, 16]
+    assert len(graphs) == 2  # 16, then one dynamic graph for 14 and 15
+    said = [r for r in caplog.records if "rows (the named samples are left out" in r.message]
+    assert len(said) == 1 and "batch 2 trains on 14 of its 16 rows" in said[0].message

@@ -253,6 +253,31 @@ def select_rows(batch: Any, keep: list[int]) -> Any:
     return batch
 
 
+_SAID_SHRUNK: set[int] = set()  # the Watches (by id) that said why their batches shrink
+
+
+def leave_out(batch: Any, keep: list[int], index: int, owner: object) -> Any:
+    """The batch with only rows `keep` (the named samples left out), its batch dimension marked
+    dynamic: a compiled model compiles once more for the smaller batch and no more for any other
+    size (not once per size). Said once per `owner`, with why."""
+    rows = rows_in(batch)
+    out = select_rows(batch, keep)
+    for t in _tensors(out):
+        if t.dim():
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    if id(owner) not in _SAID_SHRUNK:
+        _SAID_SHRUNK.add(id(owner))
+        log.warning(
+            "batch %d trains on %d of its %d rows (the named samples are left out, not "
+            "replaced: the loop's data is its own); a compiled model compiles once more, "
+            "for a batch of dynamic size",
+            index,
+            len(keep),
+            rows,
+        )
+    return out
+
+
 def moved(batch: Any, device: torch.device | str) -> Any:
     """The batch with its tensors on `device` (another rank's batch, received on the host)."""
     if torch.is_tensor(batch):
