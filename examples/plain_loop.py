@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", default=None, metavar="RUN_DIR")
     p.add_argument("--no-rollback", action="store_true")
     p.add_argument(
+        "--blocklist", default=None, help="a quarantine's file: its samples are left out"
+    )
+    p.add_argument(
         "--whole-batches", action="store_true", help="a rollback skips whole batches, not rows"
     )
     p.add_argument("--d-model", type=int, default=128)
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_clip=1.0,
         warmup_steps=warmup,
         checkpoint_every=args.checkpoint_every,
+        blocklist=args.blocklist,  # `spikewatch quarantine RUN --out FILE` of an earlier run
         settings={
             "guard": {"rollback": not args.no_rollback, "skip_samples": not args.whole_batches}
         },

@@ -16,9 +16,10 @@ probes, guard and checkpoints) and `observatory/` (detector, policy, store).
 """
 
 from trainer.config import WatchSettings
+from trainer.core.blocklist import without_blocked
 from trainer.model.attention import max_logits
 from trainer.model.attn_max import AttnMax
 from trainer.model.optim.factor import AdamW
 from trainer.watch import Watch
 
-__all__ = ["AdamW", "AttnMax", "Watch", "WatchSettings", "max_logits"]
+__all__ = ["AdamW", "AttnMax", "Watch", "WatchSettings", "max_logits", "without_blocked"]

@@ -58,6 +58,7 @@ from trainer.core.attribution import (
     tokens_in,
     tokens_of,
 )
+from trainer.core.blocklist import Blocklist
 from trainer.core.callbacks import Callback
 from trainer.core.data_state import DataState
 from trainer.core.guard import SpikeGuard
@@ -110,6 +111,7 @@ class Watch:
         grad_clip: float | None = None,
         warmup_steps: int | None = None,
         checkpoint_every: int | None = None,
+        blocklist: str | Path | None = None,
         settings: WatchSettings | Mapping[str, Any] | None = None,
         resume: bool | Literal["auto"] = False,
         state: Mapping[str, Any] | None = None,
@@ -132,10 +134,11 @@ class Watch:
         `scaler`: fp16's `torch.amp.GradScaler` (found on accelerate's optimizer by itself): the
         Watch measures and clips unscaled gradients, an overflow is the scaler's (its update is
         skipped and its scale lowered, no spike), and `step()` steps and updates the scaler -
-        do not call `scaler.step`/`scaler.update` yourself."""
-        self.cfg = WatchSettings.build(
-            settings, name, max_steps, grad_clip, warmup_steps, checkpoint_every
-        )
+        do not call `scaler.step`/`scaler.update` yourself. `blocklist`: a quarantine's file; its
+        samples are left out of `batches()` (trainer/core/blocklist.py)."""
+        self.cfg = WatchSettings.build(settings, name, max_steps, grad_clip, warmup_steps,
+                                       checkpoint_every, blocklist)  # fmt: skip
+        self.blocklist = Blocklist.read(self.cfg.blocklist)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.db, self.run_dir_arg, self.resume_arg, self.saved = db, run_dir, resume, state
         self.run_root = Path(run_root)
@@ -260,9 +263,9 @@ class Watch:
         while not self.should_stop:
             index = self.take_index()
             batch = batch_at(index)
-            left_out = core.run.data.blocked_rows(index)
+            left_out = core.run.data.blocked_rows(index) + self.blocklist.rows_of(batch, index)
             if left_out:
-                keep = [r for r in range(rows_in(batch)) if r not in set(left_out)]
+                keep = [r for r in range(rows_in(batch)) if r not in left_out]
                 if not keep:
                     continue  # every row of it was named: the next batch
                 batch = leave_out(batch, keep, index, self)
@@ -276,9 +279,8 @@ class Watch:
 
     def step(self, loss: torch.Tensor | None = None) -> str:
         """A plain loop's whole step after `loss.backward()`: measure, decide, apply or refuse,
-        advance the scheduler, zero the gradients. Returns what the step came to: 'applied',
-        'refused' (a non-finite or refused update), 'rolled_back', 'halted' or
-        'skipped_batch'."""
+        advance the scheduler, zero the gradients. Returns 'applied', 'refused', 'rolled_back',
+        'halted' or 'skipped_batch' (read late, as on a GPU: 'applied' until it is read)."""
         if loss is not None:
             self.observe_loss(loss)
         if self.gate().open:

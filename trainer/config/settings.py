@@ -4,6 +4,7 @@ for a loop spikewatch does not own."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -59,6 +60,11 @@ class WatchSettings(_Section):
         description="The spike guard: detection and automatic rollback. classify_cause takes "
         "effect where the Watch can draw a batch again (`batches(batch_at, loss_fn=...)`).",
     )
+    blocklist: str | None = Field(
+        None,
+        description="A JSON-lines blocklist (`spikewatch quarantine`'s, `data-check`'s): the "
+        "rows of `batches()` it names by (batch, row) or by id are left out of the run.",
+    )
     distributed_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -78,6 +84,7 @@ class WatchSettings(_Section):
         grad_clip: float | None = None,
         warmup_steps: int | None = None,
         checkpoint_every: int | None = None,
+        blocklist: str | Path | None = None,
     ) -> WatchSettings:
         """`settings` (a WatchSettings or its dict), the keywords that are not None on top."""
         base = settings.to_dict() if isinstance(settings, WatchSettings) else dict(settings or {})
@@ -87,6 +94,7 @@ class WatchSettings(_Section):
             raise ConfigError(f"invalid Watch settings: {e}") from e
         given = {"name": name, "max_steps": max_steps, "grad_clip": grad_clip}
         given["warmup_steps"] = warmup_steps
+        given["blocklist"] = None if blocklist is None else str(blocklist)
         base.update({k: v for k, v in given.items() if v is not None})
         # a checkpoint section keeps the default intervals it does not set
         section = {**CHECKPOINT_DEFAULTS, **base.get("checkpoint", {})}

@@ -249,6 +249,8 @@ def select_rows(batch: Any, keep: list[int]) -> Any:
     if isinstance(batch, dict):
         return {k: select_rows(v, keep) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
+        if batch and all(isinstance(v, str | int | float | bool) or v is None for v in batch):
+            return type(batch)(batch[r] for r in keep)  # per-row values (ids, texts)
         return type(batch)(select_rows(v, keep) for v in batch)
     return batch
 
