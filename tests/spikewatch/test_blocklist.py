@@ -88,6 +88,7 @@ def test_the_second_run_leaves_the_quarantined_rows_out_and_meets_no_spike(tmp_p
         "plain_loop", tmp_path / "second", *STEPS, *POISON, *rows, "--db", db,
         "--blocklist", str(out),
     )  # fmt: skip
+
     def rollbacks(summary: dict) -> list[dict]:
         return [i for i in summary["interventions"] if i.get("to_step") is not None]
 
