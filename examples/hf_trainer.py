@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from spikewatch import without_blocked
 from spikewatch.corpus import shift_labels, text_corpus, windows
 from spikewatch.hf import SpikewatchCallback
 
@@ -52,6 +53,15 @@ class Batches(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
 
 
+def _without_blocked(data: Batches, args: argparse.Namespace) -> torch.utils.data.Dataset:
+    """With --blocklist (`spikewatch quarantine RUN --out FILE` of an earlier run): the rows
+    its rollbacks named left out; the Trainer reads the stream in order, so global batch b's
+    row r is item b * batch_size + r."""
+    if not args.blocklist:
+        return data
+    return without_blocked(data, args.blocklist, position=lambda b, r: b * args.batch_size + r)
+
+
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
 
@@ -79,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary-json", default=None)
     p.add_argument("--output-dir", default="runs/hf_trainer")
     p.add_argument("--no-rollback", action="store_true")
+    p.add_argument(
+        "--blocklist", default=None, help="a quarantine's file: its samples are left out"
+    )
     p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoints; 0 = none")
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -160,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         model=model,
         args=training_args,
         # Room for the steps a rollback repeats (the data flows on while the step goes back).
-        train_dataset=Batches(
-            train, args, n_batches=args.steps // args.epochs if args.epochs else 2 * args.steps
+        train_dataset=_without_blocked(
+            Batches(
+                train, args, n_batches=args.steps // args.epochs if args.epochs else 2 * args.steps
+            ),
+            args,
         ),
         eval_dataset=Batches(val, eval_args, n_batches=8),
         data_collator=collate,

@@ -64,6 +64,11 @@ def test_without_blocked_filters_map_style_and_iterable_datasets(tmp_path) -> No
     assert [x["id"] for x in without_blocked(Stream(), blocklist)] == [0, 1, 2, 4, 5, 6, 8, 9]
     by_name = without_blocked(["a", "b", "c"], blocklist, id_of_item=lambda s: "abc".index(s) + 2)
     assert list(by_name) == ["a", "c"]  # "b" has id 3
+    rows = _write(tmp_path / "rows.jsonl", [{"batch": 1, "row": 2, "id": None}])
+    with pytest.raises(ValueError, match="or give position"):
+        without_blocked(items, rows)
+    by_place = without_blocked(items, rows, position=lambda batch, row: batch * 4 + row)
+    assert [x["id"] for x in by_place] == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # item 6: batch 1, row 2
 
 
 def test_a_blocklist_that_names_nothing_is_refused(tmp_path) -> None:

@@ -68,23 +68,34 @@ class Blocklist:
         return out
 
 
-def without_blocked(dataset: Any, path: str, id_of_item: Callable[[Any], Any] | None = None) -> Any:
-    """`dataset` without the items whose id the blocklist at `path` lists. An item's id is its
-    "id" entry (a dict item) unless `id_of_item(item)` says otherwise. A map-style dataset
-    (`__getitem__` and `__len__`) gives a `Subset` (one pass over it to read the ids); an
-    iterable one is filtered as it is read."""
-    ids = Blocklist.read(path).ids
-    if not ids:
-        raise ValueError(f"{path}: no sample in it has an id to match items by")
+def without_blocked(
+    dataset: Any,
+    path: str,
+    id_of_item: Callable[[Any], Any] | None = None,
+    position: Callable[[int, int], int] | None = None,
+) -> Any:
+    """`dataset` without the items the blocklist at `path` lists: by id (an item's "id" entry,
+    a dict item's, unless `id_of_item(item)` says otherwise), and, with `position(batch, row)
+    -> item index` (the index a framework's in-order sampler fed as that batch's row: `batch *
+    batch_size + row` for a global batch read in order), by the (batch, row) a rollback named.
+    A map-style dataset (`__getitem__` and `__len__`) gives a `Subset` (one pass over it to read
+    ids); an iterable one is filtered as it is read (by id only)."""
+    listed = Blocklist.read(path)
+    ids = listed.ids
+    at = {position(b, r) for b, r in listed.rows} if position is not None else set()
+    if not ids and not at:
+        raise ValueError(f"{path}: no sample in it has an id to match items by (or give position)")
     get = id_of_item or _item_id
 
     def kept(item: Any) -> bool:
+        if not ids:
+            return True
         value = get(item)
         return value is None or str(value.item() if torch.is_tensor(value) else value) not in ids
 
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         return _Filtered(dataset, kept)
-    keep = [i for i in range(len(dataset)) if kept(dataset[i])]
+    keep = [i for i in range(len(dataset)) if i not in at and kept(dataset[i])]
     log.info("%s: %d of %d items kept out", path, len(dataset) - len(keep), len(dataset))
     return Subset(dataset, keep)
 
