@@ -411,14 +411,27 @@ def goodput_curves_figure(study: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _wrapped(name: str, width: int = 28) -> str:
+    """A plan's name as a bar's label: broken after its ':' and ',' into lines of about
+    `width` characters (a long one, as the search's best plan has, was cut off)."""
+    lines: list[str] = []
+    for part in name.replace(": ", ":\n").replace(", ", ",\n").split("\n"):
+        if lines and len(lines[-1]) + 1 + len(part) <= width:
+            lines[-1] += " " + part
+        else:
+            lines.append(part)
+    return "<br>".join(lines)
+
+
 def badput_figure(study: dict[str, Any]) -> dict[str, Any]:
     """Badput stacked by bucket (percent of wall time), one bar per plan."""
     plans = list(study["plans"])
+    labels = [_wrapped(p) for p in plans]
     traces = [
         {
             "type": "bar",
             "name": bucket.replace("_", " "),
-            "x": plans,
+            "x": labels,
             "y": [100 * study["plans"][p]["badput"][bucket] for p in plans],
             "marker": {"color": PALETTE[i % len(PALETTE)]},
         }
@@ -429,8 +442,9 @@ def badput_figure(study: dict[str, Any]) -> dict[str, Any]:
         "layout": {
             "title": {"text": "badput by bucket (% of wall time)"},
             "barmode": "stack",
+            "xaxis": {"automargin": True, "tickangle": 0},  # the labels' lines fit below
             "yaxis": {"title": {"text": "% of wall time"}},
-            "margin": {"t": 40, "r": 10, "b": 80, "l": 60},
-            "legend": {"orientation": "h", "y": -0.25},
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 60},
+            "legend": {"font": {"size": 10}},  # beside the bars, not over the labels
         },
     }

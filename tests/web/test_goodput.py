@@ -91,5 +91,26 @@ def test_the_page_optimizes_and_takes_the_failure_modes(client) -> None:
     assert {"wasted_progress_from_corruption", "straggler_slowdown"} <= set(out["buckets"])
     page = client.get("/goodput", params={**params, "optimize": "1"})
     assert page.status_code == 200 and 'id="optimized"' in page.text
+    # issue 45, item 8: the page says its search is not the command's, and on which seeds the
+    # plan as set was read (its row in the table is on the page's seeds)
+    said = " ".join(page.text.split('id="optimized"')[1].split("</p>")[0].split())
+    assert "5 × 5 intervals on 10 seeds" in said and "on the same 10 seeds" in said
+    assert "searches 9 × 9 intervals on 30 seeds" in said
+    assert f"other rows are on {out['seeds']} seeds" in said
     bad = client.get("/api/goodput", params={**params, "memory-budget": "0"})
     assert bad.status_code == 400 and "memory-budget" in bad.json()["detail"]
+
+
+def test_the_badput_bars_labels_are_wrapped_and_given_room() -> None:
+    """Issue 45, item 8: the search's best plan has a long name; as one line under its bar it
+    was cut off."""
+    from web.charts import badput_figure
+
+    name = "best of 43 plans (10 seeds): memory every 35 steps (exponential:8), disk every 123"
+    plans = {"as set": {"badput": {"restart": 0.01}}, name: {"badput": {"restart": 0.02}}}
+    study = {"plans": plans, "buckets": ["restart"]}
+    fig = badput_figure(study)
+    labels = fig["data"][0]["x"]
+    assert labels[0] == "as set" and labels[1].replace("<br>", " ") == name
+    assert max(len(line) for label in labels for line in label.split("<br>")) <= 40
+    assert fig["layout"]["xaxis"]["automargin"] is True

@@ -5,6 +5,7 @@ numbers from observatory/goodput/study.py."""
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from typing import Any
 
@@ -123,7 +124,18 @@ def _optimized(out: dict[str, Any], sc: Any, seed: int, budget: int | None) -> d
         if b["memory_interval"] is None
         else f"memory every {b['memory_interval']} steps ({b['memory_retention']})"
     )
-    name = f"best of {found['configurations']} plans: {memory}, disk every {b['disk_interval']}"
+    name = (
+        f"best of {found['configurations']} plans ({found['seeds']} seeds): {memory}, "
+        f"disk every {b['disk_interval']}"
+    )
+    # the page's search is smaller than `spikewatch simulate --optimize`'s (said on the page)
+    cli = inspect.signature(optimize).parameters
+    found = {
+        **found,
+        "points": OPTIMIZE["points"],
+        "cli_points": cli["points"].default,
+        "cli_seeds": cli["seeds"].default,
+    }
     return {**out, "plans": {**out["plans"], name: b}, "optimize": found}
 
 
