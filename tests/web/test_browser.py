@@ -65,6 +65,16 @@ def test_a_new_point_appears_within_two_seconds(server, browser, recorded_db, tm
     page.close()
 
 
+def test_a_finished_runs_page_settles(server, browser) -> None:
+    """Issue 45, item 7: a completed run's live stream ends once nothing new came for a while,
+    so the page settles (a headless browser waiting for it no longer waits for ever)."""
+    page = browser.new_page()
+    page.goto(server + "/runs/spiky")
+    page.wait_for_selector("#chart-loss .main-svg")
+    page.wait_for_function("document.body.dataset.streamEnded == '1'", timeout=12000)
+    page.close()
+
+
 def test_compare_page_renders_three_runs(server, browser) -> None:
     page = browser.new_page()
     page.goto(server + "/compare?run=spiky&run=lr1e-3&run=lr1e-2")

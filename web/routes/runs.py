@@ -184,18 +184,27 @@ async def stream(
     metric: Annotated[str, Query(min_length=1, max_length=200, pattern=METRIC)] = M.LOSS,
     after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
 ) -> StreamingResponse:
-    """Server-Sent Events: each new point of `metric` after step `after`, about every second."""
+    """Server-Sent Events: each new point of `metric` after step `after`, about every second.
+    A run that is no longer running and brought nothing new for `STREAM_END_IDLE_S` gets an
+    `end` event and the stream closes (a finished run's page settles; a resumed one's reload
+    streams again)."""
     sessions = request.app.state.sessions
     await run_in_threadpool(_known_run, sessions, run_id)  # 404 before the stream starts
 
     async def events() -> AsyncIterator[str]:
-        last = after
+        last, idle = after, 0.0
         while not await request.is_disconnected():
             data = await run_in_threadpool(_new_points, sessions, run_id, metric, last)
             if data is not None:
-                last = data["steps"][-1]
+                last, idle = data["steps"][-1], 0.0
                 yield f"event: points\ndata: {json.dumps(data)}\n\n"
             else:
+                idle += STREAM_PERIOD_S
+                if idle >= STREAM_END_IDLE_S and not await run_in_threadpool(
+                    _running, sessions, run_id
+                ):
+                    yield "event: end\ndata: {}\n\n"
+                    return
                 yield ": keep-alive\n\n"
             await asyncio.sleep(STREAM_PERIOD_S)
 
@@ -205,11 +214,20 @@ async def stream(
 
 
 STREAM_PERIOD_S = 0.5
+STREAM_END_IDLE_S = 5.0
 
 
 def _known_run(sessions, run_id: str) -> None:
     with sessions() as session:
         store.get_run(session, run_id=run_id)
+
+
+def _running(sessions, run_id: str) -> bool:
+    with sessions() as session:
+        try:
+            return store.get_run(session, run_id=run_id).status == "running"
+        except store.NotFoundError:
+            return False
 
 
 def _new_points(sessions, run_id: str, metric: str, after: int) -> dict | None:
