@@ -73,7 +73,7 @@ def series_figure(
         traces.append(
             {
                 "type": "scatter",
-                "mode": "lines",
+                "mode": _mode(xs),
                 "x": xs,
                 "y": ys,
                 "name": f"branch {s.branch}" + (" (abandoned)" if faded else ""),
@@ -205,7 +205,7 @@ def compare_figure(
         traces.append(
             {
                 "type": "scatter",
-                "mode": "lines",
+                "mode": _mode(xs),
                 "x": [x * k for x in xs] if k != 1.0 else xs,
                 "y": ys,
                 "name": (names or {}).get(run_id, run_id),
@@ -421,6 +421,12 @@ def _wrapped(name: str, width: int = 28) -> str:
         else:
             lines.append(part)
     return "<br>".join(lines)
+
+
+def _mode(xs: list[Any]) -> str:
+    """A line, or with markers where it has a single step (a line of one point is not drawn:
+    a branch with one validation point showed an empty chart)."""
+    return "lines" if len(set(xs)) > 1 else "lines+markers"
 
 
 def badput_figure(study: dict[str, Any]) -> dict[str, Any]:

@@ -71,6 +71,8 @@ def test_a_finished_runs_page_settles(server, browser) -> None:
     page = browser.new_page()
     page.goto(server + "/runs/spiky")
     page.wait_for_selector("#chart-loss .main-svg")
+    # the charts' toolbars run down their right edge, not across their titles
+    assert page.evaluate("document.getElementById('chart-loss').layout.modebar.orientation") == "v"
     page.wait_for_function("document.body.dataset.streamEnded == '1'", timeout=12000)
     page.close()
 

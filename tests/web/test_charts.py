@@ -48,6 +48,18 @@ def test_series_draw_the_spike_the_nan_and_the_abandoned_branch() -> None:
     assert charts.series_figure([live], log_y=True)["layout"]["yaxis"]["type"] == "log"
 
 
+def test_a_branch_of_one_point_is_drawn_with_a_marker() -> None:
+    """Issue 45, item 7: a validation loss with one point on a branch (a line of one point is
+    drawn as nothing) showed an empty chart."""
+    one = _series(1, {50: 2.1})
+    many = _series(0, {10: 2.5, 20: 2.3})
+    fig = charts.series_figure([many, one], title="val")
+    modes = {t["name"]: t["mode"] for t in fig["data"]}
+    assert modes == {"branch 0 (abandoned)": "lines", "branch 1": "lines+markers"}
+    cmp = charts.compare_figure({"a": [one], "b": [many]}, title="val")
+    assert [t["mode"] for t in cmp["data"]] == ["lines+markers", "lines"]
+
+
 def test_a_bucket_is_drawn_through_both_extremes_in_step_order() -> None:
     b = Bucket(0, 15, 16, 0, None, 1.0, 9, 7.0, 4)
     s = SeriesData("r", "m", 0, [(0, 0, 15)], 16, [b])
