@@ -60,12 +60,12 @@ def series_figure(
     *,
     title: str = "",
     log_y: bool = False,
+    x_end: int | None = None,
 ) -> dict[str, Any]:
-    """One metric over all branches, with spike markers and rollback annotations."""
+    """One metric over all branches, with spike markers and rollback annotations; `x_end`: the
+    run's last step (a finished run), where the x-axis ends."""
     live = max((b.number for b in branches), default=max((s.branch for s in series), default=0))
     traces: list[dict[str, Any]] = []
-    shapes: list[dict[str, Any]] = []
-    notes: list[dict[str, Any]] = []
     top = max((y for s in series for y in _points(s)[1]), default=1.0)
     for s in sorted(series, key=lambda s: s.branch):
         xs, ys, bad = _points(s)
@@ -107,6 +107,42 @@ def series_figure(
             )
         )
         traces.append(_markers("spike detected", [e.step for e in spikes], top, "x", "orange"))
+    shapes, notes = _interventions(events)
+    xaxis: dict[str, Any] = {"title": {"text": "step"}}
+    ys = [y for t in traces for y in t["y"] if y is not None]
+    if x_end is not None and ys:  # a finished run: the axis runs to its last step, whatever
+        # the metric, by an invisible point there (autorange; a set range would undo a zoom)
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": [x_end],
+                "y": [ys[-1]],
+                "marker": {"opacity": 0},
+                "hoverinfo": "skip",
+                "showlegend": False,
+                "name": "run end",
+            }
+        )
+    return {
+        "data": traces,
+        "layout": {
+            "title": {"text": title},
+            "xaxis": xaxis,
+            "yaxis": {"type": "log" if log_y else "linear", "autorange": True},
+            "shapes": shapes,
+            "annotations": notes,
+            "hovermode": "x unified",
+            "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
+            "legend": {"orientation": "h"},
+        },
+    }
+
+
+def _interventions(events: Sequence[EventRow]) -> tuple[list[dict], list[dict]]:
+    """A dashed line and a label at each rollback and halt: (shapes, annotations)."""
+    shapes: list[dict[str, Any]] = []
+    notes: list[dict[str, Any]] = []
     for e in events:
         if e.kind in ("rollback", "halt"):
             shapes.append(
@@ -134,19 +170,7 @@ def series_figure(
                     "font": {"color": "crimson"},
                 }
             )
-    return {
-        "data": traces,
-        "layout": {
-            "title": {"text": title},
-            "xaxis": {"title": {"text": "step"}},
-            "yaxis": {"type": "log" if log_y else "linear", "autorange": True},
-            "shapes": shapes,
-            "annotations": notes,
-            "hovermode": "x unified",
-            "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
-            "legend": {"orientation": "h"},
-        },
-    }
+    return shapes, notes
 
 
 def _markers(
@@ -162,8 +186,13 @@ def _markers(
     }
 
 
-def heatmap_figure(m: Matrix, *, title: str = "", row_label: str = "layer") -> dict[str, Any]:
-    """rows × step buckets of the bucket maxima (the extreme a spike would raise)."""
+def heatmap_figure(
+    m: Matrix, *, title: str = "", row_label: str = "layer", events: Sequence[EventRow] = ()
+) -> dict[str, Any]:
+    """rows × step buckets of the bucket maxima (the extreme a spike would raise), on the live
+    branch; its rollbacks marked, so that where a branch was left (the departure a rank or a
+    layer shows) is seen on it."""
+    shapes, notes = _interventions(events)
     z = [[v if _finite(v) else None for v in row] for row in m.max_value]
     return {
         "data": [
@@ -180,6 +209,8 @@ def heatmap_figure(m: Matrix, *, title: str = "", row_label: str = "layer") -> d
             "title": {"text": title},
             "xaxis": {"title": {"text": "step"}},
             "yaxis": {"title": {"text": row_label}, "dtick": 1},
+            "shapes": shapes,
+            "annotations": notes,
             "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
         },
     }

@@ -105,8 +105,9 @@ def test_line_chart_figures_and_their_zoom(client) -> None:
     assert "spike onset" in [t["name"] for t in zoom["data"]]
     # the learning rate has no spike markers, only the rollback
     lr = client.get("/api/runs/r1/figures/chart-lr", params={"buckets": 10}).json()
-    assert [t["name"] for t in lr["data"]] == ["branch 0 (abandoned)", "branch 1"]
-    assert all(len(t["x"]) <= 20 for t in lr["data"])  # 10 buckets: a min and a max each
+    shown = [t for t in lr["data"] if t.get("showlegend", True)]  # (the run's end: hidden)
+    assert [t["name"] for t in shown] == ["branch 0 (abandoned)", "branch 1"]
+    assert all(len(t["x"]) <= 20 for t in shown)  # 10 buckets: a min and a max each
     assert client.get("/api/runs/r1/figures/chart-loss", params={"buckets": 0}).status_code == 422
     bad = client.get("/api/runs/r1/figures/chart-loss", params={"start": -1})
     assert bad.status_code == 422

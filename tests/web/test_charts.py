@@ -60,6 +60,24 @@ def test_a_branch_of_one_point_is_drawn_with_a_marker() -> None:
     assert [t["mode"] for t in cmp["data"]] == ["lines+markers", "lines"]
 
 
+def test_a_finished_runs_axis_runs_to_its_end_and_heatmaps_mark_the_rollback() -> None:
+    """Issue 45, item 7: the validation chart's axis stopped at its last point, before the
+    run's end; the heatmaps drew the live branch with nothing to say where it began."""
+    val = _series(0, {50: 2.4, 100: 2.2})
+    fig = charts.series_figure([val], x_end=130)
+    end = [t for t in fig["data"] if t["name"] == "run end"]
+    assert len(end) == 1 and end[0]["x"] == [130] and end[0]["marker"]["opacity"] == 0
+    assert "range" not in fig["layout"]["xaxis"]  # autorange reaches it; a zoom is kept
+    assert not [t for t in charts.series_figure([val])["data"] if t["name"] == "run end"]
+    rollback = EventRow("u2", 0, 84, "rollback", "trainer", "", {"to_step": 70}, NOW)
+    grid = [[1.0, 2.0], [1.0, 9.0]]
+    m = Matrix("r", "rank/*/loss", 1, [0, 1], [0, 64], 64, grid, [[0, 64]] * 2, grid,
+               [[1, 65]] * 2, [[64, 64]] * 2, [[0, 0]] * 2)  # fmt: skip
+    heat = charts.heatmap_figure(m, row_label="rank", events=[rollback])
+    assert heat["layout"]["shapes"][0]["x0"] == 84
+    assert heat["layout"]["annotations"][0]["text"] == "rollback → step 70"
+
+
 def test_a_bucket_is_drawn_through_both_extremes_in_step_order() -> None:
     b = Bucket(0, 15, 16, 0, None, 1.0, 9, 7.0, 4)
     s = SeriesData("r", "m", 0, [(0, 0, 15)], 16, [b])

@@ -206,7 +206,11 @@ def figure(
         if metric != LOSS_METRIC:
             events = [e for e in events if e.kind != "spike"]
         branches = store.branches(session, run_id=run_id)
-        return charts.series_figure(series, events, branches, title=title)
+        run = store.get_run(session, run_id=run_id)
+        whole = start is None and end is None and run.status != "running"
+        x_end = run.last_step if whole else None  # a finished run's axis reaches its end
+        return charts.series_figure(series, events, branches, title=title, x_end=x_end)
+    events = [e for e in store.events(session, run_id=run_id) if e.kind in ("rollback", "halt")]
     metric, title = HEATMAPS[chart]
     metric = resolve(metric, set(store.metric_names(session, run_id=run_id))) or metric
     n = buckets or HEAT_BUCKETS
@@ -221,10 +225,12 @@ def figure(
             end=end,
             extremes="max",
         )
-        return charts.heatmap_figure(m, title=title.format(layer=layer), row_label="head")
+        return charts.heatmap_figure(
+            m, title=title.format(layer=layer), row_label="head", events=events
+        )
     m = store.layer_matrix(
         session, run_id=run_id, metric=metric, buckets=n, start=start, end=end, extremes="max"
     )
     return charts.heatmap_figure(
-        m, title=title, row_label="rank" if chart == "heat-ranks" else "layer"
+        m, title=title, row_label="rank" if chart == "heat-ranks" else "layer", events=events
     )
