@@ -134,7 +134,8 @@ def series_figure(
             "annotations": notes,
             "hovermode": "x unified",
             "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
-            "legend": {"orientation": "h"},
+            # below the axis title, which it covered when left where plotly puts it
+            "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"},
         },
     }
 

@@ -69,6 +69,8 @@ def test_a_finished_runs_axis_runs_to_its_end_and_heatmaps_mark_the_rollback() -
     assert len(end) == 1 and end[0]["x"] == [130] and end[0]["marker"]["opacity"] == 0
     assert "range" not in fig["layout"]["xaxis"]  # autorange reaches it; a zoom is kept
     assert not [t for t in charts.series_figure([val])["data"] if t["name"] == "run end"]
+    legend = fig["layout"]["legend"]  # below the axis title, which it covered (screenshot)
+    assert legend["orientation"] == "h" and legend["y"] <= -0.3 and legend["yanchor"] == "top"
     rollback = EventRow("u2", 0, 84, "rollback", "trainer", "", {"to_step": 70}, NOW)
     grid = [[1.0, 2.0], [1.0, 9.0]]
     m = Matrix("r", "rank/*/loss", 1, [0, 1], [0, 64], 64, grid, [[0, 64]] * 2, grid,
