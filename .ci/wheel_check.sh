@@ -22,7 +22,21 @@ if "$work/venv/bin/python" -m pip show triton >/dev/null 2>&1; then
   echo "wheel check: triton was installed on a CPU-only machine" >&2; exit 1
 fi
 mkdir "$work/user" && cp "$repo"/examples/*.py "$work/user/" && cd "$work/user"
+# a user's own trainer.py, web.py and observatory.py beside their scripts (issue 45): spikewatch
+# installs nothing generic at the top of site-packages, so these stay the user's
+for own in trainer web observatory; do
+  echo "raise SystemExit(\"the user's own $own.py was imported by spikewatch\")" > "$own.py"
+done
+tops="$(unzip -Z1 "$wheel" | cut -d/ -f1 | sort -u | grep -v '\.dist-info$' | tr '\n' ' ')"
+[ "$tops" = "spikewatch " ] || { echo "wheel check: top-level names $tops" >&2; exit 1; }
+"$work/venv/bin/python" -c "import spikewatch, spikewatch.hf, spikewatch.lightning; spikewatch.Watch"
 sw="$work/venv/bin/spikewatch"
+"$sw" demo --no-serve --run-dir "$work/user/demo" --db "sqlite:///$work/user/demo.db" \
+  --summary-json demo.json >demo.log 2>&1 || { tail -30 demo.log; exit 1; }
+"$work/venv/bin/python" -c "
+import json; s = json.load(open('demo.json'))
+assert any(i['kind'] == 'rollback' for i in s['interventions']), s['interventions']" \
+  || { tail -30 demo.log; echo "wheel check: the demo rolled nothing back" >&2; exit 1; }
 "$sw" db upgrade --db "sqlite:///$work/user/upgraded.db"
 small=(--d-model 32 --seq-len 32 --batch-size 8 --steps 40 --db "sqlite:///$work/user/runs.db")
 for ex in plain_loop hf_trainer lightning_module; do
@@ -45,4 +59,4 @@ grep -q '"goodput"' simulate.json || { echo "wheel check: simulate printed no go
 # the defaults: 780 lanes, shared with a forked child (goodput/parallel.py), from the wheel
 "$sw" simulate --json > defaults.json
 grep -q '"goodput": 0.94' defaults.json || { echo "wheel check: simulate's defaults" >&2; exit 1; }
-echo "wheel check: $(basename "$wheel") installs outside the checkout; 3 examples ran (and the plain loop compiled), db upgrade, simulate --from-run and its defaults worked"
+echo "wheel check: $(basename "$wheel") installs spikewatch only; beside a user's trainer.py, web.py and observatory.py the demo rolled back and 3 examples ran (and the plain loop compiled), db upgrade, simulate --from-run and its defaults worked"

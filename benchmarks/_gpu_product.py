@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.builtin.loop import build_trainer
-from trainer.config import load_config
+from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.config import load_config
 
 CUDA = torch.cuda.is_available()
 
@@ -98,7 +98,7 @@ def _example(name: str, smoke: bool, out_dir: Path, *extra: str) -> dict:
 
 def demo_check(smoke: bool, out_dir: Path) -> dict:
     where = out_dir / "demo"
-    cmd = [sys.executable, "-m", "trainer.cli", "demo", "--no-serve"]
+    cmd = [sys.executable, "-m", "spikewatch", "demo", "--no-serve"]
     cmd += ["--db", f"sqlite:///{where}/sw.db", "--summary-json", "summary.json"]
     cmd += ["--run-dir", str(where / "run")]
     return _outcome(_subprocess(cmd, where, 150), where / "summary.json", 400)
@@ -140,7 +140,7 @@ def resume_check(smoke: bool, out_dir: Path) -> dict:
     """The demo's run (its poisoned region at 280) stopped at 150 and resumed, against the same
     run uninterrupted: both roll back and finish, the resumed one on the same losses."""
     where = out_dir / "resume"
-    base = [sys.executable, "-m", "trainer.cli", "train", "demo", "--no-db"]
+    base = [sys.executable, "-m", "spikewatch", "train", "demo", "--no-db"]
     sets = ["train.max_steps=330"]  # eager: the resume is the point, and three compiles cost
     over = [a for kv in sets for a in ("--set", kv)]
     runs = [
@@ -195,6 +195,6 @@ def builtin_fault_check(smoke: bool, out_dir: Path) -> dict:
 
 
 def _fault(start: int, length: int) -> list:
-    from trainer.config.sections import FaultConfig
+    from spikewatch.trainer.config.sections import FaultConfig
 
     return [FaultConfig(kind="shifted_labels", start=start, length=length)]

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _common import machine, median  # noqa: E402
 
-from trainer.builtin.loop import build_trainer  # noqa: E402
-from trainer.checkpoints.disk import Checkpointer  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
+from spikewatch.trainer.checkpoints.disk import Checkpointer  # noqa: E402
+from spikewatch.trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:

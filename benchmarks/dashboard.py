@@ -39,12 +39,12 @@ from fastapi.responses import HTMLResponse  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from observatory.serving import serve_in_thread  # noqa: E402
-from observatory.store import db  # noqa: E402
-from observatory.store.ingest import Writer  # noqa: E402
-from observatory.store.records import Record  # noqa: E402
-from web.app import create_app  # noqa: E402
-from web.settings import Settings  # noqa: E402
+from spikewatch.observatory.serving import serve_in_thread  # noqa: E402
+from spikewatch.observatory.store import db  # noqa: E402
+from spikewatch.observatory.store.ingest import Writer  # noqa: E402
+from spikewatch.observatory.store.records import Record  # noqa: E402
+from spikewatch.web.app import create_app  # noqa: E402
+from spikewatch.web.settings import Settings  # noqa: E402
 
 LINES = ["train/loss", "val/loss", "optim/grad_norm", "optim/lr", "optim/clip_factor"]
 HEATS = ["layer/{i}/attn/grad_norm", "layer/{i}/attn/update_ratio", "layer/{i}/attn_max"]

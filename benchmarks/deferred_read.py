@@ -30,10 +30,10 @@ WARM = 20
 
 
 def main() -> None:
-    from trainer.builtin.loop import build_trainer
-    from trainer.config import load_config
-    from trainer.core.actions import Continue
-    from trainer.core.callbacks import Callback
+    from spikewatch.trainer.builtin.loop import build_trainer
+    from spikewatch.trainer.config import load_config
+    from spikewatch.trainer.core.actions import Continue
+    from spikewatch.trainer.core.callbacks import Callback
 
     class BeforeUpdate(Callback):
         """Decides before the update: the step core takes the host path."""

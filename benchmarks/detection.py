@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import machine  # noqa: E402
 
-from observatory.detect import Detector, DetectorConfig  # noqa: E402
+from spikewatch.observatory.detect import Detector, DetectorConfig  # noqa: E402
 
 MATCH = 60
 
@@ -100,8 +100,8 @@ def synthetic(rng: random.Random, n: int) -> Curve:
 
 
 def recorded(tmp: Path) -> list[Curve]:
-    from trainer.builtin.loop import fit
-    from trainer.config import load_config
+    from spikewatch.trainer.builtin.loop import fit
+    from spikewatch.trainer.config import load_config
 
     faults = [
         None,

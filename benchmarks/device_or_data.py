@@ -43,7 +43,14 @@ def _run(kind: str, starts: list[int], steps: int, out: Path) -> list[dict]:
         f"faults=[{faults}]",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "trainer.cli", "train", "tiny_cpu", "--summary-json", str(out / "s.json")]
+    cmd += [
+        "-m",
+        "spikewatch.trainer.cli",
+        "train",
+        "tiny_cpu",
+        "--summary-json",
+        str(out / "s.json"),
+    ]
     for o in over:
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

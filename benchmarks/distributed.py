@@ -32,9 +32,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from _common import machine, median  # noqa: E402
 
-from trainer.builtin.loop import Trainer, build_trainer  # noqa: E402
-from trainer.config import TrainConfig, load_config  # noqa: E402
-from trainer.core.callbacks import Callback, StepState  # noqa: E402
+from spikewatch.trainer.builtin.loop import Trainer, build_trainer  # noqa: E402
+from spikewatch.trainer.config import TrainConfig, load_config  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
 WARMUP = 5
 STRATEGIES = ("ddp", "fsdp2")

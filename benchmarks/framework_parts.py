@@ -39,7 +39,7 @@ def main() -> None:
     quiet_one_thread(args)
     from transformers import LlamaForCausalLM
 
-    import trainer.watch as watch_mod
+    import spikewatch.trainer.watch as watch_mod
 
     spent: dict[bool, Counter] = {True: Counter(), False: Counter()}
     watched_thread: list[int] = []

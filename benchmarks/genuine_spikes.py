@@ -69,11 +69,11 @@ from early_warning import ONLINE, drop, episode_starts  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from observatory import metric_names as M  # noqa: E402
-from observatory import store  # noqa: E402
-from observatory.store import across_runs as across  # noqa: E402
-from observatory.store.models import Event  # noqa: E402
-from trainer.core.callbacks import Callback, StepState  # noqa: E402
+from spikewatch.observatory import metric_names as M  # noqa: E402
+from spikewatch.observatory import store  # noqa: E402
+from spikewatch.observatory.store import across_runs as across  # noqa: E402
+from spikewatch.observatory.store.models import Event  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
 _cases = _example()
 REMEDIES, run = _cases.REMEDIES, _cases.run

@@ -32,10 +32,10 @@ from fastapi.responses import HTMLResponse  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from observatory.serving import serve_in_thread  # noqa: E402
-from observatory.store import db  # noqa: E402
-from web.app import create_app  # noqa: E402
-from web.settings import Settings  # noqa: E402
+from spikewatch.observatory.serving import serve_in_thread  # noqa: E402
+from spikewatch.observatory.store import db  # noqa: E402
+from spikewatch.web.app import create_app  # noqa: E402
+from spikewatch.web.settings import Settings  # noqa: E402
 
 
 def main() -> None:

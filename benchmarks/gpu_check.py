@@ -71,11 +71,11 @@ from _gpu_product import (  # noqa: E402
     resume_check,
 )
 
-from observatory import metric_names as M  # noqa: E402
-from trainer.builtin.loop import build_trainer  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.core.callbacks import Callback  # noqa: E402
-from trainer.model.attention import max_logits  # noqa: E402
+from spikewatch.observatory import metric_names as M  # noqa: E402
+from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
+from spikewatch.trainer.config import load_config  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback  # noqa: E402
+from spikewatch.trainer.model.attention import max_logits  # noqa: E402
 
 PEAK_BF16 = 989e12  # H200 dense bf16
 
@@ -308,7 +308,7 @@ def _host_split(run: dict, one: Callable[[dict], None], steps: int) -> dict:
     """Where a watched step's wall time goes on the host (ms a step): waiting for the step's
     copy (`HostTransfer.fetch`), the core's gate and conclude, and the rest (the client's
     forward/backward launches and the optimizer)."""
-    from trainer.core import step_core, transfer
+    from spikewatch.trainer.core import step_core, transfer
 
     spent: Counter[str] = Counter()
 
@@ -382,8 +382,8 @@ def _bench(fn: Callable[[], None], reps: int = 20) -> float:
 
 
 def attention_check(smoke: bool) -> list[dict]:
-    from trainer.model.kernels.attention import flash_attention
-    from trainer.model.kernels.max_logits import fused_max_logits
+    from spikewatch.trainer.model.kernels.attention import flash_attention
+    from spikewatch.trainer.model.kernels.max_logits import fused_max_logits
 
     out = []
     shapes = [(64, 32)] if smoke else [(1024, 64), (1024, 128), (4096, 64), (4096, 128)]

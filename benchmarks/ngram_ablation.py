@@ -147,7 +147,7 @@ def _arm(name: str, args, docs, ids, plan, blocked: set[str], seed: int, db: str
 def _probe(model, opt, batch: dict, index: int, injected: set[str]) -> dict:
     """Each row's loss and gradient norm alone (as the attribution measures them), and what
     the attribution's rule names: injected rows against clean ones."""
-    from trainer.core.attribution import RowStat, name_rows, row_grad_norm
+    from spikewatch.trainer.core.attribution import RowStat, name_rows, row_grad_norm
 
     rows = []
     for r in range(batch["x"].size(0)):
@@ -177,9 +177,9 @@ def _probe(model, opt, batch: dict, index: int, injected: set[str]) -> dict:
 def _census(db: str, run_id: str, steps: int) -> dict:
     from sqlalchemy.orm import Session
 
-    from observatory.census import census_of
-    from observatory.store import across_runs as across
-    from observatory.store.db import make_engine
+    from spikewatch.observatory.census import census_of
+    from spikewatch.observatory.store import across_runs as across
+    from spikewatch.observatory.store.db import make_engine
 
     with Session(make_engine(db)) as s:
         run = across.runs_by_key(s, [run_id])[run_id]
@@ -198,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     registered = datetime.now(UTC).isoformat(timespec="seconds")
     print(f"hypothesis (registered {registered}, before the first run): {HYPOTHESIS}", flush=True)
-    from observatory.datacheck import check
+    from spikewatch.observatory.datacheck import check
 
     out: dict = {"hypothesis": HYPOTHESIS, "registered_utc": registered, "arms": {}}
     named_total, named_injected, bursts_rolled = 0, 0, 0

@@ -41,12 +41,12 @@ def main() -> None:
     quiet_one_thread(args)
 
     import spikewatch.hf as hf
-    import trainer.checkpoints.disk as disk
-    import trainer.checkpoints.memory as memory
-    import trainer.core.probes as probes
-    import trainer.core.same_step as same_step
-    import trainer.core.step_core as step_core
-    import trainer.watch as watch_mod
+    import spikewatch.trainer.checkpoints.disk as disk
+    import spikewatch.trainer.checkpoints.memory as memory
+    import spikewatch.trainer.core.probes as probes
+    import spikewatch.trainer.core.same_step as same_step
+    import spikewatch.trainer.core.step_core as step_core
+    import spikewatch.trainer.watch as watch_mod
     from spikewatch import Watch
 
     spent: Counter = Counter()

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402, F401  (after _common set the thread environment)
 from _common import machine, median  # noqa: E402
 
-from trainer.builtin.loop import build_trainer  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.core.callbacks import Callback, StepState  # noqa: E402
+from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
+from spikewatch.trainer.config import load_config  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
 VARIANTS = {
     "off": ["probes.enabled=false"],

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _run(job: tuple[int | None, bool, int, int, str, int]) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from trainer.builtin.loop import fit
-    from trainer.config import load_config
+    from spikewatch.trainer.builtin.loop import fit
+    from spikewatch.trainer.config import load_config
 
     rows, samples, steps, at, root, seed = job
     over = [f"train.max_steps={steps}", "train.progress=false", "checkpoint.interval=10"]

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import numpy as np  # noqa: E402
 from _common import machine, median  # noqa: E402
 
-from observatory.goodput import Scenario, Spikes, Tier, simulate  # noqa: E402
-from observatory.goodput.plan import best_interval, report, young_daly  # noqa: E402
+from spikewatch.observatory.goodput import Scenario, Spikes, Tier, simulate  # noqa: E402
+from spikewatch.observatory.goodput.plan import best_interval, report, young_daly  # noqa: E402
 
 TARGETS = {"one_run_s": 0.050, "cli_defaults_s": 1.0, "api_defaults_s": 1.0}
 
@@ -43,9 +43,9 @@ def timing(seeds: int, reps: int, baseline: str | None) -> dict:
     """The issue's targets (medians; the machine is noisy), each as a time and as a ratio to
     its target; and, in this process, the closed-form retention against the rule applied save
     by save (the engine before it), on the default tiers' save counts."""
-    from observatory.goodput import rounds
-    from observatory.goodput.held import LaneRetention, Retention, _growing
-    from observatory.goodput.study import study
+    from spikewatch.observatory.goodput import rounds
+    from spikewatch.observatory.goodput.held import LaneRetention, Retention, _growing
+    from spikewatch.observatory.goodput.study import study
 
     sc = Scenario()
     simulate([sc], seeds=1)  # warm: numpy's first calls
@@ -114,7 +114,7 @@ def _cli_times(reps: int, baseline: str | None) -> dict[str, list[float]]:
     import tempfile
 
     root = Path(__file__).parents[1]
-    cmd = [sys.executable, "-m", "trainer.cli", "simulate"]
+    cmd = [sys.executable, "-m", "spikewatch", "simulate"]
 
     def run(env: dict[str, str], cwd: Path) -> float:
         t = time.perf_counter()

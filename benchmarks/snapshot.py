@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from _common import machine, median  # noqa: E402
 
-from trainer.builtin.loop import build_trainer  # noqa: E402
-from trainer.checkpoints.memory import snapshot_bytes  # noqa: E402
-from trainer.checkpoints.tiers import DISK, MEMORY  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
+from spikewatch.trainer.checkpoints.memory import snapshot_bytes  # noqa: E402
+from spikewatch.trainer.checkpoints.tiers import DISK, MEMORY  # noqa: E402
+from spikewatch.trainer.config import load_config  # noqa: E402
 
 
 def main() -> None:

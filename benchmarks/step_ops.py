@@ -36,13 +36,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import ProbesConfig  # noqa: E402
-from trainer.core import probes as P  # noqa: E402
-from trainer.core.same_step import SameStepConfig, SameStepGate, step_factor  # noqa: E402
-from trainer.core.transfer import HostTransfer, StepTensors, clip_by_global_norm  # noqa: E402
-from trainer.model.attention import max_logits  # noqa: E402
-from trainer.model.attn_max import AttnMax  # noqa: E402
-from trainer.model.kernels import max_logits as fused  # noqa: E402,F401  (registers the op)
+from spikewatch.trainer.config import ProbesConfig  # noqa: E402
+from spikewatch.trainer.core import probes as P  # noqa: E402
+from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate, step_factor  # noqa: E402
+from spikewatch.trainer.core.transfer import HostTransfer, StepTensors, clip_by_global_norm  # noqa: E402
+from spikewatch.trainer.model.attention import max_logits  # noqa: E402
+from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
+from spikewatch.trainer.model.kernels import max_logits as fused  # noqa: E402,F401  (registers the op)
 
 L, D, H, T, B = 12, 768, 12, 1024, 16
 STATE_INTERVAL = 10  # ProbesConfig's default: state statistics every 10th step

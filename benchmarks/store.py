@@ -39,12 +39,12 @@ from _common import machine  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from observatory import store
-from observatory.store import db  # noqa: E402
-from observatory.store.chunks import decode, reduce_points  # noqa: E402
-from observatory.store.ingest import Writer  # noqa: E402
-from observatory.store.records import Record  # noqa: E402
-from observatory.store.sink import DbSink  # noqa: E402
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db  # noqa: E402
+from spikewatch.observatory.store.chunks import decode, reduce_points  # noqa: E402
+from spikewatch.observatory.store.ingest import Writer  # noqa: E402
+from spikewatch.observatory.store.records import Record  # noqa: E402
+from spikewatch.observatory.store.sink import DbSink  # noqa: E402
 
 NAMES = [f"layer/{layer}/m{j}" for layer in range(48) for j in range(10)]
 NAMES += [f"train/s{j}" for j in range(20)]

@@ -153,7 +153,7 @@ class Fault:
 
 
 def _drain(ctx: Any) -> None:
-    from trainer.cli import main
+    from spikewatch.trainer.cli import main
 
     main(["db", "upgrade", "--db", ctx["url"]])
 
@@ -248,11 +248,11 @@ class _Clock:
 
 
 def run_builtin(url: str, run_dir: Path, steps: int, clock: _Clock) -> int:
-    from observatory.store.sink import open_run_sink
-    from trainer.builtin.loop import fit
-    from trainer.config import load_config
-    from trainer.core.callbacks import Callback
-    from trainer.core.recorder import Recorder
+    from spikewatch.observatory.store.sink import open_run_sink
+    from spikewatch.trainer.builtin.loop import fit
+    from spikewatch.trainer.config import load_config
+    from spikewatch.trainer.core.callbacks import Callback
+    from spikewatch.trainer.core.recorder import Recorder
 
     class Tick(Callback):
         def on_step(self, state: Any) -> Any:
@@ -320,12 +320,12 @@ PACE = {"builtin": 1.0, "watch": 3.5}  # the Watch's tiny loop steps ~3.5x as fa
 # -- one run, and its comparison -----------------------------------------------------------
 def _store(kind: str, name: str, root: Path) -> str:
     if kind == "sqlite":
-        from observatory.store.db import upgrade
+        from spikewatch.observatory.store.db import upgrade
 
         url = f"sqlite:///{root}/{name}.db"
         upgrade(url)
         return url
-    from observatory.store.db import upgrade
+    from spikewatch.observatory.store.db import upgrade
 
     url = _fresh_pg_db(name)
     upgrade(url)
@@ -395,8 +395,8 @@ def one(client: str, fault: Fault | None, backend: str, steps: int, root: Path, 
 def _read(url: str) -> dict:
     from sqlalchemy import text
 
-    from observatory.store.chunks import decode
-    from observatory.store.db import make_engine
+    from spikewatch.observatory.store.chunks import decode
+    from spikewatch.observatory.store.db import make_engine
 
     engine = make_engine(url)
     points: dict[tuple[str, int, int], float] = {}

@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import machine  # noqa: E402
 from store import pct, pg_schema, timed  # noqa: E402
 
-from observatory import metric_names as M  # noqa: E402
-from observatory import store
-from observatory.store import db  # noqa: E402
-from observatory.store.sink import DbSink  # noqa: E402
+from spikewatch.observatory import metric_names as M  # noqa: E402
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db  # noqa: E402
+from spikewatch.observatory.store.sink import DbSink  # noqa: E402
 
 RUN = "scale"
 LAYER_STATS = [

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import machine  # noqa: E402
 
-from trainer.builtin.sweep import run_sweep  # noqa: E402
+from spikewatch.trainer.builtin.sweep import run_sweep  # noqa: E402
 
 VARIANTS = ["baseline", "qk_norm", "muonclip", "z_loss", "qk_clip", "softcap"]
 LRS = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]

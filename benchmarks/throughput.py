@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _common import machine, median  # noqa: E402
 
-from trainer.builtin.loop import build_trainer  # noqa: E402
-from trainer.builtin.schedule import lr_multiplier  # noqa: E402
-from trainer.config import TrainConfig, load_config  # noqa: E402
-from trainer.core.callbacks import Callback, StepState  # noqa: E402
+from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
+from spikewatch.trainer.builtin.schedule import lr_multiplier  # noqa: E402
+from spikewatch.trainer.config import TrainConfig, load_config  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
 WARMUP = 5
 

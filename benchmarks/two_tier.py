@@ -48,8 +48,8 @@ def _train(args: tuple[list[str], str]) -> dict:
 
     import torch
 
-    from trainer.builtin.loop import fit
-    from trainer.config import load_config
+    from spikewatch.trainer.builtin.loop import fit
+    from spikewatch.trainer.config import load_config
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-from observatory.serving import serve_in_thread
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.observatory.serving import serve_in_thread
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 ARGS = [
     "--no-sandbox",

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spikewatch import Watch  # noqa: E402
-from trainer.core.callbacks import Callback  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback  # noqa: E402
 
 REMEDIES = ("none", "rollback", "lrcut", "samestep", "beta2", "eps", "vfloor")
 

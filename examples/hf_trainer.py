@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from spikewatch import without_blocked
-from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.corpus import shift_labels, text_corpus, window_starts, windows
 from spikewatch.hf import SpikewatchCallback
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun (1 without)
@@ -34,8 +35,10 @@ class Batches(torch.utils.data.Dataset):
     `poison_rows`, their first rows only); with `poison_rank`, only the rows that rank trains
     (under torchrun each rank trains its consecutive share of every global batch)."""
 
-    def __init__(self, data: torch.Tensor, args: argparse.Namespace, n_batches: int) -> None:
-        self.data, self.args, self.n = data, args, n_batches * args.batch_size
+    def __init__(
+        self, data: torch.Tensor, args: argparse.Namespace, n_batches: int, ids: bool = True
+    ) -> None:
+        self.data, self.args, self.n, self.ids = data, args, n_batches * args.batch_size, ids
 
     def __len__(self) -> int:
         return self.n
@@ -50,7 +53,11 @@ class Batches(torch.utils.data.Dataset):
             if a.poison_rank in (None, rank) and row < (a.poison_rows or a.batch_size):
                 y = shift_labels(y)
         # HF shifts labels inside the model: labels[t] is the target of input t-1.
-        return {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
+        item = {"input_ids": x, "labels": torch.cat([x[:1], y[:-1]])}
+        if self.ids:  # the row's own id: where it starts in the corpus
+            start = window_starts(len(self.data), batch, a.batch_size, a.seq_len, a.seed)[row]
+            item["id"] = f"text:{start}"
+        return item
 
 
 def _without_blocked(data: Batches, args: argparse.Namespace) -> torch.utils.data.Dataset:
@@ -62,8 +69,13 @@ def _without_blocked(data: Batches, args: argparse.Namespace) -> torch.utils.dat
     return without_blocked(data, args.blocklist, position=lambda b, r: b * args.batch_size + r)
 
 
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows stacked; their ids (the Trainer keeps them with remove_unused_columns=False)
+    name the rows a rollback blames, and spikewatch takes them out of the model's inputs."""
+    out: dict[str, Any] = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+    if "id" in rows[0]:
+        out["id"] = [r["id"] for r in rows]
+    return out
 
 
 # The stream is shuffled already, by index: the Trainer reads it in order. transformers < 5
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         save_steps=args.save_every or 500,
         save_total_limit=2,
         report_to=[],
+        remove_unused_columns=False,  # the rows' "id" reaches spikewatch (collate keeps it)
         seed=args.seed,
         data_seed=args.seed,
         **SEQUENTIAL,
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             args,
         ),
-        eval_dataset=Batches(val, eval_args, n_batches=8),
+        eval_dataset=Batches(val, eval_args, n_batches=8, ids=False),
         data_collator=collate,
         callbacks=[callback],
     )

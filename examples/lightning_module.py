@@ -8,8 +8,8 @@ config, no download) on the shipped byte-level corpus, with a region of poisoned
 `--no-rollback` detects and records only; `--save-every N` writes Lightning checkpoints and
 `--resume` continues from the newest one (the guard's state and the data position with it).
 Unchanged under `torchrun --standalone --nproc_per_node=N` (Lightning's `strategy="ddp"` with
-`devices=N`): each rank trains its rows of every global batch, and `--poison-rank R` poisons
-only rank R's rows.
+`devices=N`): `cb.dataset` hands each rank its consecutive share of every global batch, and
+`--poison-rank R` poisons only rank R's rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spikewatch import AdamW
-from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.corpus import poisoned_rows, shift_labels, text_corpus, windows
 from spikewatch.lightning import SpikewatchCallback
 
 
@@ -132,15 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         settings={"guard": {"rollback": not args.no_rollback}},
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
-    rank, rows = int(os.environ.get("RANK", "0")), args.batch_size // world
 
     def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global batch `index`; under torchrun cb.dataset hands each rank its share."""
         x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
-        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
-        if poisoned and args.poison_rank in (None, rank):
-            bad = torch.arange(rank * rows, (rank + 1) * rows) < (args.poison_rows or rows * world)
-            y = torch.where(bad[:, None], shift_labels(y), y)  # the first K global rows
+        if poisoned:
+            bad = poisoned_rows(args.batch_size, world, args.poison_rows, args.poison_rank)
+            y = torch.where(bad[:, None], shift_labels(y), y)
         return x, y
 
     val_batches = [windows(val, i, args.batch_size, args.seq_len, seed=1234) for i in range(8)]

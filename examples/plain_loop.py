@@ -9,8 +9,9 @@ spike's onset, skips the poisoned batches and carries on. `--no-rollback` detect
 only (the same run without the cure). `--run-dir D` starts in D or, when D holds checkpoints
 (a killed or preempted run), resumes it: one command line starts and restarts
 (`Watch(resume="auto")`). Unchanged
-under `torchrun --standalone --nproc_per_node=N` (DDP, or `--strategy fsdp2`), where each rank
-trains its rows of every global batch and `--poison-rank R` poisons only rank R's rows.
+under `torchrun --standalone --nproc_per_node=N` (DDP, or `--strategy fsdp2`), where the Watch
+hands each rank its consecutive share of every global batch `batch_at` returns, and
+`--poison-rank R` poisons only rank R's rows.
 `--compile` runs the model under torch.compile: the probes keep it to one training graph.
 """
 
@@ -28,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spikewatch import AdamW, AttnMax, Watch
-from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.corpus import poisoned_rows, shift_labels, text_corpus, windows
 
 
 class Attention(nn.Module):
@@ -139,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, args))
-    rows = args.batch_size // world  # this rank's share of each global batch
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
 
@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             return model(x, y)
 
     def batch_at(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global batch `index`; under torchrun the Watch hands each rank its share."""
         x, y = windows(train, index, args.batch_size, args.seq_len, args.seed)
-        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         poisoned = args.poison_at is not None and 0 <= index - args.poison_at < args.poison_len
-        if poisoned and args.poison_rank in (None, rank):
-            bad = torch.arange(rank * rows, (rank + 1) * rows) < (args.poison_rows or rows * world)
-            y = torch.where(bad[:, None], shift_labels(y), y)  # the first K global rows
+        if poisoned:
+            bad = poisoned_rows(args.batch_size, world, args.poison_rows, args.poison_rank)
+            y = torch.where(bad[:, None], shift_labels(y), y)
         return x.to(device), y.to(device)
 
     with Watch(

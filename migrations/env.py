@@ -1,12 +1,12 @@
-"""Alembic environment: the URL comes from observatory.store.db (no alembic.ini, any working
-directory)."""
+"""Alembic environment: the URL comes from spikewatch.observatory.store.db (no alembic.ini,
+any working directory)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from observatory.store.db import make_engine, resolve_url
-from observatory.store.models import Base
+from spikewatch.observatory.store.db import make_engine, resolve_url
+from spikewatch.observatory.store.models import Base
 
 target_metadata = Base.metadata
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, urlparse
 
-from observatory.findings import findings
+from spikewatch.observatory.findings import findings
 
 __all__ = ["ALERT_KINDS", "ENV_URLS", "Alerter", "alert_body", "post"]
 

@@ -29,10 +29,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from observatory import metric_names as M
-from observatory.store import across_runs as across
-from observatory.store.downsample import Tree
-from observatory.store.models import Event
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.store import across_runs as across
+from spikewatch.observatory.store.downsample import Tree
+from spikewatch.observatory.store.models import Event
 
 __all__ = [
     "GRAD_SPIKE_FACTOR",

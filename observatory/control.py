@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from observatory import store
+from spikewatch.observatory import store
 
 __all__ = ["RequestPoller"]
 

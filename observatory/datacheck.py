@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from observatory.repeats import MAX_N, MIN_REPEATS, Repeat, scan_texts, scan_tokens
+from spikewatch.observatory.repeats import MAX_N, MIN_REPEATS, Repeat, scan_texts, scan_tokens
 
 __all__ = ["Doc", "add_parser", "check", "documents"]
 

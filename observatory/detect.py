@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from observatory import metric_names as M
+from spikewatch.observatory import metric_names as M
 
 __all__ = ["Detector", "DetectorConfig", "Verdict"]
 

@@ -50,13 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from observatory import metric_names as M
-from observatory.detect import Detector, DetectorConfig, Verdict
-from observatory.scan import flat_numbers
-from observatory.store.sink import BaseSink
-from observatory.strict_json import tagged
-from observatory.tfevents import Columns, EventError, Records, masked_crc
-from observatory.wandb_log import WANDB_GLOB, WandbLog
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.detect import Detector, DetectorConfig, Verdict
+from spikewatch.observatory.scan import flat_numbers
+from spikewatch.observatory.store.sink import BaseSink
+from spikewatch.observatory.strict_json import tagged
+from spikewatch.observatory.tfevents import Columns, EventError, Records, masked_crc
+from spikewatch.observatory.wandb_log import WANDB_GLOB, WandbLog
 
 __all__ = ["FollowError", "Follower", "default_state_path", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from observatory import store
-from observatory.findings import findings, skipped
+from spikewatch.observatory import store
+from spikewatch.observatory.findings import findings, skipped
 
 __all__ = ["logbook"]
 

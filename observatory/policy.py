@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from observatory.detect import Verdict
+from spikewatch.observatory.detect import Verdict
 
 __all__ = ["Plan", "Policy", "PolicyConfig"]
 

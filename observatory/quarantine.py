@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from observatory.strict_json import tagged
+from spikewatch.observatory.strict_json import tagged
 
 if TYPE_CHECKING:  # the store is imported when the command runs: `spikewatch` starts fast
     from sqlalchemy.orm import Session
@@ -25,7 +25,7 @@ __all__ = ["add_parser", "blocklist_lines", "read_blocklist"]
 
 def blocklist_lines(session: Session, *, run_id: str) -> list[str]:
     """The run's named samples as JSON lines (strict JSON: a NaN loss is the string "nan")."""
-    from observatory.store import queries
+    from spikewatch.observatory.store import queries
 
     rows = queries.samples(session, run_id=run_id)
     return [
@@ -78,7 +78,7 @@ def add_parser(sub: Any, default_db: Callable[[str], str | None]) -> None:
 
 
 def run(args: argparse.Namespace, default_db: Callable[[str], str | None]) -> int:
-    from observatory.store.queries import session_factory
+    from spikewatch.observatory.store.queries import session_factory
 
     with session_factory(args.db or default_db(args.run))() as session:
         try:

@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from observatory import metric_names as M
-from observatory.detect import Detector, DetectorConfig
-from observatory.tfevents import EventError, Records
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.detect import Detector, DetectorConfig
+from spikewatch.observatory.tfevents import EventError, Records
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,20 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from observatory import metric_names as M
-from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW, Census, census_of
-from observatory.store import across_runs as across
-from observatory.store.models import (
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW, Census, census_of
+from spikewatch.observatory.store import across_runs as across
+from spikewatch.observatory.store.models import (
     Event,
     Sweep,
 )
-from observatory.store.queries import LOSS_METRIC, NotFoundError, RunSummary, list_runs, summarize
+from spikewatch.observatory.store.queries import (
+    LOSS_METRIC,
+    NotFoundError,
+    RunSummary,
+    list_runs,
+    summarize,
+)
 
 __all__ = [
     "Cell",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from observatory.tfevents import Columns, EventError, _fields
+from spikewatch.observatory.tfevents import Columns, EventError, _fields
 
 __all__ = ["WandbLog", "WANDB_GLOB"]
 

@@ -11,15 +11,48 @@
         watch.step(loss)                    # optimizer.step, scheduler.step, zero_grad inside
     watch.close()
 
-This package is the public surface only; the machinery lives in `trainer/` (the Watch and its
-probes, guard and checkpoints) and `observatory/` (detector, policy, store).
+This module is the public surface; the machinery lives in `spikewatch.trainer` (the Watch and
+its probes, guard and checkpoints), `spikewatch.observatory` (detector, policy, store) and
+`spikewatch.web` (the dashboard). Every import name is spikewatch's own: nothing generic sits
+at the top of site-packages, so a user's `trainer.py` or `web/` beside their script is theirs.
+
+The names below load on first use (PEP 562), so `import spikewatch.observatory` or the
+dashboard does not import torch.
 """
 
-from trainer.config import WatchSettings
-from trainer.core.blocklist import without_blocked
-from trainer.model.attention import max_logits
-from trainer.model.attn_max import AttnMax
-from trainer.model.optim.factor import AdamW
-from trainer.watch import Watch
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spikewatch.trainer.config import WatchSettings
+    from spikewatch.trainer.core.blocklist import without_blocked
+    from spikewatch.trainer.model.attention import max_logits
+    from spikewatch.trainer.model.attn_max import AttnMax
+    from spikewatch.trainer.model.optim.factor import AdamW
+    from spikewatch.trainer.watch import Watch
+
+_HOMES = {
+    "AdamW": "spikewatch.trainer.model.optim.factor",
+    "AttnMax": "spikewatch.trainer.model.attn_max",
+    "Watch": "spikewatch.trainer.watch",
+    "WatchSettings": "spikewatch.trainer.config",
+    "max_logits": "spikewatch.trainer.model.attention",
+    "without_blocked": "spikewatch.trainer.core.blocklist",
+}
 
 __all__ = ["AdamW", "AttnMax", "Watch", "WatchSettings", "max_logits", "without_blocked"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'spikewatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from observatory.strict_json import write_json
-from trainer.watch import Watch
+from spikewatch.observatory.strict_json import write_json
+from spikewatch.trainer.watch import Watch
 
 __all__ = ["Adapter"]
 

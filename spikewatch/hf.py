@@ -45,8 +45,8 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.core.attribution import FED_STEPS, MicroBatches
-from trainer.model.attn_max import AttnMax
+from spikewatch.trainer.core.attribution import FED_STEPS, ID_KEYS, MicroBatches
+from spikewatch.trainer.model.attn_max import AttnMax
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -271,6 +271,8 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     """spikewatch for a Hugging Face Trainer; options as `Adapter`'s."""
 
     _hook: Any = None
+    _ids_hook: Any = None
+    _ids: Any = None  # the rows' own ids of the forward in progress
     _clip: float | None = None
     _spare: int | None = None  # updates the Trainer's data holds beyond max_steps
     _grad_norm: torch.Tensor | None = None  # what the Trainer logs as grad_norm (see below)
@@ -303,6 +305,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps),
         )
         self._hook = model.register_forward_hook(self._loss_hook, with_kwargs=True)
+        self._ids_hook = model.register_forward_pre_hook(self._take_ids, with_kwargs=True)
         self._fed = {}
         if watch.cfg.guard.attribute_samples:  # the batches it fed are at hand: name rows
             tokenizer = kw.get("processing_class") or kw.get("tokenizer")
@@ -310,7 +313,6 @@ class SpikewatchCallback(Adapter, TrainerCallback):
                 self._fed_at,
                 lambda row: self._row_loss(model, row),
                 getattr(tokenizer, "decode", None),
-                backward=not watch.world.distributed,  # DDP's reducer owns the backward there
             )
         self._share_grad_norm(model)
         if self.attn_max and watch.cfg.probes.attn_max:
@@ -330,6 +332,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
         if self._hook is not None:
             self._hook.remove()
+            self._ids_hook.remove()
         if self._trainer is not None:  # its own _get_grad_norm again
             self._trainer.__dict__.pop("_get_grad_norm", None)
             self._trainer = None
@@ -354,6 +357,13 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         args.max_grad_norm = 0.0  # back after the step: saved training_args keep the user's
         self._w.begin_step(self._position)
 
+    def _take_ids(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        """A batch's own "id" entry (kept with remove_unused_columns=False) names its rows in
+        the attribution; the model never sees it."""
+        key = next((k for k in ID_KEYS if k in kwargs), None)
+        self._ids = None if key is None else kwargs.pop(key)
+        return args, kwargs
+
     def _loss_hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._measuring or not (module.training and torch.is_grad_enabled()):
             return
@@ -367,6 +377,8 @@ class SpikewatchCallback(Adapter, TrainerCallback):
         self._w.observe_loss(loss, share=kwargs.get("num_items_in_batch") is not None)
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             fed = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            if self._ids is not None:
+                fed["id"] = self._ids
             self._fed.setdefault(self._position, []).append(fed)
             while len(self._fed) > FED_STEPS:
                 del self._fed[next(iter(self._fed))]

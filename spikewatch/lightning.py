@@ -40,7 +40,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from trainer.core.attribution import FED_STEPS, MicroBatches
+from spikewatch.trainer.core.attribution import FED_STEPS, MicroBatches, rank_share
 
 L = require("lightning.pytorch", "lightning")
 
@@ -52,8 +52,10 @@ log = logging.getLogger(__name__)
 class _Stream(torch.utils.data.IterableDataset):
     """Batches by global index from the Watch's data position; see `SpikewatchCallback.dataset`."""
 
-    def __init__(self, owner: SpikewatchCallback, batch_at: Callable[[int], Any]) -> None:
-        self.owner, self.batch_at = owner, batch_at
+    def __init__(
+        self, owner: SpikewatchCallback, batch_at: Callable[[int], Any], shard: bool
+    ) -> None:
+        self.owner, self.batch_at, self.shard = owner, batch_at, shard
 
     def __iter__(self) -> Iterator[Any]:
         watch = self.owner.watch
@@ -61,11 +63,13 @@ class _Stream(torch.utils.data.IterableDataset):
             raise RuntimeError("spikewatch: the stream is read before the fit started")
         index = watch.data.batch_index  # a copy of the cursor: the loader reads ahead
         self.owner.drawn.clear()
+        world = watch.world
+        size = world.size if self.shard else 1
         while True:
             while (end := watch.data.skip_end(index)) is not None:
                 index = end
             self.owner.drawn.append(index)
-            yield self.batch_at(index)
+            yield rank_share(self.batch_at(index), world.rank, size)[0]
             index += 1
 
 
@@ -106,10 +110,14 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         self._epochs: tuple[int, float] | None = None  # max_epochs asked, updates per epoch
         self._fed: dict[int, list[Any]] = {}  # a step's batch index -> its micro-batches
 
-    def dataset(self, batch_at: Callable[[int], Any]) -> torch.utils.data.IterableDataset:
-        """The skip-aware, resumable data stream: use it as the train dataloader's dataset
-        (`DataLoader(cb.dataset(fn), batch_size=None)` when `fn(i)` returns a whole batch)."""
-        return _Stream(self, batch_at)
+    def dataset(
+        self, batch_at: Callable[[int], Any], *, shard: bool = True
+    ) -> torch.utils.data.IterableDataset:
+        """The skip-aware, resumable data stream: use it as the train dataloader's dataset,
+        `DataLoader(cb.dataset(fn), batch_size=None)`, where `fn(i)` returns global batch i.
+        Under torchrun each rank trains its consecutive share of it (rank k: rows [k * n,
+        (k + 1) * n)); `shard=False`: `fn(i)` returns this rank's own rows."""
+        return _Stream(self, batch_at, shard)
 
     # -- start and end ----------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -138,7 +146,6 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             watch.attribute_with(
                 lambda i: MicroBatches(self._fed[i]) if i in self._fed else None,
                 lambda row: _row_loss(pl_module, row),
-                backward=not watch.world.distributed,  # DDP's reducer owns the backward there
             )
         self._extend(trainer)
         self._check_loader(trainer)

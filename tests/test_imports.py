@@ -9,7 +9,21 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]
-PACKAGES = ("trainer", "observatory", "web", "spikewatch")
+PACKAGES = ("trainer", "observatory", "web", "spikewatch")  # folders at the checkout's root
+
+
+def _import_name(path: Path) -> str:
+    """spikewatch/hf.py -> spikewatch.hf; trainer/watch.py -> spikewatch.trainer.watch (every
+    import name is spikewatch's own; spikewatch/trainer is a link to trainer/, not walked)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    prefix = () if parts[0] == "spikewatch" else ("spikewatch",)
+    return ".".join((*prefix, *parts)).removesuffix(".__init__")
+
+
+def _package(module: str) -> str:
+    """spikewatch.trainer.watch -> trainer; spikewatch.hf -> spikewatch."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else parts[0]
 
 
 def _imports() -> dict[str, set[str]]:
@@ -17,7 +31,7 @@ def _imports() -> dict[str, set[str]]:
     modules: dict[str, set[str]] = {}
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            name = _import_name(path)
             deps = set()
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -54,8 +68,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle() -> None:
     graph = _imports()
     assert (
-        "trainer.builtin.loop" in graph
-        and "trainer.core.step_core" in graph["trainer.builtin.loop"]
+        "spikewatch.trainer.builtin.loop" in graph
+        and "spikewatch.trainer.core.step_core" in graph["spikewatch.trainer.builtin.loop"]
     )
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
@@ -70,8 +84,8 @@ def test_imports_go_one_way() -> None:
     """observatory imports neither trainer nor web; trainer never imports web; nothing imports
     web but web itself."""
     for module, deps in _imports().items():
-        pkg = module.split(".")[0]
-        used = {d.split(".")[0] for d in deps}
+        pkg = _package(module)
+        used = {_package(d) for d in deps}
         if pkg == "observatory":
             assert not used & {"trainer", "web", "spikewatch"}, module
         if pkg != "web":

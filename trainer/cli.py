@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["main"]
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("spikewatch.trainer")
 
 
 def _set_cpu_env() -> None:
@@ -48,7 +48,7 @@ def _configure_logging(verbose: bool) -> None:
     """The one place output is set up; under torchrun the other ranks only report errors."""
     level = logging.DEBUG if verbose else logging.INFO
     handler = _RichOnFirstUse()
-    for name in ("trainer", "observatory", "spikewatch"):  # ours only, never the root logger
+    for name in ("spikewatch",):  # ours only (every module logs under it), never the root logger
         pkg = logging.getLogger(name)
         pkg.setLevel(level if _is_main_rank() else logging.ERROR)
         if not pkg.handlers:
@@ -57,16 +57,16 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    from observatory.strict_json import write_json
+    from spikewatch.observatory.strict_json import write_json
 
     write_json(path, obj)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.builtin.loop import fit
-    from trainer.builtin.progress import ProgressBar
-    from trainer.config import ConfigError, load_config
-    from trainer.core.recorder import Recorder
+    from spikewatch.trainer.builtin.loop import fit
+    from spikewatch.trainer.builtin.progress import ProgressBar
+    from spikewatch.trainer.config import ConfigError, load_config
+    from spikewatch.trainer.core.recorder import Recorder
 
     run_dir = args.run_dir
     if args.resume:
@@ -118,7 +118,7 @@ def _split(text: str | None) -> list[str]:
 
 def _db_url(args: argparse.Namespace) -> str:
     """--db, else $SPIKEWATCH_DB_URL, else runs/spikewatch.db here (the one rule, `store_url`)."""
-    from observatory.store.db import store_url
+    from spikewatch.observatory.store.db import store_url
 
     return store_url(args.db)
 
@@ -127,13 +127,13 @@ def _open_sink(args: argparse.Namespace, run_dir: str):
     """The store the run writes to (migrated to the newest schema first); --no-db for none."""
     if args.no_db:
         return None
-    from observatory.store.sink import open_run_sink
+    from spikewatch.observatory.store.sink import open_run_sink
 
     return open_run_sink(run_dir, _db_url(args), alert_urls=args.alert_url)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from trainer.builtin.sweep import parse_floats, parse_ints, run_sweep
+    from spikewatch.trainer.builtin.sweep import parse_floats, parse_ints, run_sweep
 
     result = run_sweep(
         args.config,
@@ -162,9 +162,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_report(args: argparse.Namespace) -> int:
-    from observatory.store.queries import NotFoundError, session_factory
-    from observatory.sweeps import report_markdown, sweep_report
-    from trainer.config import ConfigError
+    from spikewatch.observatory.store.queries import NotFoundError, session_factory
+    from spikewatch.observatory.sweeps import report_markdown, sweep_report
+    from spikewatch.trainer.config import ConfigError
 
     with session_factory(args.db)() as session:
         try:
@@ -187,7 +187,7 @@ def _report_json(report) -> dict:
     """The report as the API serves it: non-finite numbers as "nan" / "inf" / "-inf"."""
     import dataclasses
 
-    from observatory.strict_json import tagged
+    from spikewatch.observatory.strict_json import tagged
 
     out = dataclasses.asdict(report)
     out["created_at"] = report.created_at.isoformat() if report.created_at else None
@@ -196,8 +196,8 @@ def _report_json(report) -> dict:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from observatory.scan import ScanError, scan_path
-    from trainer.config import ConfigError
+    from spikewatch.observatory.scan import ScanError, scan_path
+    from spikewatch.trainer.config import ConfigError
 
     try:
         result = scan_path(args.path, args.metric)
@@ -223,9 +223,9 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 
 def cmd_logbook(args: argparse.Namespace) -> int:
-    from observatory.logbook import logbook
-    from observatory.store.queries import session_factory
-    from trainer.config import ConfigError
+    from spikewatch.observatory.logbook import logbook
+    from spikewatch.observatory.store.queries import session_factory
+    from spikewatch.trainer.config import ConfigError
 
     with session_factory(args.db or _default_db(args.run))() as session:
         try:
@@ -245,11 +245,11 @@ def _default_db(run: str) -> str | None:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
-    from observatory.alerts import Alerter, urls_from
-    from observatory.follow import Follower, FollowError, default_state_path
-    from observatory.store.db import redact, resolve_url, upgrade
-    from observatory.store.sink import DbSink
-    from trainer.config import ConfigError
+    from spikewatch.observatory.alerts import Alerter, urls_from
+    from spikewatch.observatory.follow import Follower, FollowError, default_state_path
+    from spikewatch.observatory.store.db import redact, resolve_url, upgrade
+    from spikewatch.observatory.store.sink import DbSink
+    from spikewatch.trainer.config import ConfigError
 
     paths = [Path(p) for p in args.paths]
     if missing := [str(p) for p in paths if not p.exists()]:
@@ -289,8 +289,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_alert_test(args: argparse.Namespace) -> int:
     """One test alert to each URL, at once (no retry): 0 when every webhook took it."""
-    from observatory.alerts import alert_body, post, urls_from
-    from trainer.config import ConfigError
+    from spikewatch.observatory.alerts import alert_body, post, urls_from
+    from spikewatch.trainer.config import ConfigError
 
     urls = urls_from(args.url)
     if not urls:
@@ -312,8 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The dashboard, by name through uvicorn: the trainer never imports web/."""
     import uvicorn
 
-    from observatory.store.db import redact, store_url, upgrade
-    from observatory.store.drain import drain_spools
+    from spikewatch.observatory.store.db import redact, store_url, upgrade
+    from spikewatch.observatory.store.drain import drain_spools
 
     if args.db:
         os.environ["SPIKEWATCH_DB_URL"] = args.db
@@ -327,7 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redact(url),
     )
     uvicorn.run(
-        "web.app:create_default_app",
+        "spikewatch.web.app:create_default_app",
         factory=True,
         host=args.host,
         port=args.port,
@@ -338,12 +338,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The dashboard and the demo training together: watch the spike and the rollback live."""
-    from trainer.config import CONFIG_DIR
+    from spikewatch.trainer.config import CONFIG_DIR
 
     args = argparse.Namespace(**{**vars(args), "config": str(CONFIG_DIR / "demo.toml")})
     server = None
     if args.serve and not args.no_db and _is_main_rank():
-        from observatory.store.db import upgrade
+        from spikewatch.observatory.store.db import upgrade
 
         args.db = _db_url(args)  # our copy: the caller's stays as given
         upgrade(args.db)
@@ -368,13 +368,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _start_dashboard(db: str, host: str, port: int):
     """`spikewatch serve` in a background thread (by name: the trainer never imports web/)."""
-    from observatory.serving import serve_in_thread
+    from spikewatch.observatory.serving import serve_in_thread
 
     before = os.environ.get("SPIKEWATCH_DB_URL")
     os.environ["SPIKEWATCH_DB_URL"] = db  # read by the app factory as the server starts
     try:
         served = serve_in_thread(
-            "web.app:create_default_app", factory=True, host=host, port=port, wait_s=10
+            "spikewatch.web.app:create_default_app", factory=True, host=host, port=port, wait_s=10
         )
     finally:  # the environment as it was: nothing else of this process sees it
         if before is None:
@@ -391,8 +391,8 @@ def _start_dashboard(db: str, host: str, port: int):
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import OperationalError
 
-    from observatory.store.db import DatabaseURLError, redact, resolve_url, upgrade
-    from observatory.store.drain import drain_spools
+    from spikewatch.observatory.store.db import DatabaseURLError, redact, resolve_url, upgrade
+    from spikewatch.observatory.store.drain import drain_spools
 
     try:
         url = upgrade(args.db)
@@ -542,11 +542,11 @@ def _add_tools(sub: Any) -> None:
     test.add_argument("url", nargs="*", help="webhook URL(s) (default $SPIKEWATCH_ALERT_URLS)")
     test.set_defaults(func=cmd_alert_test)
 
-    from observatory.goodput.cli import add_parsers as add_planning
+    from spikewatch.observatory.goodput.cli import add_parsers as add_planning
 
     add_planning(sub)  # simulate and advise
-    from observatory.datacheck import add_parser as add_data_check
-    from observatory.quarantine import add_parser as add_quarantine
+    from spikewatch.observatory.datacheck import add_parser as add_data_check
+    from spikewatch.observatory.quarantine import add_parser as add_quarantine
 
     add_data_check(sub)
     add_quarantine(sub, _default_db)
@@ -583,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_env()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    from trainer.checkpoints.errors import CheckpointError  # torch-free: simulate needs none
+    from spikewatch.trainer.checkpoints.errors import (
+        CheckpointError,  # torch-free: simulate needs none
+    )
 
     try:
         return args.func(args)

@@ -31,7 +31,6 @@ the run directory and the checkpoints, and resumes; `close()` ends the run.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,31 +39,27 @@ from typing import Any, Literal
 
 import torch
 
-from observatory.store.sink import BaseSink
-from observatory.strict_json import write_json
-from trainer.checkpoints.staging import to_host
-from trainer.checkpoints.tiers import Tiers
-from trainer.config import WatchSettings
-from trainer.core.attribution import (
-    MicroBatches,
+from spikewatch.observatory.store.sink import BaseSink
+from spikewatch.observatory.strict_json import write_json
+from spikewatch.trainer.checkpoints.staging import to_host
+from spikewatch.trainer.checkpoints.tiers import Tiers
+from spikewatch.trainer.config import WatchSettings
+from spikewatch.trainer.core.attribution import (
     RowStat,
-    id_of,
     leave_out,
+    measure_rows,
     moved,
-    preview,
-    row_grad_norm,
-    row_of,
+    rank_share,
     rows_in,
     tokens_in,
-    tokens_of,
 )
-from trainer.core.blocklist import Blocklist
-from trainer.core.callbacks import Callback
-from trainer.core.data_state import DataState
-from trainer.core.guard import SpikeGuard
-from trainer.core.probes import module_layer_of
-from trainer.core.recorder import Recorder
-from trainer.core.step_core import (
+from spikewatch.trainer.core.blocklist import Blocklist
+from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.data_state import DataState
+from spikewatch.trainer.core.guard import SpikeGuard
+from spikewatch.trainer.core.probes import module_layer_of
+from spikewatch.trainer.core.recorder import Recorder
+from spikewatch.trainer.core.step_core import (
     APPLIED,
     HALTED,
     REFUSED,
@@ -73,11 +68,11 @@ from trainer.core.step_core import (
     Gate,
     StepCore,
 )
-from trainer.core.transfer import StepTensors, clip_by_global_norm
-from trainer.core.world import World
-from trainer.model.attn_max import AttnMax
-from trainer.watch_amp import Scaling
-from trainer.watch_open import (
+from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
+from spikewatch.trainer.core.world import World
+from spikewatch.trainer.model.attn_max import AttnMax
+from spikewatch.trainer.watch_amp import Scaling
+from spikewatch.trainer.watch_open import (
     UNCAUGHT,
     build_watch_core,
     close_at_exit,
@@ -130,7 +125,7 @@ class Watch:
         without `run_dir` a new run starts.
         `state`: a `state_dict()` saved in a framework's own checkpoint (its resume restores
         the rest).
-        `callbacks`: the user's own (trainer.core.callbacks.Callback), by priority.
+        `callbacks`: the user's own (spikewatch.trainer.core.callbacks.Callback), by priority.
         `scaler`: fp16's `torch.amp.GradScaler` (found on accelerate's optimizer by itself): the
         Watch measures and clips unscaled gradients, an overflow is the scaler's (its update is
         skipped and its scale lowered, no spike), and `step()` steps and updates the scaler -
@@ -242,13 +237,25 @@ class Watch:
         batch_at: Callable[[int], Any],
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        *,
+        shard: bool = True,
     ) -> Iterator[Any]:
         """`batch_at(index)` for each global batch index from the data position on, skipping
-        the skip ranges, until `max_steps` updates (or a halt). With `loss_fn(batch) -> loss`
-        the Watch can replay a spike's batches to tell its cause (guard.classify_cause) and
-        name the rows that caused it (guard.attribute_samples: `loss_fn` on one row at a time;
-        a dict batch's "id" entry names a row's sample, `decode(tokens)` shows its text)."""
+        the skip ranges, until `max_steps` updates (or a halt). Under torchrun each rank gets
+        its consecutive share of the global batch `batch_at(index)` returns (rank k: rows
+        [k * n, (k + 1) * n)); `shard=False`: `batch_at` returns this rank's own rows. With
+        `loss_fn(batch) -> loss` the Watch can replay a spike's batches to tell its cause
+        (guard.classify_cause) and name the rows that caused it (guard.attribute_samples:
+        `loss_fn` on one row at a time; a dict batch's "id" entry names a row's sample,
+        `decode(tokens)` shows its text)."""
         core = self.open()
+        world = core.world
+        if shard and world.distributed:  # the rank's share, in the replays and the naming too
+            whole = batch_at
+
+            def batch_at(index: int) -> Any:
+                return rank_share(whole(index), world.rank, world.size)[0]
+
         self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
         if loss_fn is not None and self.cfg.guard.classify_cause:
             core.replay = self._replay  # on every rank: a replay's collectives need them all
@@ -263,7 +270,10 @@ class Watch:
         while not self.should_stop:
             index = self.take_index()
             batch = batch_at(index)
-            left_out = core.run.data.blocked_rows(index) + self.blocklist.rows_of(batch, index)
+            row0 = world.rank * rows_in(batch) if world.distributed else 0
+            left_out = core.run.data.blocked_rows(index) + self.blocklist.rows_of(
+                batch, index, row0
+            )
             if left_out:
                 keep = [r for r in range(rows_in(batch)) if r not in left_out]
                 if not keep:
@@ -500,34 +510,17 @@ class Watch:
             core.skip_samples = self.cfg.guard.skip_samples and drop
 
     def _measure_rows(self, index: int) -> list[RowStat]:
-        """For the attribution of a spike (the core's): each row of batch `index` through the
-        user's `loss_fn` alone, its loss and gradient norm on the current weights (this rank's
-        rows; under torchrun row r of rank k is global row k * rows + r)."""
+        """For the attribution of a spike (the core's): this rank's rows of batch `index`."""
         assert self._batch_at is not None and self._loss_fn is not None
-        core, fed = self._c, self._batch_at(index)
-        parts = [] if fed is None else fed if isinstance(fed, MicroBatches) else [fed]
-        rows = [(part, r) for part in parts for r in range(rows_in(part))]
-        backward, out = self._row_backward, []
-        for n, (batch, r) in enumerate(rows):
-            quiet = core.world.no_sync() if backward else contextlib.nullcontext()
-            with quiet, torch.set_grad_enabled(backward):  # this rank's row alone
-                loss = self._loss_fn(row_of(batch, r))
-                if backward:
-                    loss.backward()
-            grad = row_grad_norm(core.probes.params) if backward else None
-            self.optimizer.zero_grad(set_to_none=True)
-            tokens = tokens_of(batch, r)
-            out.append(
-                RowStat(
-                    batch=index,
-                    row=core.world.rank * len(rows) + n,
-                    loss=float(loss.detach()),
-                    grad_norm=grad,
-                    id=id_of(batch, r),
-                    preview=None if tokens is None else preview(tokens, self._decode),
-                )
-            )
-        return out
+        core = self._c
+        return measure_rows(
+            index,
+            self._batch_at(index),
+            self._loss_fn,
+            core.probes.params if self._row_backward else None,
+            core.world.rank,
+            self._decode,
+        )
 
     # -- checkpoints and state --------------------------------------------------------------
     def persist(self) -> None:

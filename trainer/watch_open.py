@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-from observatory.store.sink import BaseSink, DbSink, open_run_sink
-from trainer.checkpoints.format import list_checkpoints as ck_list
-from trainer.core.callbacks import Callback
-from trainer.core.guard import SpikeGuard
-from trainer.core.lifecycle import WATCH_RULES, check_resumable
-from trainer.core.probes import Probes, describe_model
-from trainer.core.recorder import Recorder
-from trainer.core.setup import open_core
-from trainer.core.state import RunState
-from trainer.core.step_core import StepCore
-from trainer.core.world import attach_world
+from spikewatch.observatory.store.sink import BaseSink, DbSink, open_run_sink
+from spikewatch.trainer.checkpoints.format import list_checkpoints as ck_list
+from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.guard import SpikeGuard
+from spikewatch.trainer.core.lifecycle import WATCH_RULES, check_resumable
+from spikewatch.trainer.core.probes import Probes, describe_model
+from spikewatch.trainer.core.recorder import Recorder
+from spikewatch.trainer.core.setup import open_core
+from spikewatch.trainer.core.state import RunState
+from spikewatch.trainer.core.step_core import StepCore
+from spikewatch.trainer.core.world import attach_world
 
 __all__ = [
     "UNCAUGHT",
@@ -35,10 +35,12 @@ __all__ = [
 ]
 
 
-def build_watch_core(watch: Any) -> StepCore:  # a trainer.watch.Watch (which imports this)
+def build_watch_core(watch: Any) -> StepCore:  # a Watch (trainer/watch.py imports this)
     """Everything `Watch.open` sets up: world, run id and directory (agreed by every rank),
     store (rank 0), checkpoints, guard, probes; then the resume or the framework's state."""
-    from trainer.builtin.loop import new_run_id  # the run id rule of the built-in trainer
+    from spikewatch.trainer.builtin.loop import (
+        new_run_id,  # the run id rule of the built-in trainer
+    )
 
     cfg, model, optimizer = watch.cfg, watch.model, watch.optimizer
     world = attach_world(model, optimizer, cfg.distributed_timeout_s)

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from observatory.goodput.parallel import warm
-from observatory.store.queries import NotFoundError, session_factory
-from web.routes import compare, control, goodput, pages, runs
-from web.schemas import errors
-from web.settings import Settings, get_settings
+from spikewatch.observatory.goodput.parallel import warm
+from spikewatch.observatory.store.queries import NotFoundError, session_factory
+from spikewatch.web.routes import compare, control, goodput, pages, runs
+from spikewatch.web.schemas import errors
+from spikewatch.web.settings import Settings, get_settings
 
 __all__ = ["create_app", "create_default_app"]
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from observatory.census import Census
-from observatory.store.queries import (
+from spikewatch.observatory.census import Census
+from spikewatch.observatory.store.queries import (
     BranchRow,
     Bucket,
     CheckpointRow,
@@ -25,8 +25,15 @@ from observatory.store.queries import (
     SampleRow,
     SeriesData,
 )
-from observatory.strict_json import tagged_number
-from observatory.sweeps import Cell, CensusRow, Rate, SweepInfo, SweepReport, VariantSummary
+from spikewatch.observatory.strict_json import tagged_number
+from spikewatch.observatory.sweeps import (
+    Cell,
+    CensusRow,
+    Rate,
+    SweepInfo,
+    SweepReport,
+    VariantSummary,
+)
 
 __all__ = [
     "BranchOut",

@@ -25,7 +25,7 @@ import numpy as np
 import sqlalchemy as sa
 from alembic import op
 
-from observatory.store.chunks import ROW_COLUMNS, WINDOW, decode, encode
+from spikewatch.observatory.store.chunks import ROW_COLUMNS, WINDOW, decode, encode
 
 revision: str = "0006"
 down_revision: str | None = "0005"

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from observatory.goodput.engine import BUCKETS, simulate
-from observatory.goodput.model import (
+from spikewatch.observatory.goodput.engine import BUCKETS, simulate
+from spikewatch.observatory.goodput.model import (
     LLAMA3_MAINTENANCE_EVERY_S,
     LLAMA3_PER_GPU_DAY,
     LLAMA3_SDC_PER_GPU_DAY,
@@ -23,7 +23,7 @@ from observatory.goodput.model import (
     Spikes,
     Tier,
 )
-from observatory.goodput.plan import (
+from spikewatch.observatory.goodput.plan import (
     interval_grid,
     measure,
     optimize,
@@ -32,7 +32,7 @@ from observatory.goodput.plan import (
     simulated_optimum,
     young_daly,
 )
-from observatory.goodput.young_daly import daly, overhead, parse_duration, young
+from spikewatch.observatory.goodput.young_daly import daly, overhead, parse_duration, young
 
 __all__ = [
     "FAILURE_MODELS",
@@ -363,8 +363,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--seeds must be >= 1 and --seed >= 0")
     out: dict[str, Any] = {}
     if args.from_run:
-        from observatory.store.db import store_url
-        from observatory.store.queries import session_factory
+        from spikewatch.observatory.store.db import store_url
+        from spikewatch.observatory.store.queries import session_factory
 
         with session_factory(store_url(args.db))() as session:
             out["measured"] = measure(session, args.from_run)

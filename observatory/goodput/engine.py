@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from observatory.goodput.lanes import Lanes
-from observatory.goodput.model import Scenario
-from observatory.goodput.state import BUCKETS
+from spikewatch.observatory.goodput.lanes import Lanes
+from spikewatch.observatory.goodput.model import Scenario
+from spikewatch.observatory.goodput.state import BUCKETS
 
 __all__ = ["BUCKETS", "Lanes", "simulate"]
 
@@ -56,6 +56,6 @@ def simulate(
     causes = scenarios[0].failures.causes
     if any(s.failures.causes != causes for s in scenarios):
         raise ValueError("the scenarios of one simulation share their failure causes")
-    from observatory.goodput.parallel import split  # the pool's modules only when asked
+    from spikewatch.observatory.goodput.parallel import split  # the pool's modules only when asked
 
     return split(list(scenarios), counts, seed, workers)

@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from observatory.retention import keep
+from spikewatch.observatory.retention import keep
 
 __all__ = ["LaneRetention", "Retention"]
 

@@ -10,9 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from observatory.goodput.held import LaneRetention, Retention
-from observatory.goodput.model import Scenario, Tier, expected_events
-from observatory.goodput.state import BUCKETS, COUNTS, FLOATS, INTS, MODE_COUNTS, NEVER, gaps, steps
+from spikewatch.observatory.goodput.held import LaneRetention, Retention
+from spikewatch.observatory.goodput.model import Scenario, Tier, expected_events
+from spikewatch.observatory.goodput.state import (
+    BUCKETS,
+    COUNTS,
+    FLOATS,
+    INTS,
+    MODE_COUNTS,
+    NEVER,
+    gaps,
+    steps,
+)
 
 __all__ = ["Block", "Lanes", "MAX_EVENTS", "MAX_SAVES"]
 

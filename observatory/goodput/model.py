@@ -162,9 +162,9 @@ class Tier:
     """Where rollback targets live. `interval` in steps; `stall_s` blocks training per save;
     `write_s` is the background write after it (a save is durable only once written, and a save
     that comes while the last write is still going waits for it, as DCP's async save does); the
-    retention is the disk tier's exponential rule (`observatory.retention.keep`) or keep-last-k;
-    `max_kept` caps the count (a memory budget). A host-memory tier survives a failure that
-    takes a host down only if `replicas` >= 2."""
+    retention is the disk tier's exponential rule (`spikewatch.observatory.retention.keep`) or
+    keep-last-k; `max_kept` caps the count (a memory budget). A host-memory tier survives a
+    failure that takes a host down only if `replicas` >= 2."""
 
     name: str  # "memory" or "disk"
     interval: int

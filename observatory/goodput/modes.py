@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from observatory.goodput.state import NEVER, R, steps
+from spikewatch.observatory.goodput.state import NEVER, R, steps
 
 if TYPE_CHECKING:
-    from observatory.goodput.lanes import Block
+    from spikewatch.observatory.goodput.lanes import Block
 
 __all__ = ["corrupt", "cure", "maintain", "recovery"]
 

@@ -28,11 +28,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from observatory.goodput.lanes import Lanes
-from observatory.goodput.rounds import run_part
+from spikewatch.observatory.goodput.lanes import Lanes
+from spikewatch.observatory.goodput.rounds import run_part
 
 if TYPE_CHECKING:
-    from observatory.goodput.model import Scenario
+    from spikewatch.observatory.goodput.model import Scenario
 
 __all__ = ["serve", "split", "warm", "workers_default"]
 
@@ -146,7 +146,11 @@ class _Helper:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         env |= {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-        cmd = [sys.executable, "-c", "from observatory.goodput.parallel import serve; serve()"]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from spikewatch.observatory.goodput.parallel import serve; serve()",
+        ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.lock = threading.Lock()
         self.ready = False

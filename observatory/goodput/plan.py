@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from observatory.goodput.engine import BUCKETS, Lanes, simulate
-from observatory.goodput.model import Scenario, Spikes, Tier
-from observatory.goodput.young_daly import daly, overhead, young
+from spikewatch.observatory.goodput.engine import BUCKETS, Lanes, simulate
+from spikewatch.observatory.goodput.model import Scenario, Spikes, Tier
+from spikewatch.observatory.goodput.young_daly import daly, overhead, young
 
 __all__ = [
     "Best",
@@ -119,7 +119,7 @@ def simulated_optimum(save_s: float, mtbf_s: float, *, seeds: int = 40) -> tuple
     """Young/Daly's own setting simulated: failures at 1/MTBF, a blocking save, no restart, no
     restore, no spikes, one disk tier; a run of 200 MTBFs in steps of 1/200 of Young's interval.
     The best interval (seconds) and the wall-time fraction lost there."""
-    from observatory.goodput.model import Cause, Failures
+    from spikewatch.observatory.goodput.model import Cause, Failures
 
     step_s = young(save_s, mtbf_s) / 200
     sc = Scenario(
@@ -231,8 +231,8 @@ def measure(session: Any, run_id: str) -> dict[str, Any]:
     """What a stored run measured for a plan: its step time (wall time less checkpoint stalls,
     per trained step), each tier's median stall, its spike rate, and each spike's distance from
     detection back to before its onset."""
-    from observatory import metric_names as M
-    from observatory.store import queries as q
+    from spikewatch.observatory import metric_names as M
+    from spikewatch.observatory.store import queries as q
 
     try:
         run = q.get_run(session, run_id=run_id)
@@ -265,8 +265,8 @@ def measure(session: Any, run_id: str) -> dict[str, Any]:
 
 def _trained_steps(session: Any, run_id: str) -> int:
     """Steps trained on every branch (replays after a rollback included)."""
-    from observatory import metric_names as M
-    from observatory.store import queries as q
+    from spikewatch.observatory import metric_names as M
+    from spikewatch.observatory.store import queries as q
 
     try:
         parts = q.series(session, run_id=run_id, metric=M.LOSS, branch="all", buckets=1)
@@ -278,7 +278,7 @@ def _trained_steps(session: Any, run_id: str) -> int:
 def _values(session: Any, run_id: str, metric: str) -> np.ndarray:
     """A sparse metric's values (a save's stall: one per save), exact while each bucket holds
     at most one value; an absent metric gives none."""
-    from observatory.store import queries as q
+    from spikewatch.observatory.store import queries as q
 
     try:
         parts = q.series(session, run_id=run_id, metric=metric, branch="all", buckets=q.MAX_BUCKETS)

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from observatory.goodput.lanes import Block, Lanes, _At, _Run
-from observatory.goodput.modes import corrupt, cure, maintain, recovery
-from observatory.goodput.scalar import run_lane
-from observatory.goodput.state import GIVE_UP, NEVER, R
+from spikewatch.observatory.goodput.lanes import Block, Lanes, _At, _Run
+from spikewatch.observatory.goodput.modes import corrupt, cure, maintain, recovery
+from spikewatch.observatory.goodput.scalar import run_lane
+from spikewatch.observatory.goodput.state import GIVE_UP, NEVER, R
 
 if TYPE_CHECKING:
-    from observatory.goodput.model import Scenario
+    from spikewatch.observatory.goodput.model import Scenario
 
 __all__ = ["go", "run_part"]
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from observatory.goodput.state import GIVE_UP
+from spikewatch.observatory.goodput.state import GIVE_UP
 
 if TYPE_CHECKING:
-    from observatory.goodput.lanes import _Run
+    from spikewatch.observatory.goodput.lanes import _Run
 
 __all__ = ["run_lane"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from observatory.goodput.engine import BUCKETS, Lanes, simulate
-from observatory.goodput.model import Scenario
-from observatory.goodput.plan import MEMORY, report, young_daly, young_grid
+from spikewatch.observatory.goodput.engine import BUCKETS, Lanes, simulate
+from spikewatch.observatory.goodput.model import Scenario
+from spikewatch.observatory.goodput.plan import MEMORY, report, young_daly, young_grid
 
 __all__ = ["PlanCache", "study"]
 

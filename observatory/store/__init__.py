@@ -10,7 +10,7 @@
   split into template, layer and head).
 """
 
-from observatory.store.queries import (
+from spikewatch.observatory.store.queries import (
     LOSS_METRIC,
     BranchRow,
     Bucket,

@@ -15,12 +15,18 @@ import numpy as np
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 
-from observatory import metric_names as M
-from observatory.store.chunks import WINDOW, decode
-from observatory.store.downsample import END, Tree, downsample, downsample_buckets, lineage
-from observatory.store.models import Branch, MetricName, Run, Series
-from observatory.store.names import NO_INDEX, parse_name
-from observatory.store.queries import Matrix, SeriesData, _bucket
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.store.chunks import WINDOW, decode
+from spikewatch.observatory.store.downsample import (
+    END,
+    Tree,
+    downsample,
+    downsample_buckets,
+    lineage,
+)
+from spikewatch.observatory.store.models import Branch, MetricName, Run, Series
+from spikewatch.observatory.store.names import NO_INDEX, parse_name
+from spikewatch.observatory.store.queries import Matrix, SeriesData, _bucket
 
 __all__ = [
     "end_values",

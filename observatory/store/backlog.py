@@ -25,8 +25,8 @@ import time
 from collections import deque
 from typing import Any
 
-from observatory.store.records import Record
-from observatory.store.spool import Spool
+from spikewatch.observatory.store.records import Record
+from spikewatch.observatory.store.spool import Spool
 
 __all__ = ["Backlog"]
 

@@ -46,7 +46,7 @@ DEFAULT_URL = "sqlite:///runs/spikewatch.db"
 def _migrations_dir() -> Path:
     """The Alembic environment: inside the installed package (observatory/migrations, a wheel's
     copy of the checkout's migrations/), else the checkout's migrations/ (the source tree)."""
-    spec = importlib.util.find_spec("observatory.migrations")
+    spec = importlib.util.find_spec("spikewatch.observatory.migrations")
     for where in (spec.submodule_search_locations or []) if spec is not None else []:
         if (Path(where) / "env.py").is_file():
             return Path(where)

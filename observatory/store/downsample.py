@@ -16,8 +16,14 @@ import numpy as np
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from observatory.store.chunks import WINDOW, Buckets, decode, reduce_buckets, reduce_points
-from observatory.store.models import Branch
+from spikewatch.observatory.store.chunks import (
+    WINDOW,
+    Buckets,
+    decode,
+    reduce_buckets,
+    reduce_points,
+)
+from spikewatch.observatory.store.models import Branch
 
 __all__ = [
     "END",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from observatory.store.db import make_engine
-from observatory.store.models import Run
+from spikewatch.observatory.store.db import make_engine
+from spikewatch.observatory.store.models import Run
 
 __all__ = ["drain_spools", "left_spools"]
 
@@ -43,7 +43,7 @@ def left_spools(url: str) -> list[Path]:
 def drain_spools(url: str, timeout: float = 300.0) -> dict[Path, int]:
     """Replay every left spool into the store; returns {spool directory: records replayed}.
     A directory whose database write fails keeps its segments (said in the log)."""
-    from observatory.store.sink import DbSink
+    from spikewatch.observatory.store.sink import DbSink
 
     out: dict[Path, int] = {}
     for spool in left_spools(url):

@@ -24,8 +24,8 @@ import numpy as np
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from observatory.store.chunks import ROW_COLUMNS, SUMMARY_COLUMNS, WINDOW, decode, encode
-from observatory.store.models import (
+from spikewatch.observatory.store.chunks import ROW_COLUMNS, SUMMARY_COLUMNS, WINDOW, decode, encode
+from spikewatch.observatory.store.models import (
     Branch,
     Checkpoint,
     Event,
@@ -35,8 +35,8 @@ from observatory.store.models import (
     Series,
     utcnow,
 )
-from observatory.store.names import MetricKey, parse_name
-from observatory.store.records import Record, sample_row
+from spikewatch.observatory.store.names import MetricKey, parse_name
+from spikewatch.observatory.store.records import Record, sample_row
 
 __all__ = ["StaleWindowError", "Writer"]
 

@@ -17,7 +17,7 @@ float32 only where the window's values are float32 numbers, NaN and +-inf as the
 
 The window tables carry no foreign key to `series`: the writer only uses series ids it has just
 read or created. Deleting a run deletes its windows explicitly
-(`observatory.store.queries.delete_run`).
+(`spikewatch.observatory.store.queries.delete_run`).
 
 Branches: a rollback starts branch `n + 1` of the run from the restored step (`fork_step`, the
 last step shared with `parent`). Nothing is deleted: the abandoned steps stay on their branch.

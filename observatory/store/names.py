@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from observatory import metric_names as M
+from spikewatch.observatory import metric_names as M
 
 __all__ = ["MAX_INDEX", "NO_INDEX", "MetricKey", "parse_name"]
 

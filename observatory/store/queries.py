@@ -23,10 +23,10 @@ import numpy as np
 from sqlalchemy import Engine, bindparam, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from observatory import metric_names as M
-from observatory.store.chunks import decode
-from observatory.store.db import make_engine
-from observatory.store.downsample import (
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.store.chunks import decode
+from spikewatch.observatory.store.db import make_engine
+from spikewatch.observatory.store.downsample import (
     END,
     MAX_BUCKETS,
     Tree,
@@ -35,7 +35,7 @@ from observatory.store.downsample import (
     downsample_buckets,
     lineage,
 )
-from observatory.store.models import (
+from spikewatch.observatory.store.models import (
     Branch,
     Checkpoint,
     Event,
@@ -46,7 +46,7 @@ from observatory.store.models import (
     Sample,
     Series,
 )
-from observatory.store.names import NO_INDEX, MetricKey, parse_name
+from spikewatch.observatory.store.names import NO_INDEX, MetricKey, parse_name
 
 __all__ = [
     "LOSS_METRIC",

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from observatory.store.models import CHECKSUM_STATUSES, EVENT_KINDS, RUN_STATUSES
-from observatory.store.names import MAX_INDEX, parse_name
+from spikewatch.observatory.store.models import CHECKSUM_STATUSES, EVENT_KINDS, RUN_STATUSES
+from spikewatch.observatory.store.names import MAX_INDEX, parse_name
 
 __all__ = ["MAX_STEP", "Record", "RecordError"]
 

@@ -44,11 +44,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from observatory.alerts import ALERT_KINDS, Alerter, urls_from
-from observatory.store.backlog import Backlog
-from observatory.store.db import make_engine, redact, resolve_url
-from observatory.store.ingest import Writer
-from observatory.store.records import (
+from spikewatch.observatory.alerts import ALERT_KINDS, Alerter, urls_from
+from spikewatch.observatory.store.backlog import Backlog
+from spikewatch.observatory.store.db import make_engine, redact, resolve_url
+from spikewatch.observatory.store.ingest import Writer
+from spikewatch.observatory.store.records import (
     MetricsChecker,
     Record,
     RecordError,
@@ -61,7 +61,7 @@ from observatory.store.records import (
     run_record,
     status_record,
 )
-from observatory.store.spool import Spool
+from spikewatch.observatory.store.spool import Spool
 
 __all__ = ["BaseSink", "DbSink", "NullSink", "RecordError", "open_run_sink"]
 
@@ -541,7 +541,7 @@ def open_run_sink(
     if url == "none":
         sink = NullSink()
     else:
-        from observatory.store.db import store_url, upgrade
+        from spikewatch.observatory.store.db import store_url, upgrade
 
         resolved = store_url(url)
         upgrade(resolved)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
-from observatory.store.records import Record, RecordError
+from spikewatch.observatory.store.records import Record, RecordError
 
 __all__ = ["Spool"]
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from observatory.store import db
+from spikewatch.observatory.store import db
 
 PG_ENV = "SPIKEWATCH_TEST_PG_URL"
 

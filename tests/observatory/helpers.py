@@ -8,7 +8,7 @@ import threading
 
 from sqlalchemy import Engine, text
 
-from observatory.store.chunks import WINDOW, decode
+from spikewatch.observatory.store.chunks import WINDOW, decode
 
 
 class Proxy:

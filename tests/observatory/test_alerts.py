@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from observatory import store
-from observatory.alerts import Alerter, alert_body
-from observatory.serving import free_port
-from observatory.store import db
-from observatory.store.sink import open_run_sink
+from spikewatch.observatory import store
+from spikewatch.observatory.alerts import Alerter, alert_body
+from spikewatch.observatory.serving import free_port
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.sink import open_run_sink
 
 
 class Receiver:
@@ -127,7 +127,7 @@ def test_a_hanging_webhook_never_holds_up_the_run(receiver, tmp_path: Path) -> N
 
 
 def test_alert_test_command(receiver, capsys) -> None:
-    from trainer.cli import main
+    from spikewatch.trainer.cli import main
 
     assert main(["alert-test", receiver.url]) == 0
     assert receiver.bodies[0]["kind"] == "test" and "sent a test alert" in capsys.readouterr().out

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from observatory import census, store
-from observatory.census import grad_spike_mask
-from observatory.store.sink import DbSink
-from observatory.sweeps import report_for_runs, report_markdown
+from spikewatch.observatory import census, store
+from spikewatch.observatory.census import grad_spike_mask
+from spikewatch.observatory.store.sink import DbSink
+from spikewatch.observatory.sweeps import report_for_runs, report_markdown
 
 
 def _reference(values: list[float], factor: float, window: int, history: int) -> list[bool]:

@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from observatory.datacheck import check
-from observatory.repeats import scan_texts, scan_tokens
-from trainer.cli import main
+from spikewatch.observatory.datacheck import check
+from spikewatch.observatory.repeats import scan_texts, scan_tokens
+from spikewatch.trainer.cli import main
 
 
 def _reference(text: bytes, min_repeats: int = 32, max_n: int = 13) -> int:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from observatory.detect import Detector, DetectorConfig
+from spikewatch.observatory.detect import Detector, DetectorConfig
 
 
 def _curve(n: int, seed: int = 0, noise: float = 0.03):

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from observatory.detect import Detector, _Robust
+from spikewatch.observatory.detect import Detector, _Robust
 
 
 def reference_score(values: list[float], v: float, floor: float, level_window: int) -> float:

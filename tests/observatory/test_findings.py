@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from observatory.alerts import alert_body
-from observatory.findings import findings
-from observatory.logbook import _entry
-from observatory.store.queries import EventRow
+from spikewatch.observatory.alerts import alert_body
+from spikewatch.observatory.findings import findings
+from spikewatch.observatory.logbook import _entry
+from spikewatch.observatory.store.queries import EventRow
 
 DATA = {
     "from_step": 203,
@@ -44,11 +44,11 @@ def test_a_rank_whose_spikes_keep_coming_without_a_data_cause_is_flagged(tmp_pat
     by rollbacks whose replay found the device's fault."""
     from fastapi.testclient import TestClient
 
-    from observatory.findings import suspect_devices
-    from observatory.store.db import upgrade
-    from observatory.store.sink import DbSink
-    from web.app import create_app
-    from web.settings import Settings
+    from spikewatch.observatory.findings import suspect_devices
+    from spikewatch.observatory.store.db import upgrade
+    from spikewatch.observatory.store.sink import DbSink
+    from spikewatch.web.app import create_app
+    from spikewatch.web.settings import Settings
 
     device = {"cause": "device", "ranks": [1], "device_ranks": [1], "to_step": 5}
     assert suspect_devices([device, {"cause": "data_x_state", "ranks": [1]}]) == {}

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from observatory import metric_names as M
-from observatory import store
-from observatory.alerts import Alerter
-from observatory.follow import Follower
-from observatory.store import db
-from observatory.store.sink import DbSink
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory import store
+from spikewatch.observatory.alerts import Alerter
+from spikewatch.observatory.follow import Follower
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.sink import DbSink
 
 from .test_alerts import Receiver
 
@@ -90,8 +90,8 @@ def test_a_summary_writer_with_a_spike_is_followed_live(tmp_path: Path) -> None:
     assert any(b["kind"] == "spike" and "spike" in b["text"] for b in receiver.bodies)
     from fastapi.testclient import TestClient
 
-    from web.app import create_app
-    from web.settings import Settings
+    from spikewatch.web.app import create_app
+    from spikewatch.web.settings import Settings
 
     with TestClient(create_app(Settings(db_url=url))) as api:  # the dashboard sees it
         assert [r["run_id"] for r in api.get("/api/runs").json()] == [run]
@@ -181,7 +181,7 @@ def test_csv_and_json_lines_files_are_followed(tmp_path: Path) -> None:
 
 
 def test_the_watch_command_imports_a_log_directory(tmp_path: Path) -> None:
-    from trainer.cli import main
+    from spikewatch.trainer.cli import main
 
     _event_file(tmp_path)  # tmp_path/src holds a 50-step log
     url = _url(tmp_path)

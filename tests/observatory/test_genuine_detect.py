@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from observatory.detect import Detector, DetectorConfig, Verdict
+from spikewatch.observatory.detect import Detector, DetectorConfig, Verdict
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "genuine_mlp.json").read_text())
 

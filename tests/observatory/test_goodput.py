@@ -11,12 +11,20 @@ import math
 import numpy as np
 import pytest
 
-from observatory.goodput import BUCKETS, Cause, Failures, Scenario, Spikes, Tier, simulate
-from observatory.goodput.lanes import _Draws, _stall
-from observatory.goodput.plan import best_interval, report
-from observatory.goodput.young_daly import daly, expected_overhead
-from observatory.retention import keep
-from trainer.cli import main
+from spikewatch.observatory.goodput import (
+    BUCKETS,
+    Cause,
+    Failures,
+    Scenario,
+    Spikes,
+    Tier,
+    simulate,
+)
+from spikewatch.observatory.goodput.lanes import _Draws, _stall
+from spikewatch.observatory.goodput.plan import best_interval, report
+from spikewatch.observatory.goodput.young_daly import daly, expected_overhead
+from spikewatch.observatory.retention import keep
+from spikewatch.trainer.cli import main
 
 CAUSES = (Cause("gpu", 0.7), Cause("host", 0.2, restart_s=900.0, host_lost=True), Cause("sw", 0.1))
 
@@ -377,10 +385,10 @@ def test_from_run_takes_the_measured_inputs(tmp_path, capsys) -> None:
 
     from sqlalchemy import select
 
-    from observatory.store import db
-    from observatory.store.models import Run
-    from observatory.store.queries import session_factory
-    from observatory.store.sink import DbSink
+    from spikewatch.observatory.store import db
+    from spikewatch.observatory.store.models import Run
+    from spikewatch.observatory.store.queries import session_factory
+    from spikewatch.observatory.store.sink import DbSink
 
     url = f"sqlite:///{tmp_path / 'sw.db'}"
     db.upgrade(url)
@@ -440,7 +448,7 @@ def test_optimize_finds_a_plan_at_least_as_good_as_the_default(capsys) -> None:
 def test_optimize_keeps_the_memory_tier_within_its_budget(capsys) -> None:
     """Under a budget of 20 snapshots: keep-last-20, and exponential with the K that fits (its
     newest K and one per level); every plan's memory tier holds at most 20 at any save."""
-    from observatory.goodput.held import LaneRetention, Retention
+    from spikewatch.observatory.goodput.held import LaneRetention, Retention
 
     args = ["simulate", "--days", "10", "--gpus", "4096", "--seeds", "6", "--json"]
     assert main([*args, "--no-search", "--optimize", "--memory-budget", "20"]) == 0
@@ -478,7 +486,7 @@ def test_simulate_never_imports_torch() -> None:
 
     heavy = ("torch", "pydantic", "sqlalchemy")
     code = (
-        "import sys; from trainer.cli import main; "
+        "import sys; from spikewatch.trainer.cli import main; "
         "rc = main(['simulate', '--seeds', '1', '--no-search', '--days', '1']); "
         "assert rc == 0, rc; "
         f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}); "
@@ -489,8 +497,8 @@ def test_simulate_never_imports_torch() -> None:
 
 
 def test_exponential_retention_in_closed_form_equals_the_rule_save_by_save() -> None:
-    from observatory.goodput.held import LaneRetention, Retention
-    from observatory.retention import keep
+    from spikewatch.observatory.goodput.held import LaneRetention, Retention
+    from spikewatch.observatory.retention import keep
 
     for k, K in ((1, 2), (3, 2), (50, 2), (64, 3), (500, 1), (7, 5)):
         lanes = LaneRetention([Retention(k, "exponential", K, None)], horizon=2000 * k)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from observatory.goodput import Failures, Scenario, Spikes, Tier, rounds, simulate
-from observatory.goodput import lanes as engine_mod
-from observatory.goodput.model import Corruption, Maintenance
+from spikewatch.observatory.goodput import Failures, Scenario, Spikes, Tier, rounds, simulate
+from spikewatch.observatory.goodput import lanes as engine_mod
+from spikewatch.observatory.goodput.model import Corruption, Maintenance
 
 from .test_goodput import CAUSES, _small
 from .test_goodput_modes import ALL_MODES

@@ -11,9 +11,17 @@ import math
 import numpy as np
 import pytest
 
-from observatory.goodput import BUCKETS, Cause, Failures, Scenario, Spikes, Tier, simulate
-from observatory.goodput.model import Corruption, Maintenance
-from trainer.cli import main
+from spikewatch.observatory.goodput import (
+    BUCKETS,
+    Cause,
+    Failures,
+    Scenario,
+    Spikes,
+    Tier,
+    simulate,
+)
+from spikewatch.observatory.goodput.model import Corruption, Maintenance
+from spikewatch.trainer.cli import main
 
 from .test_goodput import CAUSES, _small
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from observatory.goodput import parallel, simulate
+from spikewatch.observatory.goodput import parallel, simulate
 
 from .test_goodput import _small
 from .test_goodput_engines import _outputs
@@ -92,7 +92,7 @@ def test_forked_shares_in_a_one_thread_program_equal_one_process(tmp_path) -> No
     script = textwrap.dedent(
         f"""
         import numpy as np, threading
-        from observatory.goodput import simulate
+        from spikewatch.observatory.goodput import simulate
         from tests.observatory.test_goodput_parallel import PLANS, SEEDS
         from tests.observatory.test_goodput_engines import _outputs
         with open({str(marker)!r}, "a") as f:

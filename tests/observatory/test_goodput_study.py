@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from observatory.goodput import Scenario, engine, study
-from observatory.goodput.study import PlanCache
+from spikewatch.observatory.goodput import Scenario, engine, study
+from spikewatch.observatory.goodput.study import PlanCache
 
 SMALL = Scenario(gpus=2048, steps=20_000)  # Llama 3's mix and tiers, a shorter run
 

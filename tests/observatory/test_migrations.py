@@ -11,10 +11,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
-from observatory.store import db
-from observatory.store.ingest import Writer
-from observatory.store.models import Base
-from trainer.cli import main
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.ingest import Writer
+from spikewatch.observatory.store.models import Base
+from spikewatch.trainer.cli import main
 
 from .helpers import assert_windows_consistent, stored_points
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from observatory.detect import Detector
-from observatory.scan import scan
+from spikewatch.observatory.detect import Detector
+from spikewatch.observatory.scan import scan
 
 
 def spiky_curve(seed: int, steps: int = 3000, at: int = 1500) -> list[tuple[int, float]]:

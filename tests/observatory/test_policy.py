@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from observatory.detect import Verdict
-from observatory.policy import Plan, Policy, PolicyConfig
+from spikewatch.observatory.detect import Verdict
+from spikewatch.observatory.policy import Plan, Policy, PolicyConfig
 
 
 def _spike(step: int, onset: int) -> Verdict:

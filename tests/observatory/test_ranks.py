@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from observatory.ranks import departed_ranks
+from spikewatch.observatory.ranks import departed_ranks
 
 
 def _losses(spike: dict[int, float], ranks: int = 4) -> dict[int, list[float]]:

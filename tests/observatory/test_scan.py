@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from observatory.scan import ScanError, scan_path
-from trainer.cli import main
+from spikewatch.observatory.scan import ScanError, scan_path
+from spikewatch.trainer.cli import main
 
 
 def _curve(n=1200, seed=0):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from observatory import store
-from observatory.store import db
-from observatory.store.records import Record, RecordError
-from observatory.store.sink import DbSink, NullSink
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.records import Record, RecordError
+from spikewatch.observatory.store.sink import DbSink, NullSink
 
 from . import workers
 from .helpers import Proxy, assert_windows_consistent, count, stored_points

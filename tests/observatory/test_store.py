@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from observatory import store
-from observatory.store import db
-from observatory.store.ingest import Writer
-from observatory.store.records import Record
-from observatory.store.sink import DbSink
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.ingest import Writer
+from spikewatch.observatory.store.records import Record
+from spikewatch.observatory.store.sink import DbSink
 
 from .helpers import assert_windows_consistent, count, stored_points
 
@@ -364,7 +364,7 @@ def test_reads_across_runs_equal_the_single_run_reads(db_url: str, tmp_path) -> 
     """`across_runs` (the compare page's reads, a fixed number of statements) gives what the
     single-run reads give: the newest branch's history, its layer maxima, its first and last
     values, and the peak over every branch."""
-    from observatory.store import across_runs as across
+    from spikewatch.observatory.store import across_runs as across
 
     with _sink(db_url, tmp_path) as sink:
         for i in range(3):

@@ -15,11 +15,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from observatory.store import db, spool
-from observatory.store.records import Record
-from observatory.store.sink import PERSIST_MAX_S, DbSink
-from observatory.store.spool import Spool
-from trainer.cli import main as cli_main
+from spikewatch.observatory.store import db, spool
+from spikewatch.observatory.store.records import Record
+from spikewatch.observatory.store.sink import PERSIST_MAX_S, DbSink
+from spikewatch.observatory.store.spool import Spool
+from spikewatch.trainer.cli import main as cli_main
 
 from .helpers import Proxy, count, stored_points
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from observatory import store
-from observatory.store.sink import DbSink
-from observatory.sweeps import (
+from spikewatch.observatory import store
+from spikewatch.observatory.store.sink import DbSink
+from spikewatch.observatory.sweeps import (
     SweepConflictError,
     get_sweep,
     lr_sensitivity,

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from observatory import store
-from observatory.store import db
-from observatory.store.chunks import WINDOW, decode, encode
-from observatory.store.ingest import Writer
-from observatory.store.records import Record
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.chunks import WINDOW, decode, encode
+from spikewatch.observatory.store.ingest import Writer
+from spikewatch.observatory.store.records import Record
 
 from .helpers import assert_windows_consistent, count, stored_points
 

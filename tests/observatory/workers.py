@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from observatory.store.sink import DbSink
+from spikewatch.observatory.store.sink import DbSink
 
 STEPS_PER_WORKER = 400
 METRICS = ("train/loss", "optim/grad_norm", "layer/0/grad_norm", "layer/1/grad_norm")

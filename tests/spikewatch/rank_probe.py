@@ -1,7 +1,10 @@
 """Run an example under torchrun with one more callback on every rank's Watch, which writes a
 digest of that rank's full weights right after each rollback and at the end of the run:
 `torchrun ... tests/spikewatch/rank_probe.py OUT_DIR EXAMPLE [example args...]`. The tests
-compare the digests across ranks (replicas that diverged silently are what this catches)."""
+compare the digests across ranks (replicas that diverged silently are what this catches).
+It also records a digest of each input row of the rank's first training forwards (at the
+model's token embedding, so the same in every client): the tests check that the ranks' rows
+differ and that together they are the global batch."""
 
 from __future__ import annotations
 
@@ -16,10 +19,20 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.core.callbacks import Callback, FitState
-from trainer.watch import Watch
+from spikewatch.trainer.core.callbacks import Callback, FitState
+from spikewatch.trainer.watch import Watch
 
 REPO = Path(__file__).parents[2]
+
+
+FORWARDS = 3  # the first training forwards whose rows are recorded
+
+
+def row_digests(tokens: torch.Tensor) -> list[str]:
+    """One digest per row of a (rows, seq) token batch."""
+    return [
+        hashlib.sha256(r.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16] for r in tokens
+    ]
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -36,7 +49,17 @@ class Capture(Callback):
     def __init__(self, model: torch.nn.Module, out: Path) -> None:
         self.model, self.out = model, out
         self.rank = int(os.environ.get("RANK", "0"))
-        self.seen: dict[str, Any] = {"rollbacks": []}
+        self.seen: dict[str, Any] = {"rollbacks": [], "rows": []}
+        embedding = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        embedding.register_forward_pre_hook(self._rows)
+
+    def _rows(self, module: torch.nn.Module, args: Any) -> None:
+        tokens = args[0] if args else None
+        rows = self.seen["rows"]
+        if module.training and torch.is_grad_enabled() and len(rows) < FORWARDS:
+            if torch.is_tensor(tokens) and tokens.dim() == 2:
+                rows.append(row_digests(tokens))
+                self._write()
 
     def on_rollback(self, step: int, record: Any) -> None:
         self.seen["rollbacks"].append([step, digest(self.model)])

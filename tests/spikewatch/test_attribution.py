@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from trainer.cli import main
+from spikewatch.trainer.cli import main
 
 from .conftest import STEPS, run_example, the_rollback
 
@@ -67,6 +67,13 @@ def test_a_framework_callback_names_the_rows_it_fed(example: str, tmp_path) -> N
     assert fed and min(fed) == 100 and max(fed) < rollback["from_step"]  # (read late: step + 1)
     assert named == {(b, r) for b in fed for r in range(4)}
     assert rollback["skip_ranges"] and "skipped_samples" not in rollback
+    assert all(s["rank"] == 0 and s["grad_norm"] > 0 for s in rollback["samples"])
+    if example == "hf_trainer":  # the rows' own ids, kept by the collator, reach the record
+        from spikewatch.corpus import text_corpus, window_starts
+
+        size = len(text_corpus()[0])
+        for s in rollback["samples"]:
+            assert s["id"] == f"text:{window_starts(size, s['batch'], 8, 64, 0)[s['row']]}", s
     assert summary["steps"] == summary.get("framework_step", 150) == 150
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spikewatch import Watch, without_blocked
-from trainer.cli import main as cli
+from spikewatch.trainer.cli import main as cli
 
 from .conftest import POISON, STEPS, run_example
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.attn_max import COMPILE_SAFE, AttnMax
+from spikewatch.trainer.model.attn_max import COMPILE_SAFE, AttnMax
 
 from .conftest import POISON, STEPS, example, run_example, the_rollback
 

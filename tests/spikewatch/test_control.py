@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from observatory.store.db import upgrade
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.observatory.store.db import upgrade
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 from .conftest import REPO, SMALL
 

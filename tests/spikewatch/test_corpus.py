@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from spikewatch import corpus
-from trainer.builtin import data
+from spikewatch.trainer.builtin import data
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from web.app import create_app  # noqa: E402
-from web.settings import Settings  # noqa: E402
+from spikewatch.web.app import create_app  # noqa: E402
+from spikewatch.web.settings import Settings  # noqa: E402
 
 from .conftest import run_example  # noqa: E402
 

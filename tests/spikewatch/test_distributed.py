@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from observatory import store
-from observatory.store.db import make_engine
+from spikewatch.observatory import store
+from spikewatch.observatory.store.db import make_engine
 
 from .conftest import REPO, SMALL
 
@@ -123,7 +123,30 @@ def job(request, tmp_path_factory) -> dict[str, Any]:
     outputs = [cwd / "s.json", *(cwd / "probe" / f"rank{r}.json" for r in (0, 1))]
     _launch(cwd, example, *args, wrote=lambda: all(p.is_file() for p in outputs))
     ranks = [json.loads((cwd / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return {"summary": json.loads((cwd / "s.json").read_text()), "ranks": ranks, "db": db}
+    summary = json.loads((cwd / "s.json").read_text())
+    return {"summary": summary, "ranks": ranks, "db": db, "way": request.param}
+
+
+def test_each_rank_trains_its_own_share_of_the_global_batch(job) -> None:
+    """By default, in every client (the Watch's batches, Lightning's cb.dataset, HF's own
+    sampler): the ranks' rows of a step differ, and together they are the global batch the
+    example's data function draws for that index (rank k: its k-th consecutive share)."""
+    from spikewatch.corpus import text_corpus, windows
+
+    from .rank_probe import row_digests
+
+    train, _ = text_corpus()
+    size, seq = (
+        int(SMALL[SMALL.index("--batch-size") + 1]),
+        int(SMALL[SMALL.index("--seq-len") + 1]),
+    )
+    first = [r["rows"] for r in job["ranks"]]
+    assert all(len(f) >= 2 for f in first), first
+    for index in range(2):
+        x, _ = windows(train, index, size, seq, seed=0)
+        whole = row_digests(x)
+        assert first[0][index] == whole[: size // 2] and first[1][index] == whole[size // 2 :]
+        assert not set(first[0][index]) & set(first[1][index])
 
 
 def test_every_rank_rolls_back_at_the_same_step_to_the_same_weights(job) -> None:
@@ -138,6 +161,26 @@ def test_the_rollback_names_rank_1(job) -> None:
     assert rb["to_step"] < rb["onset_step"]
     assert rb["ranks"] == [1]
     assert job["summary"]["steps"] == 150
+    # each rank's own loss over the steps rolled back, in every client
+    steps = [s for s, _ in rb["rank_losses"]]
+    assert steps and all(rb["to_step"] < s <= rb["step"] for s in steps), rb["rank_losses"]
+    assert all(len(losses) == 2 for _, losses in rb["rank_losses"])
+
+
+def test_the_named_samples_carry_their_rank_and_gradient_norm(job) -> None:
+    """The poisoned rows a rollback names are rank 1's (its whole share is poisoned), numbered
+    in the global batch (rank 1's row r is row 4 + r of 8), each with its gradient norm (a loss only
+    under FSDP2, whose shards hold no row's whole gradient) and its id (null: tuple batches
+    carry none)."""
+    (rb,) = [i for i in job["summary"]["interventions"] if i["kind"] == "rollback"]
+    named = rb["samples"]
+    assert named, rb
+    poisoned = [x for x in named if 100 <= x["batch"] < 114]
+    assert poisoned and all(x["rank"] == 1 and 4 <= x["row"] < 8 for x in poisoned), named
+    for sample in named:  # (over a long window, a natural outlier may be named too)
+        assert sample["rank"] == sample["row"] // 4 and "id" in sample, sample
+        fsdp2 = job["way"] == "plain_fsdp2"
+        assert (sample["grad_norm"] is None) if fsdp2 else sample["grad_norm"] > 0, sample
 
 
 def test_the_store_holds_one_run_with_the_rollback_and_per_rank_losses(job) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from observatory import store
+from spikewatch.observatory import store
 
 ROOT = Path(__file__).resolve().parents[2]
 

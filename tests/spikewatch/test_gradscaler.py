@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from spikewatch import Watch
-from trainer.core.actions import Action, Continue, SkipUpdate
-from trainer.core.callbacks import Callback, StepState
-from trainer.model.optim.factor import FoundInf
+from spikewatch.trainer.core.actions import Action, Continue, SkipUpdate
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.model.optim.factor import FoundInf
 
 from .conftest import example
 

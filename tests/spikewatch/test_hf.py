@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from spikewatch.hf import attach_attention  # noqa: E402
-from trainer.model.attn_max import AttnMax  # noqa: E402
+from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
 
 from .conftest import (  # noqa: E402
     POISON,
@@ -102,8 +102,8 @@ def test_an_epoch_based_run_says_it_cannot_make_up_a_rollback(tmp_path, caplog) 
     assert f"made {s['steps']} of 150 planned updates" in said
     from sqlalchemy.orm import Session
 
-    from observatory.logbook import logbook
-    from observatory.store.db import make_engine
+    from spikewatch.observatory.logbook import logbook
+    from spikewatch.observatory.store.db import make_engine
 
     with Session(make_engine(f"sqlite:///{tmp_path / 'sw.db'}")) as session:
         text = logbook(session, run_id=s["run_id"])

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 from transformers import AttentionInterface  # noqa: E402
 
 from spikewatch import hf  # noqa: E402
-from trainer.model.attn_max import AttnMax  # noqa: E402
+from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
 
 TINY = dict(
     vocab_size=256,

@@ -10,8 +10,8 @@ import torch
 pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
 
 from spikewatch.lightning import SpikewatchCallback  # noqa: E402
-from trainer.core.actions import Action, Continue, Rollback  # noqa: E402
-from trainer.core.callbacks import Callback, StepState  # noqa: E402
+from spikewatch.trainer.core.actions import Action, Continue, Rollback  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
 
 class Bigram(pl.LightningModule):

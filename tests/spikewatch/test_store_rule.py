@@ -16,7 +16,7 @@ def test_serve_without_db_lists_the_run_started_here(framework, tmp_path, monkey
         pytest.importorskip("transformers", reason="the hf extra is not installed")
     monkeypatch.delenv("SPIKEWATCH_DB_URL", raising=False)
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level("INFO", logger="trainer"):
+    with caplog.at_level("INFO", logger="spikewatch.trainer"):
         summary = run_example(framework, tmp_path, "--steps", "12")
     db = tmp_path / "runs" / "spikewatch.db"
     assert db.is_file()
@@ -25,8 +25,8 @@ def test_serve_without_db_lists_the_run_started_here(framework, tmp_path, monkey
     assert "see it: spikewatch serve  (from this directory)" in err
     assert "rollback checkpoints:" in err
 
-    from web.app import create_app
-    from web.settings import Settings
+    from spikewatch.web.app import create_app
+    from spikewatch.web.settings import Settings
 
     with TestClient(create_app(Settings())) as client:  # what `spikewatch serve` builds
         runs = client.get("/api/runs").json()

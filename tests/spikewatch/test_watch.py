@@ -11,13 +11,13 @@ import pytest
 import torch
 from sqlalchemy.orm import Session
 
-from observatory import store
-from observatory.store.db import make_engine
 from spikewatch import Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
-from trainer.config import ConfigError
-from trainer.core.actions import Action, Continue, Rollback
-from trainer.core.callbacks import Callback, StepState
+from spikewatch.observatory import store
+from spikewatch.observatory.store.db import make_engine
+from spikewatch.trainer.config import ConfigError
+from spikewatch.trainer.core.actions import Action, Continue, Rollback
+from spikewatch.trainer.core.callbacks import Callback, StepState
 
 from ..trainer.conftest import EventSink
 from .conftest import (
@@ -194,7 +194,7 @@ def test_resume_auto_starts_in_an_empty_directory_and_resumes_a_full_one(tmp_pat
 
 
 def test_the_old_watch_section_is_read_as_guard() -> None:
-    from trainer.config import WatchSettings, load_config
+    from spikewatch.trainer.config import WatchSettings, load_config
 
     assert not WatchSettings.build({"watch": {"rollback": False}}).guard.rollback
     assert not load_config(None, ["watch.rollback=false"]).guard.rollback
@@ -207,7 +207,7 @@ def test_the_watch_says_where_its_checkpoints_go_how_many_and_how_big(tmp_path, 
     params = sum(p.numel() * 4 for p in model.parameters())  # fp32
     budget_mb = 2.5 * 3 * params / 2**20  # room for two snapshots of weights + Adam's m and v
     settings = {"checkpoint": {"memory_interval": 5, "memory_budget_mb": budget_mb}}
-    with caplog.at_level("INFO", logger="trainer"):
+    with caplog.at_level("INFO", logger="spikewatch.trainer"):
         watch = Watch(
             model, opt, max_steps=100, settings=settings, sink=EventSink(), run_dir=tmp_path
         )

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from observatory.store.sink import NullSink
-from trainer.config import TrainConfig, load_config
+from spikewatch.observatory.store.sink import NullSink
+from spikewatch.trainer.config import TrainConfig, load_config
 
 TINY = (
     "model.n_layer=2",

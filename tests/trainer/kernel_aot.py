@@ -30,8 +30,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from trainer.model.kernels import attention as A  # noqa: E402
-from trainer.model.kernels import max_logits as MX  # noqa: E402
+from spikewatch.trainer.model.kernels import attention as A  # noqa: E402
+from spikewatch.trainer.model.kernels import max_logits as MX  # noqa: E402
 
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory a block may use (opt-in)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -10,13 +10,13 @@ import random
 
 import torch
 
-from observatory.store.db import upgrade
-from observatory.store.queries import session_factory
-from observatory.store.sink import DbSink
-from trainer.builtin.loop import fit
-from trainer.cli import main
-from trainer.core.attribution import RowStat, name_rows
-from trainer.core.recorder import Recorder
+from spikewatch.observatory.store.db import upgrade
+from spikewatch.observatory.store.queries import session_factory
+from spikewatch.observatory.store.sink import DbSink
+from spikewatch.trainer.builtin.loop import fit
+from spikewatch.trainer.cli import main
+from spikewatch.trainer.core.attribution import RowStat, name_rows
+from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import tiny_config
 
@@ -78,13 +78,13 @@ def test_the_named_samples_reach_the_store_and_the_blocklist(tmp_path, capsys) -
     ]
     assert {x["source"] for x in lines} == {"rollback"} and lines[0]["step"] == rollback["step"]
     with session_factory(url)() as session:  # the API's query, as the run page shows them
-        from observatory import store
+        from spikewatch.observatory import store
 
         assert len(store.samples(session, run_id=result.run_id)) == len(lines)
 
 
 def test_a_rollback_skips_the_named_rows_alone_and_refills_them(tmp_path) -> None:
-    from trainer.builtin.loop import build_trainer
+    from spikewatch.trainer.builtin.loop import build_trainer
 
     tr = build_trainer(tiny_config(*RUN), run_dir=tmp_path / "run")
     result = tr.fit()
@@ -102,7 +102,7 @@ def test_a_rollback_skips_the_named_rows_alone_and_refills_them(tmp_path) -> Non
 
 
 def test_the_left_out_rows_survive_a_resume(tmp_path) -> None:
-    from trainer.builtin.loop import build_trainer
+    from spikewatch.trainer.builtin.loop import build_trainer
 
     straight = fit(tiny_config(*RUN), run_dir=tmp_path / "straight")
     fit(tiny_config(*RUN, "train.stop_after=170"), run_dir=tmp_path / "split")
@@ -119,7 +119,7 @@ def test_a_new_run_given_the_blocklist_never_draws_those_windows(tmp_path, capsy
     sink.close(timeout=30)
     blocklist = tmp_path / "blocklist.jsonl"
     assert main(["quarantine", first.run_id, "--db", url, "--out", str(blocklist)]) == 0
-    from trainer.builtin.loop import build_trainer
+    from spikewatch.trainer.builtin.loop import build_trainer
 
     cfg = tiny_config(*RUN, f"data.blocklist={blocklist}", "data.seq_len=32")
     sampler = build_trainer(cfg, run_dir=tmp_path / "second").sampler
@@ -139,3 +139,23 @@ def test_a_new_run_given_the_blocklist_never_draws_those_windows(tmp_path, capsy
         ).sampler.plan(index, 150)
     }
     assert named <= same  # without the blocklist those windows are drawn again
+
+
+def test_each_rank_takes_its_consecutive_share_of_a_global_batch() -> None:
+    """Under torchrun the Watch and Lightning's cb.dataset hand rank k rows [k * n, (k + 1) * n)
+    of the global batch (tensors, tuples and dicts alike, ids too), so the ranks' rows differ
+    and together are the batch; a batch that does not divide is refused, saying what to do."""
+    import pytest
+    import torch
+
+    from spikewatch.trainer.core.attribution import rank_share
+
+    x = torch.arange(12).reshape(6, 2)
+    batch = {"x": x, "id": [f"d{i}" for i in range(6)]}
+    shares = [rank_share(batch, k, 3) for k in range(3)]
+    assert [row0 for _, row0 in shares] == [0, 2, 4]
+    assert torch.equal(torch.cat([s["x"] for s, _ in shares]), x)
+    assert [i for s, _ in shares for i in s["id"]] == batch["id"]
+    assert rank_share((x, x), 0, 1)[0][0] is x  # one process: the batch itself
+    with pytest.raises(ValueError, match="6 rows does not divide among 4 ranks.*shard=False"):
+        rank_share(batch, 0, 4)

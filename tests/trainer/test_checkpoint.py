@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from trainer.builtin.loop import build_trainer, fit
-from trainer.checkpoints import format as ck
-from trainer.config import ConfigError
-from trainer.core.actions import Continue, Rollback
-from trainer.core.callbacks import Callback, StepState
-from trainer.core.recorder import Recorder
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.config import ConfigError
+from spikewatch.trainer.core.actions import Continue, Rollback
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import EventSink, tiny_config
 
@@ -105,7 +105,7 @@ def test_async_save_writes_the_same_checkpoints_as_sync(tmp_path, monkeypatch) -
     it would land in the middle checkpoints."""
     import time
 
-    from trainer.checkpoints import disk as checkpointer
+    from spikewatch.trainer.checkpoints import disk as checkpointer
 
     real = checkpointer.stage_tensors
 
@@ -228,7 +228,7 @@ def test_auto_interval_uses_the_measured_save_cost(tmp_path) -> None:
     cp.save_seconds = 2.0  # Daly(2 s, 0.36 s MTBF) = MTBF, since C >= 2M
     assert cp.interval_for(seconds_per_step=0.01) == 36
     cp.cfg = cp.cfg.model_copy(update={"mtbf_hours": 1.0})
-    from observatory.goodput.young_daly import daly
+    from spikewatch.observatory.goodput.young_daly import daly
 
     assert cp.interval_for(seconds_per_step=0.5) == round(daly(2.0, 3600.0) / 0.5)
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.cli import main
+from spikewatch.trainer.cli import main
 
 
 def _train(tmp_path, name: str, *sets: str) -> dict:
@@ -140,7 +140,16 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "trainer.cli", "demo", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        "spikewatch.trainer.cli",
+        "demo",
+        "--port",
+        str(port),
+    ]
     cmd += ["--set", "train.max_steps=40", "--set", "train.progress=false"]
     cmd += ["--run-dir", str(tmp_path / "runs" / "d")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.builtin.loop import fit
+from spikewatch.trainer.builtin.loop import fit
 
 from .conftest import tiny_config
 

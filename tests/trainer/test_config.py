@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import CONFIG_DIR, ConfigError, load_config, variant_names
+from spikewatch.trainer.config import CONFIG_DIR, ConfigError, load_config, variant_names
 
 PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 

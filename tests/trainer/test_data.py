@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from trainer.builtin.data import DataState, build_sampler, load_corpora, stage_at, unigram_entropy
-from trainer.config import DataConfig, MixtureStage
+from spikewatch.trainer.builtin.data import (
+    DataState,
+    build_sampler,
+    load_corpora,
+    stage_at,
+    unigram_entropy,
+)
+from spikewatch.trainer.config import DataConfig, MixtureStage
 
 
 def _cfg(**kw) -> DataConfig:

@@ -12,15 +12,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spikewatch import Watch
-from trainer.checkpoints import pinned
-from trainer.checkpoints.memory import MemoryTier, _Slot, _state_device
-from trainer.config import ProbesConfig
-from trainer.core import streams
-from trainer.core.actions import Action, Continue, Rollback
-from trainer.core.callbacks import Callback, StepState
-from trainer.core.norms import scale_
-from trainer.core.probes import Probes
-from trainer.core.transfer import clip_by_global_norm
+from spikewatch.trainer.checkpoints import pinned
+from spikewatch.trainer.checkpoints.memory import MemoryTier, _Slot, _state_device
+from spikewatch.trainer.config import ProbesConfig
+from spikewatch.trainer.core import streams
+from spikewatch.trainer.core.actions import Action, Continue, Rollback
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.norms import scale_
+from spikewatch.trainer.core.probes import Probes
+from spikewatch.trainer.core.transfer import clip_by_global_norm
 
 META = torch.device("meta")
 
@@ -270,7 +270,7 @@ def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypat
 def test_device_the_attention_max_ops_are_unsafe_to_capture_in_a_cuda_graph() -> None:
     """Under mode="reduce-overhead" an op captured in a CUDA graph runs its Python once, at
     capture: the recorder would see no maxima after it. Tagged, the compiler leaves it out."""
-    from trainer.model import attn_max
+    from spikewatch.trainer.model import attn_max
 
     assert attn_max.COMPILE_SAFE
     for op in (torch.ops.spikewatch.record_attn_max, torch.ops.spikewatch.record_max_logits):

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.builtin.loop import build_trainer, fit
-from trainer.checkpoints import format as ck
-from trainer.config import ConfigError
-from trainer.core.callbacks import Callback, StepState
-from trainer.core.lifecycle import check_resume
-from trainer.core.world import check_shape, init_world
-from trainer.model.gpt import build_model
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.config import ConfigError
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.lifecycle import check_resume
+from spikewatch.trainer.core.world import check_shape, init_world
+from spikewatch.trainer.model.gpt import build_model
 
 from .conftest import tiny_config
 
@@ -259,7 +259,7 @@ def _torchrun(nproc: int, *args: str | Path) -> subprocess.Popen:
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "trainer.cli",
+        "spikewatch",
         "train",
         *map(str, args),
     ]
@@ -319,7 +319,7 @@ def test_torchrun_cli_run_completes_with_a_rollback(cli_run) -> None:
 
 
 def test_the_store_holds_one_copy_of_each_metric(cli_run) -> None:
-    from observatory import store
+    from spikewatch.observatory import store
 
     run_id, iv = cli_run["run"].name, cli_run["summary"]["interventions"][0]
     with store.session_factory(cli_run["db"])() as session:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from observatory import metric_names as M
-from observatory.store.chunks import decode
-from trainer.config import load_config
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.store.chunks import decode
+from spikewatch.trainer.config import load_config
 
 REPO = Path(__file__).parents[2]
 ARGS = [
@@ -41,7 +41,7 @@ AFTER_COMMIT = {M.checkpoint_stall("disk"), M.checkpoint_stall("memory"), M.CKPT
 def _train(run_dir: Path, *, resume: bool = False) -> subprocess.Popen:
     cfg_file = run_dir.parent / "config.json"
     cfg_file.write_text(json.dumps(load_config("tiny_cpu", ARGS).to_dict()))
-    cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file)]
+    cmd = [sys.executable, "-m", "spikewatch", "train", str(cfg_file)]
     cmd += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("SPIKEWATCH_DB_URL", None)  # the default store: runs/spikewatch.db where it runs
@@ -117,10 +117,10 @@ def test_a_rollback_taken_again_after_a_resume_is_stored_once(tmp_path) -> None:
     """Killed after the rollback was recorded, resumed from before it: the same decision comes
     again from another tier in another time, and the store keeps one event (the SIGKILL test
     above meets this only when the kill falls in that window)."""
-    from observatory import store
-    from observatory.store import db
-    from observatory.store.sink import DbSink
-    from trainer.core.recorder import Recorder
+    from spikewatch.observatory import store
+    from spikewatch.observatory.store import db
+    from spikewatch.observatory.store.sink import DbSink
+    from spikewatch.trainer.core.recorder import Recorder
 
     url = f"sqlite:///{tmp_path / 'sw.db'}"
     db.upgrade(url)

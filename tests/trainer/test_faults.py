@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.builtin.faults import apply_faults
-from trainer.builtin.loop import build_trainer, fit
-from trainer.config import ConfigError, FaultConfig
+from spikewatch.trainer.builtin.faults import apply_faults
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.config import ConfigError, FaultConfig
 
 from .conftest import tiny_config
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True
     )
 
-from trainer.model.kernels.max_logits import fused_max_logits, refusal  # noqa: E402
+from spikewatch.trainer.model.kernels.max_logits import fused_max_logits, refusal  # noqa: E402
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -91,9 +91,9 @@ def test_the_recorder_takes_the_fused_pass_where_it_runs(monkeypatch) -> None:
     """On a GPU the per-head maxima of `AttnMax.sdpa` / `record_logits` come from one fused
     launch (grouped-query keys unrepeated), eager or compiled; the same maxima as PyTorch's
     blockwise pass. On a CPU the blockwise pass stays (FUSED_OFF_GPU: the interpreter here)."""
-    import trainer.model.attention as attention
-    from trainer.model import attn_max
-    from trainer.model.kernels import max_logits as kernel
+    import spikewatch.trainer.model.attention as attention
+    from spikewatch.trainer.model import attn_max
+    from spikewatch.trainer.model.kernels import max_logits as kernel
 
     launches = []
     real = kernel._launch

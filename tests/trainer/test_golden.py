@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.builtin.loop import fit
-from trainer.config import load_config
+from spikewatch.trainer.builtin.loop import fit
+from spikewatch.trainer.config import load_config
 
 GOLDEN = Path(__file__).parents[1] / "assets" / "golden_tiny_cpu.txt"
 STEPS = 50

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from trainer.builtin.loop import build_trainer, fit
-from trainer.checkpoints import format as ck
-from trainer.config import load_config
-from trainer.core.guard import regime_steps
-from trainer.core.recorder import Recorder
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.config import load_config
+from spikewatch.trainer.core.guard import regime_steps
+from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import EventSink
 
@@ -168,7 +168,7 @@ def test_a_warning_never_cancels_a_rollback(tmp_path) -> None:
 
 
 def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
-    from trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints import format as ck
 
     cfg = [
         "train.progress=false",
@@ -219,9 +219,9 @@ def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path) -> None
 def test_a_rollback_resets_the_warning_memory() -> None:
     """A warning episode of the abandoned branch does not silence the same warning on the
     restored branch: there it is a new episode (recorded, and it pins an anchor)."""
-    from observatory.detect import Verdict
-    from trainer.config import GuardConfig
-    from trainer.core.guard import SpikeGuard
+    from spikewatch.observatory.detect import Verdict
+    from spikewatch.trainer.config import GuardConfig
+    from spikewatch.trainer.core.guard import SpikeGuard
 
     guard = SpikeGuard(GuardConfig(), retained=list)
 
@@ -237,10 +237,10 @@ def test_a_rollback_resets_the_warning_memory() -> None:
 def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -> None:
     """With policy.warning_horizon the guard's warning episodes move the rollback target to
     before the earliest one within the horizon; episodes of an abandoned branch are gone."""
-    from observatory.detect import Verdict
-    from observatory.policy import PolicyConfig
-    from trainer.config import GuardConfig
-    from trainer.core.guard import SpikeGuard
+    from spikewatch.observatory.detect import Verdict
+    from spikewatch.observatory.policy import PolicyConfig
+    from spikewatch.trainer.config import GuardConfig
+    from spikewatch.trainer.core.guard import SpikeGuard
 
     watch = GuardConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
     guard = SpikeGuard(watch, retained=lambda: [0, 100, 120, 140])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from spikewatch import AdamW, Watch
-from trainer.builtin.loop import build_trainer
+from spikewatch.trainer.builtin.loop import build_trainer
 
 from .conftest import tiny_config
 

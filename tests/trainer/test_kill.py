@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.builtin.loop import build_trainer
-from trainer.checkpoints import format as ck
+from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.checkpoints import format as ck
 
 from .conftest import tiny_config
 
@@ -28,7 +28,15 @@ def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:
     """The CLI in a subprocess, training exactly tiny_config(*ARGS, *extra) (as JSON)."""
     cfg_file = run_dir.parent / f"{run_dir.name}.json"
     cfg_file.write_text(json.dumps(tiny_config(*ARGS, *extra).to_dict()))
-    cmd = [sys.executable, "-m", "trainer.cli", "train", str(cfg_file), "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spikewatch.trainer.cli",
+        "train",
+        str(cfg_file),
+        "--run-dir",
+        str(run_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         cmd, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

@@ -15,10 +15,10 @@ import torch
 
 from spikewatch import AdamW, Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
-from trainer.builtin.loop import build_trainer
-from trainer.checkpoints.tiers import Tiers
-from trainer.config import FaultConfig, load_config
-from trainer.core import step_core, transfer
+from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.checkpoints.tiers import Tiers
+from spikewatch.trainer.config import FaultConfig, load_config
+from spikewatch.trainer.core import step_core, transfer
 
 from ..spikewatch.conftest import example
 

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import torch
 
-from trainer.builtin.data import unigram_entropy
-from trainer.builtin.loop import build_trainer, fit
-from trainer.config import load_config
-from trainer.core.actions import Continue, SkipUpdate
-from trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.builtin.data import unigram_entropy
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.config import load_config
+from spikewatch.trainer.core.actions import Continue, SkipUpdate
+from spikewatch.trainer.core.callbacks import Callback, StepState
 
 from .conftest import tiny_config
 

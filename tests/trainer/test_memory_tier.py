@@ -7,9 +7,9 @@ import copy
 
 import torch
 
-from trainer.builtin.loop import build_trainer, fit
-from trainer.checkpoints.memory import snapshot_bytes
-from trainer.checkpoints.tiers import MEMORY
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.checkpoints.memory import snapshot_bytes
+from spikewatch.trainer.checkpoints.tiers import MEMORY
 
 from .conftest import tiny_config
 
@@ -82,7 +82,7 @@ def test_snapshot_blocks_are_pinned_ahead_off_the_loop(tmp_path, monkeypatch) ->
     snapshots hold the same bytes."""
     import threading
 
-    from trainer.checkpoints import memory as memory_module
+    from spikewatch.trainer.checkpoints import memory as memory_module
 
     made: list[str] = []
     block = memory_module.HostBlock
@@ -126,7 +126,7 @@ def test_a_staged_copy_lands_every_byte_where_the_direct_copy_does() -> None:
     """The device staging of the memory tier's copies (trainer/checkpoints/pinned.py), run on
     CPU tensors: a host block's views take one copy of the whole span, separate buffers one
     each; either way every destination ends equal to its source, dtypes and shapes mixed."""
-    from trainer.checkpoints.pinned import HostBlock, layout, staged_copy
+    from spikewatch.trainer.checkpoints.pinned import HostBlock, layout, staged_copy
 
     g = torch.Generator().manual_seed(0)
     srcs = {

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from trainer.config import ModelConfig
-from trainer.model.attention import attention, max_logits
-from trainer.model.gpt import build_model, param_kind
+from spikewatch.trainer.config import ModelConfig
+from spikewatch.trainer.model.attention import attention, max_logits
+from spikewatch.trainer.model.gpt import build_model, param_kind
 
 
 def _qkv(B=2, H=3, T=50, D=16, seed=0):

@@ -3,9 +3,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import ModelConfig, OptimConfig
-from trainer.model.gpt import build_model
-from trainer.model.optim import Muon, build_optimizer, newton_schulz, param_groups, qk_clip
+from spikewatch.trainer.config import ModelConfig, OptimConfig
+from spikewatch.trainer.model.gpt import build_model
+from spikewatch.trainer.model.optim import (
+    Muon,
+    build_optimizer,
+    newton_schulz,
+    param_groups,
+    qk_clip,
+)
 
 
 def _model(**kw):
@@ -147,7 +153,7 @@ def test_qk_clip_brings_every_head_to_tau_and_leaves_the_rest() -> None:
 def test_muonclip_step_bounds_recomputed_max_logit() -> None:
     """The clip uses this step's forward (as Kimi K2 does): the next forward can exceed tau
     only by what the update itself moved, which a small LR keeps within the tolerance."""
-    from trainer.builtin.step import apply_update, forward_backward
+    from spikewatch.trainer.builtin.step import apply_update, forward_backward
 
     model = _model()
     with torch.no_grad():
@@ -166,7 +172,7 @@ def test_muonclip_step_bounds_recomputed_max_logit() -> None:
 
 
 def test_qk_clip_works_with_adamw() -> None:
-    from trainer.builtin.step import apply_update, forward_backward
+    from spikewatch.trainer.builtin.step import apply_update, forward_backward
 
     model = _model()
     with torch.no_grad():

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from observatory import metric_names as M
-from trainer.builtin.loop import build_trainer, fit
-from trainer.core.callbacks import Callback, StepState
-from trainer.core.probes import layer_of
-from trainer.model.gpt import GPT
+from spikewatch.observatory import metric_names as M
+from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.probes import layer_of
+from spikewatch.trainer.model.gpt import GPT
 
 from .conftest import tiny_config
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from observatory import store
-from observatory.store.queries import session_factory
-from trainer.cli import main
+from spikewatch.observatory import store
+from spikewatch.observatory.store.queries import session_factory
+from spikewatch.trainer.cli import main
 
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 
@@ -155,7 +155,7 @@ def test_a_resume_keeps_the_rollback_history_and_a_finished_resume_its_loss(tmp_
 def test_the_store_lists_the_checkpoints_on_disk(tmp_path, async_save: bool) -> None:
     """Every checkpoint ever written has a row; those on disk now are 'ok' (an async save is
     'writing' until it landed), those deleted by retention or the rollback are 'deleted'."""
-    from trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints import format as ck
 
     db = f"sqlite:///{tmp_path / 'sw.db'}"
     run = tmp_path / "r3"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from observatory.retention import keep
+from spikewatch.observatory.retention import keep
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.builtin.loop import build_trainer
-from trainer.checkpoints import format as ck
-from trainer.checkpoints.disk import Checkpointer
-from trainer.config import load_config
+from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.config import load_config
 
 BASE = [  # the rollback tier alone: the kinds of the interventions are the rollback's
     "guard.same_step.enabled=false",

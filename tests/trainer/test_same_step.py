@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.builtin.loop import build_trainer
-from trainer.config import load_config
-from trainer.core.callbacks import Callback, StepState
-from trainer.core.recorder import Recorder
-from trainer.core.same_step import SameStepConfig, SameStepGate
+from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.config import load_config
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.recorder import Recorder
+from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate
 
 from .conftest import EventSink
 
@@ -127,7 +127,7 @@ def test_thresholds_with_the_step_before_on_the_device_are_those_after_observing
     a row that disarm it."""
     import random
 
-    from trainer.core.same_step import SameStepConfig, SameStepGate
+    from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate
 
     rng = random.Random(0)
     cfg = SameStepConfig(window=16, min_history=8, max_refusals=2, sigma=2.0)

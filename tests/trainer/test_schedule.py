@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.builtin.schedule import lr_multiplier
-from trainer.config import ScheduleConfig
+from spikewatch.trainer.builtin.schedule import lr_multiplier
+from spikewatch.trainer.config import ScheduleConfig
 
 
 def test_warmup_is_linear_from_zero() -> None:

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-from trainer.config import ModelConfig, OptimConfig
-from trainer.model.gpt import build_model
-from trainer.model.optim import AdamW, build_optimizer
-from trainer.model.optim.factor import FoundInf, factor_optimizer
+from spikewatch.trainer.config import ModelConfig, OptimConfig
+from spikewatch.trainer.model.gpt import build_model
+from spikewatch.trainer.model.optim import AdamW, build_optimizer
+from spikewatch.trainer.model.optim.factor import FoundInf, factor_optimizer
 
 ONE, ZERO = torch.ones(()), torch.zeros(())
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from observatory import store
-from observatory.sweeps import sweep_report
-from trainer.builtin.sweep import parse_floats, run_sweep
-from trainer.cli import main
-from trainer.config import ConfigError
+from spikewatch.observatory import store
+from spikewatch.observatory.sweeps import sweep_report
+from spikewatch.trainer.builtin.sweep import parse_floats, run_sweep
+from spikewatch.trainer.cli import main
+from spikewatch.trainer.config import ConfigError
 
 TINY = ["train.max_steps=20", "schedule.warmup_steps=5", "eval.interval=10", "eval.batches=2"]
 GRID = dict(variants=["baseline", "qk_norm"], lrs=[1e-2, 1e-1], overrides=TINY)
@@ -150,7 +150,7 @@ def test_the_same_grid_into_a_new_store_runs_again(tmp_path) -> None:
 
 def test_a_cell_run_before_run_ids_carried_the_group_keeps_its_directory(tmp_path) -> None:
     """Sweeps run before the group was in the run id resume in their old directories."""
-    from trainer.builtin.sweep import CellSpec, _Runner
+    from spikewatch.trainer.builtin.sweep import CellSpec, _Runner
 
     runner = _Runner("cfg.toml", [], tmp_path / "g", "g", "sqlite://", 1)
     cell = CellSpec("baseline", 0.01, 0)

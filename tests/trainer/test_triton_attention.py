@@ -7,15 +7,15 @@ import os
 import pytest
 import torch
 
-from trainer.config import ModelConfig
-from trainer.model.gpt import build_model
+from spikewatch.trainer.config import ModelConfig
+from spikewatch.trainer.model.gpt import build_model
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
         "needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True
     )
 
-from trainer.model.kernels.attention import flash_attention, reference_attention  # noqa: E402
+from spikewatch.trainer.model.kernels.attention import flash_attention, reference_attention  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 

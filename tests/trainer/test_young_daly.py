@@ -5,8 +5,14 @@ import math
 
 import pytest
 
-from observatory.goodput.young_daly import daly, expected_overhead, overhead, parse_duration, young
-from trainer.cli import main
+from spikewatch.observatory.goodput.young_daly import (
+    daly,
+    expected_overhead,
+    overhead,
+    parse_duration,
+    young,
+)
+from spikewatch.trainer.cli import main
 
 
 def test_llama3_numbers() -> None:

@@ -24,7 +24,7 @@ FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 @pytest.fixture(scope="session")
 def recorded_db(tmp_path_factory) -> str:
     """Three runs: one with a spike that was rolled back, two clean ones (for compare)."""
-    from trainer.cli import main
+    from spikewatch.trainer.cli import main
 
     tmp = tmp_path_factory.mktemp("dash")
     db = f"sqlite:///{tmp / 'sw.db'}"
@@ -64,9 +64,9 @@ def recorded_db(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(recorded_db):
-    from observatory.serving import serve_in_thread
-    from web.app import create_app
-    from web.settings import Settings
+    from spikewatch.observatory.serving import serve_in_thread
+    from spikewatch.web.app import create_app
+    from spikewatch.web.settings import Settings
 
     served = serve_in_thread(create_app(Settings(db_url=recorded_db)))
     assert served is not None, "the dashboard did not start"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from trainer.cli import main
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.trainer.cli import main
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 
@@ -147,9 +147,9 @@ def test_openapi_docs(client) -> None:
 def test_plotly_js_comes_from_the_package_and_is_cached() -> None:
     from fastapi.testclient import TestClient as Client
 
-    from web.app import create_app
-    from web.routes.pages import PLOTLY_JS
-    from web.settings import Settings
+    from spikewatch.web.app import create_app
+    from spikewatch.web.routes.pages import PLOTLY_JS
+    from spikewatch.web.settings import Settings
 
     with Client(create_app(Settings(db_url="sqlite://"))) as c:
         r = c.get("/static/plotly.min.js")

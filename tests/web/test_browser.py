@@ -49,7 +49,7 @@ def test_zooming_a_line_chart_fetches_its_steps_again(server, browser) -> None:
 
 
 def test_a_new_point_appears_within_two_seconds(server, browser, recorded_db, tmp_path) -> None:
-    from observatory.store.sink import DbSink
+    from spikewatch.observatory.store.sink import DbSink
 
     page = browser.new_page()
     page.goto(server + "/runs/lr1e-2")
@@ -132,7 +132,7 @@ def test_runs_page_at_a_glance_and_compare_the_chosen(server, browser) -> None:
 def test_goodput_page_plots_the_plan_from_a_recorded_run(server, browser, recorded_db) -> None:
     """The planner with the spiky run's measured inputs: both charts drawn, the measured line
     naming the run's spike, the form keeping what was asked."""
-    from observatory import store
+    from spikewatch.observatory import store
 
     with store.session_factory(recorded_db)() as s:
         spikes = store.events(s, run_id="spiky", kinds=["spike"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
-from observatory.store.queries import BranchRow, Bucket, EventRow, Matrix, SeriesData
-from observatory.sweeps import Cell, SweepReport, VariantSummary
-from web import charts
+from spikewatch.observatory.store.queries import BranchRow, Bucket, EventRow, Matrix, SeriesData
+from spikewatch.observatory.sweeps import Cell, SweepReport, VariantSummary
+from spikewatch.web import charts
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

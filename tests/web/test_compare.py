@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from observatory import store
-from observatory.store import db
-from observatory.store.sink import DbSink
-from observatory.sweeps import register_sweep
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.observatory import store
+from spikewatch.observatory.store import db
+from spikewatch.observatory.store.sink import DbSink
+from spikewatch.observatory.sweeps import register_sweep
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 SPEC = {"variants": ["baseline", "qk_norm"], "lrs": [0.01, 0.1], "seeds": [0]}
 HYPOTHESIS = "QK-norm keeps the peak attention logit bounded"
@@ -73,7 +73,7 @@ def test_every_store_field_is_served(client) -> None:
     hand-written shape once dropped) is served, and every dataclass field has its shape's."""
     from dataclasses import fields
 
-    from web import schemas
+    from spikewatch.web import schemas
 
     report = client.get("/api/sweeps/grid").json()
     assert report["spec"]["variants"] == ["baseline", "qk_norm"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from observatory import store
-from observatory.store.queries import session_factory
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.observatory import store
+from spikewatch.observatory.store.queries import session_factory
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 BODY = {"text": "data pipeline restarted here", "step": 120}
 
@@ -53,8 +53,8 @@ def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
     import threading
     import time
 
-    from observatory.store.db import upgrade
-    from trainer.cli import main
+    from spikewatch.observatory.store.db import upgrade
+    from spikewatch.trainer.cli import main
 
     db = f"sqlite:///{tmp_path / 'live.db'}"
     upgrade(db)  # as `spikewatch serve` does before it serves

@@ -11,14 +11,14 @@ schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in th
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from web.app import create_app  # noqa: E402
-from web.settings import Settings  # noqa: E402
+from spikewatch.web.app import create_app  # noqa: E402
+from spikewatch.web.settings import Settings  # noqa: E402
 
 from .conftest import FAULT  # noqa: E402
 
 
 def _app(tmp_path_factory):
-    from trainer.cli import main
+    from spikewatch.trainer.cli import main
 
     tmp = tmp_path_factory.mktemp("fuzz")
     db = f"sqlite:///{tmp / 'sw.db'}"

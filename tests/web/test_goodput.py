@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from observatory.goodput.cli import options, scenario_from_args
-from observatory.goodput.study import study
-from observatory.store import db
-from web import charts
-from web.app import create_app
-from web.settings import Settings
+from spikewatch.observatory.goodput.cli import options, scenario_from_args
+from spikewatch.observatory.goodput.study import study
+from spikewatch.observatory.store import db
+from spikewatch.web import charts
+from spikewatch.web.app import create_app
+from spikewatch.web.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_the_page_optimizes_and_takes_the_failure_modes(client) -> None:
 def test_the_badput_bars_labels_are_wrapped_and_given_room() -> None:
     """Issue 45, item 8: the search's best plan has a long name; as one line under its bar it
     was cut off."""
-    from web.charts import badput_figure
+    from spikewatch.web.charts import badput_figure
 
     name = "best of 43 plans (10 seeds): memory every 35 steps (exponential:8), disk every 123"
     plans = {"as set": {"badput": {"restart": 0.01}}, name: {"badput": {"restart": 0.02}}}

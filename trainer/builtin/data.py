@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import DataConfig, MixtureStage
-from trainer.core.data_state import DataState
+from spikewatch.trainer.config import DataConfig, MixtureStage
+from spikewatch.trainer.core.data_state import DataState
 
 __all__ = [
     "Corpus",
@@ -247,7 +247,7 @@ def _blocked(path: str | None, corpora: dict[str, Corpus]) -> dict[str, list[int
     of these corpora and are left out, with a warning)."""
     if path is None:
         return {}
-    from observatory.quarantine import read_blocklist
+    from spikewatch.observatory.quarantine import read_blocklist
 
     out: dict[str, list[int]] = {}
     foreign = 0

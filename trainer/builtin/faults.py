@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import FaultConfig
+from spikewatch.trainer.config import FaultConfig
 
 __all__ = ["DEVICE_KINDS", "FaultEffect", "apply_faults"]
 

@@ -24,23 +24,23 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from trainer.builtin.data import Row, Sampler, build_sampler
-from trainer.builtin.faults import FaultEffect, apply_faults, flip_bits
-from trainer.builtin.schedule import lr_multiplier
-from trainer.builtin.step import apply_update, forward_backward, forward_loss
-from trainer.config import TrainConfig
-from trainer.core.attribution import RowStat, preview, row_grad_norm
-from trainer.core.callbacks import Callback
-from trainer.core.guard import SpikeGuard
-from trainer.core.lifecycle import check_resume, stop_on_signals
-from trainer.core.probes import Probes
-from trainer.core.setup import open_core
-from trainer.core.state import RunState
-from trainer.core.step_core import ROLLED_BACK, StepCore
-from trainer.core.transfer import StepTensors
-from trainer.core.world import init_world
-from trainer.model.gpt import GPT, build_model
-from trainer.model.optim import build_optimizer
+from spikewatch.trainer.builtin.data import Row, Sampler, build_sampler
+from spikewatch.trainer.builtin.faults import FaultEffect, apply_faults, flip_bits
+from spikewatch.trainer.builtin.schedule import lr_multiplier
+from spikewatch.trainer.builtin.step import apply_update, forward_backward, forward_loss
+from spikewatch.trainer.config import TrainConfig
+from spikewatch.trainer.core.attribution import RowStat, preview, row_grad_norm
+from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.guard import SpikeGuard
+from spikewatch.trainer.core.lifecycle import check_resume, stop_on_signals
+from spikewatch.trainer.core.probes import Probes
+from spikewatch.trainer.core.setup import open_core
+from spikewatch.trainer.core.state import RunState
+from spikewatch.trainer.core.step_core import ROLLED_BACK, StepCore
+from spikewatch.trainer.core.transfer import StepTensors
+from spikewatch.trainer.core.world import init_world
+from spikewatch.trainer.model.gpt import GPT, build_model
+from spikewatch.trainer.model.optim import build_optimizer
 
 __all__ = ["FitResult", "Trainer", "build_trainer", "fit"]
 

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from spikewatch.trainer.core.callbacks import Callback, EvalState, FitState, StepState
 
 __all__ = ["ProgressBar"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import ScheduleConfig
+from spikewatch.trainer.config import ScheduleConfig
 
 __all__ = ["lr_multiplier"]
 

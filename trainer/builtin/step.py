@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.core.transfer import Clip, StepTensors, clip_by_global_norm
-from trainer.model.gpt import GPT
-from trainer.model.optim import qk_clip
+from spikewatch.trainer.core.transfer import Clip, StepTensors, clip_by_global_norm
+from spikewatch.trainer.model.gpt import GPT
+from spikewatch.trainer.model.optim import qk_clip
 
 __all__ = ["apply_update", "forward_backward", "forward_loss"]
 

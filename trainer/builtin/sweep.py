@@ -1,6 +1,6 @@
 """`spikewatch sweep`: the grid variants x learning rates x seeds, one `spikewatch train` per cell.
 
-Each cell is a child process (`python -m trainer.cli train ...`), so a cell that crashes or
+Each cell is a child process (`python -m spikewatch train ...`), so a cell that crashes or
 diverges takes nothing else down and `--jobs N` runs N at once. A cell's run directory is
 `ROOT/GROUP/GROUP-<variant>-lr<lr>-s<seed>` (its name is the run id, unique in the store); it
 is done when its `summary.json` exists. Running the same command again resumes the sweep: done
@@ -32,10 +32,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from observatory.store.db import ENV_VAR, resolve_url, upgrade
-from observatory.store.queries import list_runs, session_factory
-from observatory.sweeps import register_sweep
-from trainer.config import ConfigError, find_config, load_config, variant_names
+from spikewatch.observatory.store.db import ENV_VAR, resolve_url, upgrade
+from spikewatch.observatory.store.queries import list_runs, session_factory
+from spikewatch.observatory.sweeps import register_sweep
+from spikewatch.trainer.config import ConfigError, find_config, load_config, variant_names
 
 __all__ = ["CellSpec", "SweepResult", "parse_floats", "parse_ints", "run_sweep"]
 
@@ -234,7 +234,7 @@ class _Runner:
         log.warning("%s: not in this store; moved to %s and run again", run_dir.name, aside.name)
 
     def _command(self, job: _Job) -> list[str]:
-        cmd = [sys.executable, "-m", "trainer.cli", "train"]
+        cmd = [sys.executable, "-m", "spikewatch", "train"]
         if job.state == "resumed":
             cmd += ["--resume", str(job.run_dir), "--set", "train.progress=false"]
         else:

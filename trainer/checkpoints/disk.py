@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from observatory.goodput.young_daly import daly
-from observatory.retention import keep
-from trainer.checkpoints import format as ck
-from trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
-from trainer.checkpoints.staging import Live, Queued, Stager, has_cuda, stage_tensors
-from trainer.config import CheckpointConfig
+from spikewatch.observatory.goodput.young_daly import daly
+from spikewatch.observatory.retention import keep
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
+from spikewatch.trainer.checkpoints.staging import Live, Queued, Stager, has_cuda, stage_tensors
+from spikewatch.trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
 

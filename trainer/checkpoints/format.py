@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoints.errors import CheckpointError
+from spikewatch.trainer.checkpoints.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",

@@ -33,10 +33,16 @@ from typing import Any
 
 import torch
 
-from observatory.retention import keep
-from trainer.checkpoints.format import CheckpointError, Snapshot, copied
-from trainer.checkpoints.pinned import Events, HostBlock, SideCopies, device_wait, host_wait
-from trainer.core.world import local
+from spikewatch.observatory.retention import keep
+from spikewatch.trainer.checkpoints.format import CheckpointError, Snapshot, copied
+from spikewatch.trainer.checkpoints.pinned import (
+    Events,
+    HostBlock,
+    SideCopies,
+    device_wait,
+    host_wait,
+)
+from spikewatch.trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainer.core import streams
+from spikewatch.trainer.core import streams
 
 __all__ = ["HostBlock", "SideCopies", "device_wait", "host_wait"]
 

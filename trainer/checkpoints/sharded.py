@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.checkpoints import format as ck
-from trainer.checkpoints.disk import Checkpointer
-from trainer.checkpoints.staging import Stager
-from trainer.config import CheckpointConfig
-from trainer.core.world import World
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.checkpoints.staging import Stager
+from spikewatch.trainer.config import CheckpointConfig
+from spikewatch.trainer.core.world import World
 
 __all__ = ["ShardedCheckpointer", "load_sharded", "write_sharded"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoints.pinned import Events, HostBlock, SideCopies
+from spikewatch.trainer.checkpoints.pinned import Events, HostBlock, SideCopies
 
 __all__ = ["Live", "Queued", "Stager", "has_cuda", "stage_tensors", "to_host"]
 

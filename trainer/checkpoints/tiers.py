@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoints import format as ck
-from trainer.checkpoints.disk import Checkpointer
-from trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
-from trainer.checkpoints.staging import Live, Stager
-from trainer.config import CheckpointConfig
-from trainer.core.world import World, local
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
+from spikewatch.trainer.checkpoints.staging import Live, Stager
+from spikewatch.trainer.config import CheckpointConfig
+from spikewatch.trainer.core.world import World, local
 
 __all__ = ["DISK", "MEMORY", "Tiers", "build_tiers", "describe", "estimated_snapshot_bytes"]
 

@@ -2,7 +2,7 @@
 `settings` (the Watch's `WatchSettings`), `load` (TOML, `--set` overrides, variants) and `legacy`
 (renamed keys still read). Everything is importable from here."""
 
-from trainer.config.load import (
+from spikewatch.trainer.config.load import (
     CONFIG_DIR,
     VARIANT_DIR,
     apply_overrides,
@@ -12,7 +12,7 @@ from trainer.config.load import (
     validate_config,
     variant_names,
 )
-from trainer.config.sections import (
+from spikewatch.trainer.config.sections import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -28,7 +28,7 @@ from trainer.config.sections import (
     ScheduleConfig,
     TrainConfig,
 )
-from trainer.config.settings import WatchSettings
+from spikewatch.trainer.config.settings import WatchSettings
 
 __all__ = [
     "CONFIG_DIR",

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from trainer.config.legacy import rename_legacy, rename_legacy_key
-from trainer.config.sections import ConfigError, TrainConfig
+from spikewatch.trainer.config.legacy import rename_legacy, rename_legacy_key
+from spikewatch.trainer.config.sections import ConfigError, TrainConfig
 
 __all__ = [
     "apply_overrides",

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from observatory.detect import DetectorConfig
-from observatory.policy import PolicyConfig
-from trainer.core.same_step import SameStepConfig
+from spikewatch.observatory.detect import DetectorConfig
+from spikewatch.observatory.policy import PolicyConfig
+from spikewatch.trainer.core.same_step import SameStepConfig
 
 __all__ = [
     "CheckpointConfig",

@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from trainer.config.legacy import rename_legacy
-from trainer.config.sections import (
+from spikewatch.trainer.config.legacy import rename_legacy
+from spikewatch.trainer.config.sections import (
     CheckpointConfig,
     ConfigError,
     GuardConfig,

@@ -30,7 +30,7 @@ class Spike:
     replay: tuple[tuple[int, int], ...] = ()
     control: tuple[tuple[int, int], ...] = ()
     ranks: tuple[int, ...] = ()  # under torchrun: the ranks whose own loss departed
-    # under torchrun: each replayed step's own loss on every rank, as first computed
+    # under torchrun: each rolled-back step's own loss on every rank, as first computed
     rank_losses: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def record(self) -> dict[str, Any]:

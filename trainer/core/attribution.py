@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from trainer.core.state import rng_states, set_rng_states
-from trainer.core.world import World
+from spikewatch.trainer.core.state import rng_states, set_rng_states
+from spikewatch.trainer.core.world import World
 
 __all__ = [
     "FED_STEPS",
@@ -65,6 +65,7 @@ class RowStat:
     row: int
     loss: float
     grad_norm: float | None = None
+    rank: int = 0  # the rank that trained it
     id: str | None = None  # the data's own id (a document id, a file and offset)
     preview: str | None = None  # the row's beginning, decoded
 
@@ -168,21 +169,25 @@ def preview(tokens: list[int], decode: Callable[[list[int]], str] | None = None)
 
 
 def _sample(r: RowStat) -> dict[str, Any]:
-    out: dict[str, Any] = {"batch": r.batch, "row": r.row, "loss": r.loss}
-    if r.grad_norm is not None:
-        out["grad_norm"] = r.grad_norm
-    if r.id is not None:
-        out["id"] = r.id
+    out: dict[str, Any] = {"batch": r.batch, "row": r.row, "rank": r.rank, "loss": r.loss}
+    out["grad_norm"] = r.grad_norm  # null: not measured (FSDP2 shards measure losses only)
+    out["id"] = r.id  # null: the batch carries no id of its own
     if r.preview is not None:
         out["preview"] = r.preview
     return out
 
 
 def _shown(named: list[dict[str, Any]], most: int = 6) -> str:
-    by_batch: dict[int, list[int]] = {}
+    """ "batch 203 rows 8,9 (rank 1)": global rows (under torchrun, rank k's row r of a
+    global batch is row k * rows-per-rank + r), with the ranks that trained them."""
+    by_batch: dict[int, list[dict[str, Any]]] = {}
     for s in named:
-        by_batch.setdefault(s["batch"], []).append(s["row"])
-    parts = [f"batch {b} rows {','.join(map(str, rows))}" for b, rows in sorted(by_batch.items())]
+        by_batch.setdefault(s["batch"], []).append(s)
+    parts = []
+    for b, rows in sorted(by_batch.items()):
+        ranks = sorted({s.get("rank", 0) for s in rows})
+        on = f" (rank {','.join(map(str, ranks))})" if ranks != [0] else ""
+        parts.append(f"batch {b} rows {','.join(str(s['row']) for s in rows)}{on}")
     more = f" and {len(parts) - most} more batches" if len(parts) > most else ""
     return "; ".join(parts[:most]) + more
 
@@ -201,16 +206,58 @@ def _untouched() -> Iterator[None]:
         set_rng_states(tensors, json_states)
 
 
-def row_grad_norm(params: Iterable[torch.Tensor]) -> float:
-    """The global gradient norm of one row's backward (a host read: the rare path)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def row_grad_norm(params: Iterable[torch.Tensor], loss: torch.Tensor | None = None) -> float:
+    """The global gradient norm of one row's backward (a host read: the rare path): of the
+    gradients in `.grad`, or with `loss`, of its gradients taken by autograd.grad, which leaves
+    `.grad` alone and runs no DDP reducer hook (those fire as gradients accumulate), so it is
+    one rank's own row under DDP too, in any client."""
+    if loss is not None:
+        inputs = [p for p in params if p.requires_grad]
+        got = torch.autograd.grad(loss, inputs, allow_unused=True) if inputs else ()
+        grads = [g for g in got if g is not None]
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return math.nan
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
 
+def measure_rows(
+    index: int,
+    fed: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: Iterable[torch.Tensor] | None,
+    rank: int,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[RowStat]:
+    """Each row of a client's batch `index` as it was `fed` (a batch, `MicroBatches`, or None:
+    not at hand) through the user's `loss_fn` alone: its loss and, with `params`, its gradient
+    norm on the current weights (autograd.grad: `.grad` and DDP untouched). These are this
+    rank's rows; under torchrun row r of rank k is global row k * rows + r."""
+    parts = [] if fed is None else fed if isinstance(fed, MicroBatches) else [fed]
+    rows = [(part, r) for part in parts for r in range(rows_in(part))]
+    params = None if params is None else list(params)
+    out = []
+    for n, (batch, r) in enumerate(rows):
+        with torch.set_grad_enabled(params is not None):  # this rank's row alone
+            loss = loss_fn(row_of(batch, r))
+        tokens = tokens_of(batch, r)
+        out.append(
+            RowStat(
+                batch=index,
+                row=rank * len(rows) + n,
+                loss=float(loss.detach()),
+                grad_norm=None if params is None else row_grad_norm(params, loss),
+                rank=rank,
+                id=id_of(batch, r),
+                preview=None if tokens is None else preview(tokens, decode),
+            )
+        )
+    return out
+
+
 # -- a user's batch, row by row (the Watch's `batch_at`) ------------------------------------------
-_ID_KEYS = ("id", "ids", "doc_id", "document_id")
+ID_KEYS = ("id", "ids", "doc_id", "document_id")  # a dict batch's own ids of its rows
 _TOKEN_KEYS = ("input_ids", "tokens", "x")
 
 
@@ -255,6 +302,25 @@ def select_rows(batch: Any, keep: list[int]) -> Any:
     return batch
 
 
+def rank_share(batch: Any, rank: int, size: int) -> tuple[Any, int]:
+    """(rank `rank`'s consecutive share of a global batch, the global row of its first row):
+    under torchrun each rank trains rows [rank * n, (rank + 1) * n) of every global batch, n =
+    rows / size, so the ranks' rows differ and together they are the global batch (the built-in
+    trainer's rule, World.rows). One process: the batch itself."""
+    if size <= 1:
+        return batch, 0
+    rows = rows_in(batch)
+    if rows % size:
+        raise ValueError(
+            f"a global batch of {rows} rows does not divide among {size} ranks: under torchrun "
+            "each rank trains its consecutive share of the batch that batch_at(index) returns "
+            "(make its rows a multiple of the world size, or pass shard=False and return this "
+            "rank's own rows)"
+        )
+    n = rows // size
+    return select_rows(batch, list(range(rank * n, (rank + 1) * n))), rank * n
+
+
 _SAID_SHRUNK: set[int] = set()  # the Watches (by id) that said why their batches shrink
 
 
@@ -294,7 +360,7 @@ def moved(batch: Any, device: torch.device | str) -> Any:
 def id_of(batch: Any, r: int) -> str | None:
     """The data's own id of row `r`, from a dict batch's "id" / "ids" entry."""
     if isinstance(batch, dict):
-        for k in _ID_KEYS:
+        for k in ID_KEYS:
             if k in batch:
                 ids = batch[k]
                 value = ids[r] if hasattr(ids, "__getitem__") and not isinstance(ids, str) else ids

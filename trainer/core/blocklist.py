@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, Subset
 
-from trainer.core.attribution import id_of, rows_in
+from spikewatch.trainer.core.attribution import id_of, rows_in
 
 __all__ = ["Blocklist", "without_blocked"]
 
@@ -39,7 +39,7 @@ class Blocklist:
         """The file's ids and (batch, row) pairs (an empty blocklist for None)."""
         if path is None:
             return cls()
-        from observatory.quarantine import read_blocklist
+        from spikewatch.observatory.quarantine import read_blocklist
 
         ids, rows = set(), set()
         for entry in read_blocklist(str(path)):

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.core.actions import Action, Continue, Note
+from spikewatch.trainer.core.actions import Action, Continue, Note
 
 __all__ = ["Callback", "EvalState", "FitState", "StepState", "decides_before_update"]
 

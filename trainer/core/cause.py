@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainer.core.actions import Spike
+from spikewatch.trainer.core.actions import Spike
 
 __all__ = ["DEVICE_TOL", "cause_of", "classify", "device_of"]
 

@@ -13,8 +13,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
-from trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
+from spikewatch.trainer.core.callbacks import Callback, StepState
 
 __all__ = ["action_name", "decide", "deliver_notes", "intervention", "rescale"]
 

@@ -16,12 +16,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from observatory.detect import Detector, Verdict
-from observatory.policy import Policy
-from observatory.ranks import departed_ranks
-from trainer.config import GuardConfig, TrainConfig
-from trainer.core.actions import Action, Continue, Halt, Note, Rollback, SkipUpdate, Spike
-from trainer.core.callbacks import Callback, StepState
+from spikewatch.observatory.detect import Detector, Verdict
+from spikewatch.observatory.policy import Policy
+from spikewatch.observatory.ranks import departed_ranks
+from spikewatch.trainer.config import GuardConfig, TrainConfig
+from spikewatch.trainer.core.actions import (
+    Action,
+    Continue,
+    Halt,
+    Note,
+    Rollback,
+    SkipUpdate,
+    Spike,
+)
+from spikewatch.trainer.core.callbacks import Callback, StepState
 
 __all__ = ["SpikeGuard", "regime_steps"]
 
@@ -170,6 +178,9 @@ class SpikeGuard(Callback):
             return SkipUpdate(plan.reason)
         if plan.action != "rollback" or plan.to_step is None:
             return Continue()
+        # each rank's own loss over the steps rolled back (torchrun), in every client
+        rolled = sorted(s for s in self.rank_loss_of if plan.to_step < s <= v.step)
+        spike = replace(spike, rank_losses=tuple((s, tuple(self.rank_loss_of[s])) for s in rolled))
         if self.classify:
             steps = [s for s in sorted(self.batch_of) if plan.to_step < s <= v.step]
             good = [self.batch_of[s] for s in sorted(self.batch_of) if s <= plan.to_step]
@@ -178,9 +189,6 @@ class SpikeGuard(Callback):
                 spike,
                 replay=tuple((s, self.batch_of[s]) for s in steps),
                 control=tuple(zip(steps, good, strict=False)),
-                rank_losses=tuple(
-                    (s, tuple(self.rank_loss_of[s])) for s in steps if s in self.rank_loss_of
-                ),
             )
         if level is not None:
             self.watching.append((spike, level))

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.checkpoints.format import read_meta
-from trainer.config import ConfigError, TrainConfig, WatchSettings
-from trainer.config.legacy import rename_legacy
+from spikewatch.trainer.checkpoints.format import read_meta
+from spikewatch.trainer.config import ConfigError, TrainConfig, WatchSettings
+from spikewatch.trainer.config.legacy import rename_legacy
 
 
 class Stoppable(Protocol):

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from observatory import metric_names as M
-from trainer.config import ProbesConfig
-from trainer.core.norms import maxima, norms
-from trainer.core.world import World, local
+from spikewatch.observatory import metric_names as M
+from spikewatch.trainer.config import ProbesConfig
+from spikewatch.trainer.core.norms import maxima, norms
+from spikewatch.trainer.core.world import World, local
 
 __all__ = ["Probes", "describe_model", "layer_of", "module_layer_of", "unwrapped"]
 

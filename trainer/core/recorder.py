@@ -12,15 +12,15 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from observatory import metric_names as M
-from observatory.control import RequestPoller
-from observatory.store.db import redact, serve_hint
-from observatory.store.records import content_uid
-from observatory.store.sink import BaseSink
-from observatory.strict_json import tagged
-from trainer.core.actions import Action, Continue, Halt, Note, Rollback
-from trainer.core.callbacks import Callback, EvalState, FitState, StepState
-from trainer.core.world import say
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.control import RequestPoller
+from spikewatch.observatory.store.db import redact, serve_hint
+from spikewatch.observatory.store.records import content_uid
+from spikewatch.observatory.store.sink import BaseSink
+from spikewatch.observatory.strict_json import tagged
+from spikewatch.trainer.core.actions import Action, Continue, Halt, Note, Rollback
+from spikewatch.trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from spikewatch.trainer.core.world import say
 
 __all__ = ["Recorder"]
 

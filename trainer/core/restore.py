@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from observatory.findings import findings, skipped
-from trainer.checkpoints.format import Snapshot
-from trainer.checkpoints.staging import Stager, to_host
-from trainer.core.actions import Rollback
-from trainer.core.attribution import Measure, attribute
-from trainer.core.callbacks import Callback
-from trainer.core.cause import cause_of, device_of
-from trainer.core.data_state import DataState
-from trainer.core.decide import rescale
-from trainer.core.state import (
+from spikewatch.observatory.findings import findings, skipped
+from spikewatch.trainer.checkpoints.format import Snapshot
+from spikewatch.trainer.checkpoints.staging import Stager, to_host
+from spikewatch.trainer.core.actions import Rollback
+from spikewatch.trainer.core.attribution import Measure, attribute
+from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.cause import cause_of, device_of
+from spikewatch.trainer.core.data_state import DataState
+from spikewatch.trainer.core.decide import rescale
+from spikewatch.trainer.core.state import (
     RunState,
     callback_keys,
     join_optimizer,
@@ -39,11 +39,11 @@ from trainer.core.state import (
 )
 
 if TYPE_CHECKING:
-    from trainer.checkpoints.tiers import Tiers
-    from trainer.core.probes import Probes
-    from trainer.core.same_step import SameStepGate
-    from trainer.core.transfer import StepTensors
-    from trainer.core.world import World
+    from spikewatch.trainer.checkpoints.tiers import Tiers
+    from spikewatch.trainer.core.probes import Probes
+    from spikewatch.trainer.core.same_step import SameStepGate
+    from spikewatch.trainer.core.transfer import StepTensors
+    from spikewatch.trainer.core.world import World
 
 __all__ = ["Checkpointed", "Replay", "Swap"]
 
@@ -295,7 +295,7 @@ class Checkpointed:
             assert self.checkpointer.memory is not None
             self.checkpointer.memory.load_tensors(loaded["memory"])
         elif "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
-            from trainer.checkpoints.sharded import load_sharded
+            from spikewatch.trainer.checkpoints.sharded import load_sharded
 
             load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
         else:

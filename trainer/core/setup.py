@@ -17,17 +17,17 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.checkpoints.disk import Checkpointer
-from trainer.checkpoints.format import list_checkpoints
-from trainer.checkpoints.tiers import build_tiers, describe, estimated_snapshot_bytes
-from trainer.config import CheckpointConfig, ConfigError, GuardConfig
-from trainer.core.callbacks import Callback
-from trainer.core.probes import Probes
-from trainer.core.recorder import Recorder
-from trainer.core.same_step import SameStepGate
-from trainer.core.state import RunState
-from trainer.core.step_core import StepCore
-from trainer.core.world import World, say
+from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.checkpoints.format import list_checkpoints
+from spikewatch.trainer.checkpoints.tiers import build_tiers, describe, estimated_snapshot_bytes
+from spikewatch.trainer.config import CheckpointConfig, ConfigError, GuardConfig
+from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.probes import Probes
+from spikewatch.trainer.core.recorder import Recorder
+from spikewatch.trainer.core.same_step import SameStepGate
+from spikewatch.trainer.core.state import RunState
+from spikewatch.trainer.core.step_core import StepCore
+from spikewatch.trainer.core.world import World, say
 
 __all__ = ["open_checkpointer", "open_core"]
 
@@ -103,7 +103,7 @@ def open_checkpointer(
     makes the run's record durable before each checkpoint commits."""
     checkpointer = Checkpointer(root, cfg, before_commit=durable)
     if world.distributed:
-        from trainer.checkpoints.sharded import ShardedCheckpointer
+        from spikewatch.trainer.checkpoints.sharded import ShardedCheckpointer
 
         checkpointer = ShardedCheckpointer(
             root, cfg, world, model, optimizer, before_commit=durable

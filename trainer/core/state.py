@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.core.data_state import DataState
+from spikewatch.trainer.core.data_state import DataState
 
 __all__ = [
     "RunState",

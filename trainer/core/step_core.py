@@ -41,27 +41,27 @@ from typing import Any, Literal
 
 import torch
 
-from observatory import metric_names as M
-from trainer.checkpoints.tiers import DISK, Tiers
-from trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
-from trainer.core.attribution import Measure
-from trainer.core.callbacks import (
+from spikewatch.observatory import metric_names as M
+from spikewatch.trainer.checkpoints.tiers import DISK, Tiers
+from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
+from spikewatch.trainer.core.attribution import Measure
+from spikewatch.trainer.core.callbacks import (
     Callback,
     EvalState,
     FitState,
     StepState,
     decides_before_update,
 )
-from trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
-from trainer.core.probes import Probes
-from trainer.core.restore import Checkpointed, Replay, Swap
-from trainer.core.same_step import SameStepGate, step_factor
-from trainer.core.state import (
+from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
+from spikewatch.trainer.core.probes import Probes
+from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
+from spikewatch.trainer.core.same_step import SameStepGate, step_factor
+from spikewatch.trainer.core.state import (
     RunState,
 )
-from trainer.core.transfer import HostTransfer, StepTensors
-from trainer.core.world import World
-from trainer.model.optim.factor import StepFactor, factor_optimizer
+from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
+from spikewatch.trainer.core.world import World
+from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer
 
 __all__ = [
     "APPLIED",

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from observatory import metric_names as M
-from trainer.core import streams
-from trainer.core.norms import norms, scale_
+from spikewatch.observatory import metric_names as M
+from spikewatch.trainer.core import streams
+from spikewatch.trainer.core.norms import norms, scale_
 
 __all__ = ["Clip", "HostTransfer", "StepTensors", "attn_names", "clip_by_global_norm"]
 

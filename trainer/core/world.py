@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.config import ConfigError, DataConfig, TrainConfig
-from trainer.core.norms import norms, scale_
-from trainer.core.transfer import Clip, StepTensors
+from spikewatch.trainer.config import ConfigError, DataConfig, TrainConfig
+from spikewatch.trainer.core.norms import norms, scale_
+from spikewatch.trainer.core.transfer import Clip, StepTensors
 
 __all__ = ["World", "attach_world", "env_rank", "init_world", "say"]
 
@@ -310,7 +310,7 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
     if not dist.is_initialized() and "RANK" not in os.environ:
         raise ConfigError(
             f"distributed.strategy='{strategy}' needs torchrun: torchrun --nproc_per_node=N "
-            "-m trainer.cli train ... (or leave distributed.strategy unset: one process)"
+            "-m spikewatch train ... (or leave distributed.strategy unset: one process)"
         )
     check_shape(cfg, size)
     if device.type == "cuda":
@@ -332,7 +332,7 @@ def init_world(cfg: TrainConfig, device: torch.device) -> tuple[World, torch.dev
     return world, device
 
 
-_PACKAGES = ("trainer", "observatory", "spikewatch")
+_PACKAGES = ("spikewatch",)  # every module of ours logs under it
 
 
 def say(logger: logging.Logger, message: str) -> None:

@@ -99,7 +99,7 @@ def attention(
     if backend == "triton":
         if softcap is not None:
             raise ValueError("the triton backend does not apply an attention soft-cap")
-        from trainer.model.kernels.attention import (
+        from spikewatch.trainer.model.kernels.attention import (
             flash_attention,  # imports Triton: only when used
         )
 
@@ -140,7 +140,10 @@ def fused_max(
     dim 16..128; k may have fewer heads, shared by groups of queries), else None."""
     if mask is not None or not (q.is_cuda or FUSED_OFF_GPU):
         return None
-    from trainer.model.kernels.max_logits import fused_max_logits, refusal  # imports Triton
+    from spikewatch.trainer.model.kernels.max_logits import (  # imports Triton
+        fused_max_logits,
+        refusal,
+    )
 
     if refusal(q, k) is not None:
         return None

@@ -25,7 +25,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from trainer.model.attention import RECORD_CHUNK, fused_max, max_logits
+from spikewatch.trainer.model.attention import RECORD_CHUNK, fused_max, max_logits
 
 __all__ = ["AttnMax"]
 

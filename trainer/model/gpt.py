@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.config import ModelConfig
-from trainer.model.attention import attention
+from spikewatch.trainer.config import ModelConfig
+from spikewatch.trainer.model.attention import attention
 
 __all__ = ["GPT", "ModelOutput", "build_model", "param_kind"]
 

@@ -13,21 +13,21 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
-from observatory import metric_names as M
-from observatory import store
-from observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
-from observatory.store import across_runs as across
-from observatory.sweeps import (
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory import store
+from spikewatch.observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
+from spikewatch.observatory.store import across_runs as across
+from spikewatch.observatory.sweeps import (
     SweepReport,
     format_rate,
     list_sweeps,
     report_for_runs,
     sweep_report,
 )
-from web import charts
-from web.deps import SessionDep
-from web.routes.pages import templates
-from web.schemas import SweepOut, SweepReportOut, many
+from spikewatch.web import charts
+from spikewatch.web.deps import SessionDep
+from spikewatch.web.routes.pages import templates
+from spikewatch.web.schemas import SweepOut, SweepReportOut, many
 
 __all__ = ["router"]
 

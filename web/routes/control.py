@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from observatory import store
-from observatory.store.ingest import Writer
-from observatory.store.records import Record, RecordError, event_record, new_uid
-from web.deps import SessionDep
-from web.schemas import errors
+from spikewatch.observatory import store
+from spikewatch.observatory.store.ingest import Writer
+from spikewatch.observatory.store.records import Record, RecordError, event_record, new_uid
+from spikewatch.web.deps import SessionDep
+from spikewatch.web.schemas import errors
 
 __all__ = ["router"]
 
@@ -132,6 +132,6 @@ def _write(request: Request, rec: Record) -> None:
 
 
 def make_writer(url: str | None) -> Writer:
-    from observatory.store.db import make_engine, resolve_url
+    from spikewatch.observatory.store.db import make_engine, resolve_url
 
     return Writer(make_engine(resolve_url(url), writer=True))

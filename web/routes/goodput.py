@@ -12,12 +12,12 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse
 
-from observatory.goodput.cli import options, scenario_from_args
-from observatory.goodput.plan import measure, optimize
-from observatory.goodput.study import PlanCache, study
-from web import charts
-from web.deps import SessionDep
-from web.routes.pages import templates
+from spikewatch.observatory.goodput.cli import options, scenario_from_args
+from spikewatch.observatory.goodput.plan import measure, optimize
+from spikewatch.observatory.goodput.study import PlanCache, study
+from spikewatch.web import charts
+from spikewatch.web.deps import SessionDep
+from spikewatch.web.routes.pages import templates
 
 __all__ = ["router"]
 

@@ -12,14 +12,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from observatory import metric_names as M
-from observatory import store
-from observatory.findings import skipped, suspect_devices
-from observatory.logbook import logbook
-from observatory.store.queries import LOSS_METRIC
-from web import charts
-from web.deps import SessionDep
-from web.routes.runs import Step
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory import store
+from spikewatch.observatory.findings import skipped, suspect_devices
+from spikewatch.observatory.logbook import logbook
+from spikewatch.observatory.store.queries import LOSS_METRIC
+from spikewatch.web import charts
+from spikewatch.web.deps import SessionDep
+from spikewatch.web.routes.runs import Step
 
 __all__ = ["router"]
 

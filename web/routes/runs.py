@@ -13,12 +13,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from observatory import metric_names as M
-from observatory import store
-from observatory.logbook import logbook
-from observatory.store.models import EVENT_KINDS
-from web.deps import SessionDep
-from web.schemas import (
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory import store
+from spikewatch.observatory.logbook import logbook
+from spikewatch.observatory.store.models import EVENT_KINDS
+from spikewatch.web.deps import SessionDep
+from spikewatch.web.schemas import (
     BranchOut,
     CheckpointOut,
     EventOut,

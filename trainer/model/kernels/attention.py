@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.model.kernels.eligibility import common_dtype, tensor_refusal
+from spikewatch.trainer.model.kernels.eligibility import common_dtype, tensor_refusal
 
 __all__ = ["flash_attention", "reference_attention"]
 

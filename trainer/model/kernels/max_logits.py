@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.model.kernels.eligibility import DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, interpreting
+from spikewatch.trainer.model.kernels.eligibility import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    interpreting,
+)
 
 __all__ = ["fused_max_logits", "refusal"]
 

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.config import OptimConfig
-from trainer.model.gpt import GPT, param_kind
-from trainer.model.optim.factor import AdamW
-from trainer.model.optim.muon import Muon, newton_schulz
-from trainer.model.optim.qk_clip import qk_clip
+from spikewatch.trainer.config import OptimConfig
+from spikewatch.trainer.model.gpt import GPT, param_kind
+from spikewatch.trainer.model.optim.factor import AdamW
+from spikewatch.trainer.model.optim.muon import Muon, newton_schulz
+from spikewatch.trainer.model.optim.qk_clip import qk_clip
 
 __all__ = ["AdamW", "Muon", "build_optimizer", "newton_schulz", "param_groups", "qk_clip"]
 

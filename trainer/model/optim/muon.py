@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer.model.optim.factor import FactorStep, adamw_group, masked_grads, pick
+from spikewatch.trainer.model.optim.factor import FactorStep, adamw_group, masked_grads, pick
 
 __all__ = ["Muon", "newton_schulz"]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.model.gpt import Attention
+from spikewatch.trainer.model.gpt import Attention
 
 __all__ = ["qk_clip"]
 
