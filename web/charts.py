@@ -443,15 +443,16 @@ def goodput_curves_figure(study: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _wrapped(name: str, width: int = 28) -> str:
-    """A plan's name as a bar's label: broken after its ':' and ',' into lines of about
-    `width` characters (a long one, as the search's best plan has, was cut off)."""
+def _wrapped(name: str, width: int = 16) -> str:
+    """A plan's name as a bar's label, in lines of about `width` characters, broken after a
+    ':' or ',' too (a long one, as the search's best plan has, was cut off, and four plans'
+    labels side by side overlapped at 28 characters)."""
     lines: list[str] = []
-    for part in name.replace(": ", ":\n").replace(", ", ",\n").split("\n"):
-        if lines and len(lines[-1]) + 1 + len(part) <= width:
-            lines[-1] += " " + part
+    for word in name.split(" "):
+        if lines and not lines[-1].endswith((":", ",")) and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
         else:
-            lines.append(part)
+            lines.append(word)
     return "<br>".join(lines)
 
 
@@ -480,7 +481,8 @@ def badput_figure(study: dict[str, Any]) -> dict[str, Any]:
         "layout": {
             "title": {"text": "badput by bucket (% of wall time)"},
             "barmode": "stack",
-            "xaxis": {"automargin": True, "tickangle": 0},  # the labels' lines fit below
+            # the labels' lines fit below, in a smaller font
+            "xaxis": {"automargin": True, "tickangle": 0, "tickfont": {"size": 10}},
             "yaxis": {"title": {"text": "% of wall time"}},
             "margin": {"t": 40, "r": 10, "b": 40, "l": 60},
             "legend": {"font": {"size": 10}},  # beside the bars, not over the labels

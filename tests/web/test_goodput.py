@@ -112,5 +112,5 @@ def test_the_badput_bars_labels_are_wrapped_and_given_room() -> None:
     fig = badput_figure(study)
     labels = fig["data"][0]["x"]
     assert labels[0] == "as set" and labels[1].replace("<br>", " ") == name
-    assert max(len(line) for label in labels for line in label.split("<br>")) <= 40
+    assert max(len(line) for label in labels for line in label.split("<br>")) <= 16
     assert fig["layout"]["xaxis"]["automargin"] is True
