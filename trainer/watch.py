@@ -459,8 +459,9 @@ class Watch:
         assert self._batch_at is not None and self._loss_fn is not None
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
         self.attn.active = False
-        loss = self._loss_fn(self._batch_at(index))
-        loss.backward()  # unscaled under fp16 too: a replay leaves the GradScaler alone
+        with self._c.world.replay_sync(self.model):
+            loss = self._loss_fn(self._batch_at(index))
+            loss.backward()  # unscaled under fp16 too: a replay leaves the GradScaler alone
         self.observe_loss(loss)
         t = self._tensors(scaled=False)
         self._lr_scale = self._c.run.lr_scale

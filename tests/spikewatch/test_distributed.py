@@ -198,6 +198,31 @@ def test_the_store_holds_one_run_with_the_rollback_and_per_rank_losses(job) -> N
         assert m.rows == [0, 1]
 
 
+def test_a_users_own_script_shards_names_and_replays_like_the_examples(tmp_path) -> None:
+    """tests/spikewatch/own_script.py: its whole global batch is split between the ranks by the
+    Watch (rank 1 trains rows 4..7), the rollback names rank 1's noisy rows by their ids, and
+    the replay, through the module inside DDP (no reducer), averages gradients as the step did,
+    so the spike reproduces and reads as the data's (it read as the device's)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script = str(REPO / "tests" / "spikewatch" / "own_script.py")
+    done = subprocess.run([*cmd, script, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    if done.returncode and TEARDOWN_ABORT in done.stdout + done.stderr:
+        pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["first"] == [f"doc0-{r}" for r in range(4)]
+    assert ranks[1]["first"] == [f"doc0-{r}" for r in range(4, 8)]
+    (rb,) = ranks[0]["interventions"]
+    assert rb["kind"] == "rollback" and rb["ranks"] == [1] and rb["to_step"] < rb["onset_step"]
+    assert rb["cause"].startswith("data"), rb["cause"]
+    assert rb["replay_peak_loss"] == pytest.approx(rb["peak_loss"], rel=1e-5)
+    named = rb["samples"]
+    assert named and all(s["rank"] == 1 and s["row"] >= 4 for s in named)
+    assert {s["id"] for s in named} <= {f"doc{b}-{r}" for b in range(60, 66) for r in range(4, 8)}
+
+
 def test_a_killed_two_rank_job_resumes_bitwise(tmp_path) -> None:
     args = ("--steps", "60", *POISON[:1], "30", *POISON[2:], "--db", "none")
     args = (*args, "--checkpoint-every", "5", "--run-dir", "run", "--summary-json", "s.json")

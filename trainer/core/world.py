@@ -127,6 +127,30 @@ class World:
             return _fsdp_no_sync(self.fwd)
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def replay_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Around a replayed step's forward and backward (core/cause.py) under DDP: when the
+        user's `loss_fn` calls the module inside the DDP wrapper the Watch was given, and not
+        the wrapper, no gradient is averaged and the replay trains another update than the
+        step did (a data spike then reads as the device's). The gradients are averaged here
+        then, on every rank alike (all ranks replay together)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if self.strategy != "ddp" or not isinstance(model, DDP):
+            yield
+            return
+        calls = [0]
+        hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            yield
+        finally:
+            hook.remove()
+        if calls[0] == 0:  # the wrapper was passed by: average as its reducer would have
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.size)
+
     @property
     def clip(self) -> Clip | None:
         """The clipping of sharded gradients (fsdp2); None = step.py's own."""
