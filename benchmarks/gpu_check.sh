@@ -23,6 +23,11 @@ if ! python3 -c "import pydantic, sqlalchemy, alembic, zstandard, rich, shksprda
   fi
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+# the checkout imports as spikewatch.trainer / .observatory / .web through links in spikewatch/
+# (docs/development.md); a copy of the tree that dropped them gets them again
+for pkg in trainer observatory web; do
+  [ -e "spikewatch/$pkg" ] || ln -s "../$pkg" "spikewatch/$pkg"
+done
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false
 # one call, <= 8 minutes: the product end to end (demo, examples, resume, fp16, a fault at 124M),
 # then its cost (syncs, MFU with the per-probe breakdown, the Triton kernel, the memory tier)
