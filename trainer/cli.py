@@ -583,9 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_env()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    from spikewatch.trainer.checkpoints.errors import (
-        CheckpointError,  # torch-free: simulate needs none
-    )
+    from spikewatch.trainer.checkpoints.errors import CheckpointError  # torch-free
 
     try:
         return args.func(args)
