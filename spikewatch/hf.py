@@ -273,6 +273,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     _hook: Any = None
     _ids_hook: Any = None
     _ids: Any = None  # the rows' own ids of the forward in progress
+    _id_keys: tuple[str, ...] = ()  # the id entries the model's forward does not take
     _clip: float | None = None
     _spare: int | None = None  # updates the Trainer's data holds beyond max_steps
     _grad_norm: torch.Tensor | None = None  # what the Trainer logs as grad_norm (see below)
@@ -305,6 +306,8 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps),
         )
         self._hook = model.register_forward_hook(self._loss_hook, with_kwargs=True)
+        takes = inspect.signature(model.forward).parameters  # a model's own `ids` stays its own
+        self._id_keys = tuple(k for k in ID_KEYS if k not in takes)
         self._ids_hook = model.register_forward_pre_hook(self._take_ids, with_kwargs=True)
         self._fed = {}
         if watch.cfg.guard.attribute_samples:  # the batches it fed are at hand: name rows
@@ -360,7 +363,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
     def _take_ids(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         """A batch's own "id" entry (kept with remove_unused_columns=False) names its rows in
         the attribution; the model never sees it."""
-        key = next((k for k in ID_KEYS if k in kwargs), None)
+        key = next((k for k in self._id_keys if k in kwargs), None)
         self._ids = None if key is None else kwargs.pop(key)
         return args, kwargs
 
