@@ -334,6 +334,10 @@ class Watch:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_n += 1
 
+    def add_tokens(self, n: int) -> None:
+        """A framework's tokens of this step, every rank's (the run's token count)."""
+        self._ntok += int(n)
+
     def gate(self) -> Gate:
         """After backward, before the optimizer step: `.open` = apply the update (its step
         factor, if the optimizer takes one, is set on it already)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.core import streams
@@ -52,7 +53,9 @@ def clip_by_global_norm(
     (the per-layer grad-norm probe then costs nothing). Returns (total, factor, per-tensor)."""
     if not params:
         raise ValueError("clip_by_global_norm: no parameters")
-    grads = [p.grad for p in params]
+    # one process with DTensor parameters on a mesh of one (torchtitan's SPMD types): each
+    # local tensor is the whole one (sharded meshes take World.clip, the sharded clip)
+    grads = [_whole(p.grad) for p in params]
     per_tensor = norms(grads, params[0].device)  # (P,) on the first parameter's device
     total = torch.linalg.vector_norm(per_tensor)
     if max_norm is None:
@@ -60,6 +63,14 @@ def clip_by_global_norm(
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     scale_([g for g in grads if g is not None], factor)
     return total, factor, per_tensor
+
+
+def _whole(g: torch.Tensor | None) -> torch.Tensor | None:
+    if isinstance(g, DTensor):
+        if g.device_mesh.size() != 1:
+            raise ValueError("a sharded gradient outside FSDP2's world (the sharded clip)")
+        return g.to_local()
+    return g
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,6 +35,14 @@ _RECORDERS: weakref.WeakValueDictionary[int, AttnMax] = weakref.WeakValueDiction
 _KEYS = itertools.count()
 
 
+def _recomputing() -> bool:
+    """Inside a backward pass: activation checkpointing running a forward again (torchtitan's
+    selective AC, Hugging Face's gradient checkpointing). The maxima are the first forward's;
+    its recomputation records nothing (under selective AC it must not: an op that was not in
+    the first forward fails the recomputation's check)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class AttnMax:
     """Per-layer, per-head max pre-softmax attention logits of one step, kept on device.
 
@@ -83,7 +91,7 @@ class AttnMax:
                 n_rep,
                 torch.is_grad_enabled(),
             )
-        elif self.active and torch.is_grad_enabled():
+        elif self.active and torch.is_grad_enabled() and not _recomputing():
             self._keep(layer, _max_logits(q, k, mask, causal, scale, n_rep))
 
     def sdpa(
@@ -95,7 +103,7 @@ class AttnMax:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def _keep(self, layer: int, mx: torch.Tensor) -> None:
-        if not self.active:
+        if not self.active or _recomputing():
             return
         mx = mx.detach().float()
         mx = mx.amax(dim=0) if mx.dim() == 2 else mx  # (H,)

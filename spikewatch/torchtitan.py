@@ -1,0 +1,286 @@
+"""torchtitan (0.3): `SpikewatchTrainer`, a torchtitan `Trainer` whose every step goes through
+the `Watch` (trainer/watch.py). torchtitan has no callback API; its extension route is a
+`Trainer` subclass with its own nested `Config`, which a config function returns:
+
+    torchrun --nproc_per_node=8 -m torchtitan.train --module spikewatch.torchtitan \\
+        --config llama3_8b --spikewatch.db postgresql+psycopg://...
+
+`--module spikewatch.torchtitan --config NAME` takes any config function of torchtitan's own
+registries (`llama3_debugmodel`, `llama3_8b`, `qwen3_...`) with spikewatch on; in a config
+module of your own, `return with_spikewatch(your_config(), db=...)` does the same.
+
+What the subclass does, and only that (the Watch owns the rest):
+- it opens the Watch at the first step (after torchtitan has loaded its checkpoint) around
+  the model, its optimizer and LR scheduler, and routes their `step()` through it: the Watch
+  measures the gradient (global norm, per layer), clips with `training.max_norm` (torchtitan's
+  own clip is not called: the Watch measures before clipping), refuses a bad update on the
+  device, holds the LR schedule when it refuses, decides once for every rank;
+- its `train_step` is torchtitan's (gradient accumulation, the global token count) with the
+  Watch's phases: the batch's position, each micro-batch's loss (a share of the step's, as
+  torchtitan normalises by the global token count), the routed optimizer step;
+- each attention module's inner attention (`layers.N.attention.inner_attention`) records the
+  per-head maximum pre-softmax logit of its q and k, causal (a packed batch's document masks
+  are not applied: an upper bound there), on probed steps;
+- a rollback restores the host-memory snapshot from before the onset (the model, torchtitan's
+  optimizer and scheduler) and sets `self.step` back; the data loader flows on, so the
+  batches between the target and the detection are skipped, and the run trains on to
+  `training.steps` updates;
+- the Watch's state and the data position travel in torchtitan's own checkpoints
+  (`state_dict` of the trainer), so its resume resumes spikewatch.
+Not supported (refused at start with one line): pipeline parallelism, several optimizers
+(model parts), and CUDA graphs (`training.disable_cuda_graphs=False` replays the forward
+without Python: pass `--training.disable_cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spikewatch._adapter import Adapter
+from spikewatch._optional import require
+from spikewatch.trainer.watch import Watch
+
+require("torchtitan", "torchtitan")
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+__all__ = ["SpikewatchOptions", "SpikewatchTrainer", "with_spikewatch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikewatchOptions:
+    """`--spikewatch.*` on torchtitan's command line."""
+
+    db: str | None = None
+    """The store's URL (default: $SPIKEWATCH_DB_URL, else runs/spikewatch.db here)."""
+    name: str | None = None
+    """The run's name (default: the model's name and flavor)."""
+    settings: str = ""
+    """WatchSettings overrides as a JSON object, e.g. '{"guard": {"rollback": false}}'."""
+    checkpoint_every: int = 0
+    """Also keep the Watch's own disk checkpoints every N steps (0: host memory only)."""
+    attn_max: bool = True
+    """Record the per-head attention maxima of the inner attention modules."""
+    summary_json: str = ""
+    """Write the run's summary here at the end (rank 0)."""
+
+
+class SpikewatchTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        spikewatch: SpikewatchOptions = field(default_factory=SpikewatchOptions)
+
+    def __init__(self, config: Config) -> None:
+        _refuse_unsupported(config)
+        super().__init__(config)
+        opts = config.spikewatch
+        self._adapter = Adapter(
+            db=opts.db,
+            name=opts.name,
+            settings=json.loads(opts.settings) if opts.settings else None,
+            checkpoint_every=opts.checkpoint_every or None,
+            attn_max=opts.attn_max,
+        )
+        self._position = 0  # batches drawn: the data position (the loader flows on)
+        self._saved: dict[str, Any] | None = None
+        if len(self.model_parts) != 1 or len(self.optimizers.optimizers) != 1:
+            raise ValueError(
+                "spikewatch.torchtitan: one model part with one optimizer is supported "
+                f"(this job has {len(self.model_parts)} and {len(self.optimizers.optimizers)})"
+            )
+
+    # -- the Watch ------------------------------------------------------------------------
+    @property
+    def watch(self) -> Watch:
+        """The run's Watch, opened at the first step (after torchtitan's checkpoint load)."""
+        if self._adapter.watch is None:
+            cfg = self.config
+            spec = cfg.model_spec
+            watch = self._adapter._open(
+                self.model_parts[0],
+                self.optimizers.optimizers[0],
+                self.lr_schedulers.schedulers[0],
+                framework="torchtitan",
+                output_dir=cfg.dump_folder,
+                default_name=f"{spec.name}-{spec.flavor}" if spec is not None else "torchtitan",
+                max_steps=cfg.training.steps,
+                saved=self._saved,
+                clip=cfg.training.max_norm if cfg.training.max_norm > 0 else None,
+                warmup_steps=cfg.lr_scheduler.warmup_steps,
+            )
+            if self._saved:
+                self._position = int(self._saved.get("torchtitan_position", self._position))
+            if self._adapter.attn_max and watch.cfg.probes.attn_max:
+                attach_inner_attention(self.model_parts[0], watch)
+        return self._adapter._w
+
+    def train_step(
+        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ) -> None:
+        """torchtitan's step (no pipeline parallelism) with the Watch's phases."""
+        watch = self.watch
+        watch.begin_step(self._position)
+        self.optimizers.zero_grad(set_to_none=True)
+        step: int = self.step  # type: ignore[has-type]  # counted by torchtitan's loop already
+        should_log = self.metrics_processor.should_log(step)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        batches = []
+        local_tokens = torch.tensor(0, dtype=torch.int64)
+        for _ in range(self.gradient_accumulation_steps):
+            input_dict, labels = next(data_iterator)
+            local_tokens += (labels != IGNORE_INDEX).sum()
+            batches.append((input_dict, labels))
+        self._position += 1
+        dims = self.parallel_dims
+        if dims.dp_enabled:
+            tokens = dist_utils.dist_sum_tensor(
+                local_tokens.to(self.device), dims.get_mesh("batch")
+            )
+        else:
+            tokens = local_tokens.to(self.device)
+        world = watch.world.size
+        watch.add_tokens(int(local_tokens) * world)  # counted on the host: no device read
+        total: torch.Tensor | None = None
+        for input_dict, labels in batches:
+            for key, value in input_dict.items():
+                if isinstance(value, torch.Tensor):
+                    input_dict[key] = value.to(self.device)
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=tokens
+            )
+            # this rank's token sum over the job's tokens: x world, a rank's own mean loss
+            # (the ranks' mean is then the job's loss, as the Watch reduces it)
+            watch.observe_loss(loss.detach() * world, share=True)
+            total = loss.detach() if total is None else total + loss.detach()
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # routed: measure, clip, gate, apply or refuse, decide
+        self.lr_schedulers.step()  # held unless the step was applied or refused
+        self.step = watch.step_count  # a rollback sets the run back
+        if should_log and total is not None:
+            self._log(total, tokens, lr_metrics)
+
+    def _log(self, total: torch.Tensor, tokens: torch.Tensor, lr_metrics: dict) -> None:
+        """torchtitan's metrics line (no crash on a non-finite loss: the Watch refused it)."""
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        loss = dist_utils.dist_sum(total, mesh) if mesh is not None else float(total)
+        norm = self.watch.grad_norm
+        self.metrics_processor.log(
+            self.step,
+            loss,
+            loss,
+            float(norm) if norm is not None else math.nan,
+            extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics},
+        )
+
+    def should_continue_training(self) -> bool:
+        adapter = self._adapter
+        halted = adapter.watch is not None and adapter.watch.halted is not None
+        return not halted and super().should_continue_training()
+
+    def train(self) -> None:
+        try:
+            super().train()
+        finally:
+            self._adapter._close()
+            summary = self._adapter.summary
+            if summary is not None:
+                summary["framework_step"] = self.step
+                if self.config.spikewatch.summary_json:
+                    self._adapter.write_summary(self.config.spikewatch.summary_json)
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        """The run's summary once training has ended (rank 0 writes it: `write_summary`)."""
+        return self._adapter.summary
+
+    def write_summary(self, path: str) -> None:
+        self._adapter.write_summary(path)
+
+    # -- torchtitan's checkpoints carry the Watch ---------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        watch = self._adapter.watch
+        state: dict[str, Any] = {}
+        if watch is not None:
+            watch.persist()
+            state = {**watch.state_dict(), "torchtitan_position": self._position}
+        out["spikewatch"] = json.dumps(state)  # one opaque entry: DCP stores it as bytes
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved = json.loads(state_dict.get("spikewatch") or "{}")
+        self._saved = saved or None
+
+
+def attach_inner_attention(model: torch.nn.Module, watch: Watch) -> int:
+    """A forward pre-hook on each `...attention.inner_attention` (torchtitan's Flex, varlen or
+    SDPA wrappers, called with q, k, v as (B, L, N, H) after RoPE): the layer's per-head
+    maximum q k^T logit, causal, on probed training steps. Returns the modules hooked."""
+    rec = watch.attn
+    hooked = 0
+    for name, module in model.named_modules():
+        if not name.endswith("attention.inner_attention"):
+            continue
+        numbered = [int(part) for part in name.split(".") if part.isdigit()]
+        if not numbered:
+            continue
+        layer = numbered[0]  # the block's index, as the probes number layers
+
+        def hook(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
+            q, k = args[0].transpose(1, 2), args[1].transpose(1, 2)
+            rec.record_logits(
+                layer, q, k, causal=True, scale=kwargs.get("scale"), n_rep=q.size(1) // k.size(1)
+            )
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        hooked += 1
+    if not hooked:
+        log.warning("torchtitan model: no inner attention module found, no attention maxima")
+    return hooked
+
+
+def with_spikewatch(config: Trainer.Config, **options: Any) -> SpikewatchTrainer.Config:
+    """`config` (any torchtitan `Trainer.Config`) with spikewatch on: the same fields in
+    `SpikewatchTrainer.Config`, `options` (SpikewatchOptions' fields) its `spikewatch`."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return SpikewatchTrainer.Config(**fields, spikewatch=SpikewatchOptions(**options))
+
+
+_REGISTRIES = ("llama3", "llama4", "qwen3", "qwen3_5", "deepseek_v3", "gpt_oss", "kimi_k2_7")
+
+
+def __getattr__(name: str) -> Callable[[], SpikewatchTrainer.Config]:
+    """`--module spikewatch.torchtitan --config NAME`: torchtitan's config function NAME (from
+    its model registries) with spikewatch on."""
+    for model in _REGISTRIES:
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        fn = getattr(registry, name, None)
+        if callable(fn) and not name.startswith("_"):
+            return lambda: with_spikewatch(fn())
+    raise AttributeError(f"module 'spikewatch.torchtitan' has no attribute {name!r}")
+
+
+def _refuse_unsupported(config: Trainer.Config) -> None:
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ValueError("spikewatch.torchtitan: pipeline parallelism is not supported")
+    if torch.cuda.is_available() and not config.training.disable_cuda_graphs:
+        raise ValueError(
+            "spikewatch.torchtitan: CUDA graphs replay the forward without Python, so the "
+            "probes would see the capture only: pass --training.disable_cuda_graphs"
+        )

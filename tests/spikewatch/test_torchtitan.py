@@ -1,0 +1,186 @@
+"""spikewatch in torchtitan (issue 48): its Llama 3 debug model trained by torchtitan's own
+entry point, `python -m torchtitan.train --module ... --config ...`, on a CPU through the tests'
+shim (tests/spikewatch/titan_cpu.py: a byte tokenizer, a loader of corpus windows with a
+poisoned region, causal SDPA for FlexAttention, gloo's SUM), in one process and on 2 gloo ranks
+with FSDP2: one agreed rollback from host memory before the onset, the loader's batches in the
+spike skipped, the run's updates all made, one run in the store naming the rank, every probe
+recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+
+from spikewatch.observatory import store  # noqa: E402
+from spikewatch.observatory.store.db import make_engine  # noqa: E402
+
+from .conftest import REPO  # noqa: E402
+
+TIMEOUT_S = 600
+
+
+def _command(cwd: Path, ranks: int, *args: str) -> tuple[list[str], dict[str, str]]:
+    db = f"sqlite:///{cwd / 'x.db'}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={ranks}", "-m", "torchtitan.train",
+        "--module", "tests.spikewatch.titan_cpu", "--config", "debug_cpu",
+        "--dump_folder", str(cwd / "out"), "--spikewatch.db", db,
+        "--spikewatch.summary_json", str(cwd / "s.json"), *args,
+    ]  # fmt: skip
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _titan(cwd: Path, ranks: int, *args: str) -> dict[str, Any]:
+    """torchtitan's own entry point under torchrun; returns the summary and the store's URL."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    cmd, env = _command(cwd, ranks, *args)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    return {"summary": json.loads((cwd / "s.json").read_text()), "db": f"sqlite:///{cwd / 'x.db'}"}
+
+
+def _losses(db: str) -> dict[int, float]:
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+        (series,) = store.series(session, run_id=run.run_id, metric="train/loss")
+        return {b.start: b.max_value for b in series.buckets}
+
+
+def _one_rollback(summary: dict[str, Any]) -> dict[str, Any]:
+    (rb,) = [i for i in summary["interventions"] if i["kind"] == "rollback"]
+    assert rb["to_step"] < rb["onset_step"] <= rb["step"], rb
+    assert rb["tier"] == "memory"
+    (skip,) = rb["skip_ranges"]  # the loader flowed on past the poisoned batches
+    assert skip[0] <= rb["onset_step"] and skip[1] > rb["step"], rb
+    return rb
+
+
+def _stored(db: str, run_id: str) -> tuple[list[str], list[Any]]:
+    with Session(make_engine(db)) as session:
+        runs = store.list_runs(session)
+        assert [r.run_id for r in runs] == [run_id] and runs[0].status == "completed"
+        return store.metric_names(session, run_id=run_id), store.events(session, run_id=run_id)
+
+
+def test_one_process_rolls_back_skips_and_records_every_probe(tmp_path) -> None:
+    out = _titan(
+        tmp_path, 1, "--training.steps", "60", "--dataloader.poison_at", "40",
+        "--dataloader.poison_len", "6",
+    )  # fmt: skip
+    s = out["summary"]
+    rb = _one_rollback(s)
+    assert 40 <= rb["onset_step"] <= 43 and rb["to_step"] == 25  # host memory every 25 steps
+    assert s["steps"] == s["framework_step"] == 60  # torchtitan's step follows the Watch's
+    assert s["tokens"] > 60 * 4 * 64  # the steps made, and the ones rolled back
+    names, events = _stored(out["db"], s["run_id"])
+    assert [e.kind for e in events if e.kind == "rollback"] == ["rollback"]
+    # torchtitan's model, probed in its own module names: per-layer gradient norms, per-head
+    # attention maxima of its inner attention (6 layers, 16 heads), Adam's moments
+    for name in ("grad_norm", "update_ratio", "adam_m_norm", "adam_v_tiny_frac"):
+        assert f"layer/*/attention/{name}" in names and f"layer/*/feed_forward/{name}" in names
+    assert "layer/*/head/*/attn_max" in names, names
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) -> None:
+    """The issue's 'must show': torchrun on 2 gloo ranks, FSDP2, rank 1's shard poisoned."""
+    out = _titan(
+        tmp_path, 2, "--dataloader.poison_at", "80", "--dataloader.poison_len", "8",
+        "--dataloader.poison_rank", "1",
+    )  # fmt: skip
+    s = out["summary"]
+    rb = _one_rollback(s)
+    assert rb["ranks"] == [1] and rb["to_step"] == 75
+    steps = [step for step, _ in rb["rank_losses"]]
+    assert steps and all(rb["to_step"] < t <= rb["step"] for t in steps)
+    assert s["steps"] == 120
+    names, events = _stored(out["db"], s["run_id"])  # rank 0 alone wrote: one run
+    rollbacks = [e for e in events if e.kind == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0].data["ranks"] == [1]
+    assert "rank/*/loss" in names
+
+
+def test_selected_with_one_flag_or_one_line() -> None:
+    """`--module spikewatch.torchtitan --config NAME` is torchtitan's config NAME with
+    spikewatch on; `with_spikewatch(config)` does it in a user's own config module."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    import spikewatch.torchtitan as titan
+
+    config = titan.llama3_debugmodel()
+    assert isinstance(config, titan.SpikewatchTrainer.Config)
+    plain = llama3_debugmodel()
+    assert config.training.steps == plain.training.steps
+    assert config.model_spec.flavor == plain.model_spec.flavor
+    mine = titan.with_spikewatch(plain, db="sqlite:///x.db", attn_max=False)
+    assert mine.spikewatch.db == "sqlite:///x.db" and not mine.spikewatch.attn_max
+    with pytest.raises(AttributeError, match="no_such_config"):
+        titan.no_such_config  # noqa: B018
+
+
+def test_cuda_graphs_and_pipeline_parallelism_are_refused_in_one_line(monkeypatch) -> None:
+    import spikewatch.torchtitan as titan
+
+    config = titan.llama3_debugmodel()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    config.training.disable_cuda_graphs = False
+    with pytest.raises(ValueError, match="--training.disable_cuda_graphs"):
+        titan._refuse_unsupported(config)
+    config.training.disable_cuda_graphs = True
+    titan._refuse_unsupported(config)
+    config.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        titan._refuse_unsupported(config)
+
+
+def test_a_killed_job_resumes_from_torchtitans_checkpoint_on_the_same_weights(tmp_path) -> None:
+    """torchtitan's own DCP checkpoints carry the Watch (its guard, the run, the data
+    position): a job SIGKILLed after its step-40 checkpoint and started again with the same
+    command continues the same run and ends on the uninterrupted twin's losses, to the bit
+    (the spike before the kill rolled back in both; the loader resumes its own state)."""
+    import re
+    import signal
+    import time
+
+    import psutil
+
+    args = ("--training.steps", "60", "--checkpoint.enable", "--checkpoint.interval", "20",
+            "--dataloader.poison_at", "30", "--dataloader.poison_len", "6")  # fmt: skip
+    twin = _titan(tmp_path / "twin", 1, *args)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    cmd, env = _command(killed, 1, *args)
+    with open(killed / "log.txt", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=killed, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (killed / "out" / "checkpoint" / "step-40").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step-40 checkpoint"
+            time.sleep(0.2)
+        time.sleep(0.5)  # its metadata written (torchtitan saves synchronously on a CPU)
+        # every process of the job: torchrun's workers live in sessions of their own
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.send_signal(signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    steps = re.findall(r"step:\s+(\d+)", (killed / "log.txt").read_text())
+    assert steps and int(steps[-1]) < 60, steps  # killed before its end
+    assert not (killed / "s.json").exists()
+    resumed = _titan(killed, 1, *args)
+    a, b = twin["summary"], resumed["summary"]
+    assert [i["kind"] for i in a["interventions"]] == ["rollback"]
+    assert b["steps"] == 60 and b["final_train_loss"] == a["final_train_loss"]  # to the bit
+    assert b["skipped_batches"] == a["skipped_batches"] and b["tokens"] == a["tokens"]
+    assert [i["step"] for i in b["interventions"]] == [i["step"] for i in a["interventions"]]
+    after = {s: v for s, v in _losses(resumed["db"]).items() if s > 40}
+    assert after and after == {s: v for s, v in _losses(twin["db"]).items() if s > 40}
