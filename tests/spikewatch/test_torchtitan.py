@@ -93,10 +93,11 @@ def test_one_process_rolls_back_skips_and_records_every_probe(tmp_path) -> None:
 
 @pytest.mark.distributed
 def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) -> None:
-    """The issue's 'must show': torchrun on 2 gloo ranks, FSDP2, rank 1's shard poisoned."""
+    """The issue's 'must show': torchrun on 2 gloo ranks, FSDP2, rank 1's shard poisoned; and
+    torchtitan's torch.compile of each block with the probes inside (Inductor on a CPU)."""
     out = _titan(
         tmp_path, 2, "--dataloader.poison_at", "80", "--dataloader.poison_len", "8",
-        "--dataloader.poison_rank", "1",
+        "--dataloader.poison_rank", "1", "--compile.enable",
     )  # fmt: skip
     s = out["summary"]
     rb = _one_rollback(s)
@@ -107,7 +108,7 @@ def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) ->
     names, events = _stored(out["db"], s["run_id"])  # rank 0 alone wrote: one run
     rollbacks = [e for e in events if e.kind == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0].data["ranks"] == [1]
-    assert "rank/*/loss" in names
+    assert "rank/*/loss" in names and "layer/*/head/*/attn_max" in names
 
 
 def test_selected_with_one_flag_or_one_line() -> None:
