@@ -69,8 +69,6 @@ class SpikewatchOptions:
     """The run's name (default: the model's name and flavor)."""
     settings: str = ""
     """WatchSettings overrides as a JSON object, e.g. '{"guard": {"rollback": false}}'."""
-    checkpoint_every: int = 0
-    """Also keep the Watch's own disk checkpoints every N steps (0: host memory only)."""
     attn_max: bool = True
     """Record the per-head attention maxima of the inner attention modules."""
     summary_json: str = ""
@@ -84,14 +82,11 @@ class SpikewatchTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         _refuse_unsupported(config)
+        settings = watch_settings(config.spikewatch)
         super().__init__(config)
         opts = config.spikewatch
         self._adapter = Adapter(
-            db=opts.db,
-            name=opts.name,
-            settings=json.loads(opts.settings) if opts.settings else None,
-            checkpoint_every=opts.checkpoint_every or None,
-            attn_max=opts.attn_max,
+            db=opts.db, name=opts.name, settings=settings, attn_max=opts.attn_max
         )
         self._position = 0  # batches drawn: the data position (the loader flows on)
         self._saved: dict[str, Any] | None = None
@@ -223,6 +218,28 @@ class SpikewatchTrainer(Trainer):
         super().load_state_dict(state_dict)
         saved = json.loads(state_dict.get("spikewatch") or "{}")
         self._saved = saved or None
+
+
+def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
+    """`--spikewatch.settings` as the Watch's settings. The Watch's own disk tier is refused:
+    torchtitan's checkpoints are the disk tier here (their resume carries spikewatch), and
+    torch's DCP state dict cannot name the parameters of torchtitan's fused modules."""
+    try:
+        settings = json.loads(opts.settings) if opts.settings else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spikewatch.settings is not JSON: {e}") from e
+    if not isinstance(settings, dict):
+        raise ValueError("--spikewatch.settings must be a JSON object")
+    checkpoint = settings.setdefault("checkpoint", {})
+    if checkpoint.get("interval"):
+        raise ValueError(
+            "spikewatch.torchtitan: the Watch's disk checkpoints (checkpoint.interval) are not "
+            "for torchtitan: its own --checkpoint.* are the disk tier, and spikewatch resumes "
+            "with them"
+        )
+    checkpoint.setdefault("interval", None)
+    checkpoint.setdefault("memory_interval", 25)
+    return settings
 
 
 def attach_inner_attention(model: torch.nn.Module, watch: Watch) -> int:

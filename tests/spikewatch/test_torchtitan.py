@@ -185,3 +185,17 @@ def test_a_killed_job_resumes_from_torchtitans_checkpoint_on_the_same_weights(tm
     assert [i["step"] for i in b["interventions"]] == [i["step"] for i in a["interventions"]]
     after = {s: v for s, v in _losses(resumed["db"]).items() if s > 40}
     assert after and after == {s: v for s, v in _losses(twin["db"]).items() if s > 40}
+
+
+def test_the_watchs_disk_tier_is_refused_and_settings_are_checked() -> None:
+    """torchtitan's checkpoints are the disk tier; the Watch's own would fail mid-run (DCP
+    cannot name the fused modules' parameters), so it is refused at start, in one line."""
+    from spikewatch.torchtitan import SpikewatchOptions, watch_settings
+
+    ok = watch_settings(SpikewatchOptions(settings='{"guard": {"rollback": false}}'))
+    assert ok["checkpoint"] == {"interval": None, "memory_interval": 25}
+    assert ok["guard"] == {"rollback": False}
+    with pytest.raises(ValueError, match="its own --checkpoint"):
+        watch_settings(SpikewatchOptions(settings='{"checkpoint": {"interval": 10}}'))
+    with pytest.raises(ValueError, match="not JSON"):
+        watch_settings(SpikewatchOptions(settings="{guard"))
