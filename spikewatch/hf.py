@@ -45,7 +45,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from spikewatch.trainer.core.attribution import FED_STEPS, ID_KEYS, MicroBatches
+from spikewatch.trainer.core.attribution import FED_STEPS, ID_KEYS, MicroBatches, tokens_in
 from spikewatch.trainer.model.attn_max import AttnMax
 
 if TYPE_CHECKING:
@@ -378,6 +378,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             )
         # With num_items_in_batch the model divides by the whole step's tokens: a share.
         self._w.observe_loss(loss, share=kwargs.get("num_items_in_batch") is not None)
+        self._w.add_tokens(tokens_in(kwargs) * self._w.world.size)  # shapes: no device read
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             fed = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
             if self._ids is not None:

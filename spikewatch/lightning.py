@@ -40,7 +40,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
-from spikewatch.trainer.core.attribution import FED_STEPS, MicroBatches, rank_share
+from spikewatch.trainer.core.attribution import FED_STEPS, MicroBatches, rank_share, tokens_in
 
 L = require("lightning.pytorch", "lightning")
 
@@ -195,6 +195,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             self._w.begin_step(index)
         else:  # a later micro-batch of the same step: only the data position moves
             self._w.data.batch_index = index + 1
+        self._w.add_tokens(tokens_in(batch) * self._w.world.size)  # shapes: no device read
         if self._w.cfg.guard.attribute_samples:  # kept, not copied: the attribution's rows
             self._fed.setdefault(self._w.index, []).append(batch)
             while len(self._fed) > FED_STEPS:

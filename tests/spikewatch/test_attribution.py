@@ -68,6 +68,11 @@ def test_a_framework_callback_names_the_rows_it_fed(example: str, tmp_path) -> N
     assert named == {(b, r) for b in fed for r in range(4)}
     assert rollback["skip_ranges"] and "skipped_samples" not in rollback
     assert all(s["rank"] == 0 and s["grad_norm"] > 0 for s in rollback["samples"])
+    # the tokens trained, counted in every client (issue 45: the summary's count was 0 here):
+    # every step made, and the ones the rollback abandoned, of 16 rows of 128 / 8 rows of 64
+    rows, seq = (8, 64) if example == "hf_trainer" else (16, 128)
+    made = summary["tokens"] // (rows * seq)
+    assert summary["tokens"] == made * rows * seq and made >= summary["steps"], summary["tokens"]
     if example == "hf_trainer":  # the rows' own ids, kept by the collator, reach the record
         from spikewatch.corpus import text_corpus, window_starts
 
