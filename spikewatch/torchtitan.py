@@ -50,9 +50,12 @@ from spikewatch._optional import require
 from spikewatch.trainer.watch import Watch
 
 require("torchtitan", "torchtitan")
-from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
-from torchtitan.distributed import utils as dist_utils  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+try:
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.trainer import Trainer
+except ImportError as e:  # torchtitan 0.3 imports triton, which torch's CUDA builds bring
+    raise ImportError(f"spikewatch.torchtitan: torchtitan's trainer does not import: {e}") from e
 
 __all__ = ["SpikewatchOptions", "SpikewatchTrainer", "with_spikewatch"]
 
