@@ -269,9 +269,16 @@ def _torchrun(nproc: int, *args: str | Path) -> subprocess.Popen:
     )
 
 
+# torch's gloo transport aborts a 2-rank job now and then in the interpreter's teardown, after
+# all its work, with this line (tests/spikewatch/test_distributed.py: also without spikewatch).
+# A job that ended so is taken as finished: what the tests then read (the summary, the final
+# checkpoint) tells whether its work was done.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _finish(proc: subprocess.Popen) -> str:
     out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == 0 or TEARDOWN_ABORT in out, out[-3000:]
     return out
 
 
