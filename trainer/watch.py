@@ -41,14 +41,10 @@ import torch
 
 from spikewatch.observatory.store.sink import BaseSink
 from spikewatch.observatory.strict_json import write_json
-from spikewatch.trainer.checkpoints.staging import to_host
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import WatchSettings
 from spikewatch.trainer.core.attribution import (
-    RowStat,
     leave_out,
-    measure_rows,
-    moved,
     rank_share,
     rows_in,
     tokens_in,
@@ -79,13 +75,14 @@ from spikewatch.trainer.watch_open import (
     describe_optimizer,
     watch_for_uncaught,
 )
+from spikewatch.trainer.watch_replay import Replaying
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
 
 log = logging.getLogger(__name__)
 
 
-class Watch:
+class Watch(Replaying):
     """Probes, spike guard, retained checkpoints and rollback for the user's own training.
 
     `with Watch(model, optimizer, scheduler) as watch:` is enough: the run goes to the store
@@ -117,6 +114,7 @@ class Watch:
         framework: str = "loop",
         model_info: Mapping[str, Any] | None = None,
         scaler: Any = None,
+        disk: Callable[[World], Any] | None = None,
     ) -> None:
         """`settings`: a `WatchSettings` (or its dict) for everything; the keywords override
         it. `run_dir`: the run's directory; without it `<run_root>/<run id>`. `resume`:
@@ -130,7 +128,8 @@ class Watch:
         Watch measures and clips unscaled gradients, an overflow is the scaler's (its update is
         skipped and its scale lowered, no spike), and `step()` steps and updates the scaler -
         do not call `scaler.step`/`scaler.update` yourself. `blocklist`: a quarantine's file; its
-        samples are left out of `batches()` (trainer/core/blocklist.py)."""
+        samples are left out of `batches()` (trainer/core/blocklist.py). `disk(world)`: a
+        framework's own checkpoints as the disk tier (spikewatch/torchtitan/checkpoints.py)."""
         self.cfg = WatchSettings.build(settings, name, max_steps, grad_clip, warmup_steps,
                                        checkpoint_every, blocklist)  # fmt: skip
         self.blocklist = Blocklist.read(self.cfg.blocklist)
@@ -139,6 +138,7 @@ class Watch:
         self.run_root = Path(run_root)
         self.user_callbacks, self.tags, self.sink_arg = list(callbacks), list(tags), sink
         self.layer_of, self.framework, self.model_info_arg = layer_of, framework, model_info
+        self.disk_arg = disk
         self.attn = AttnMax()  # the user's attention records into it before open()
         self.core: StepCore | None = None
         self.sink: BaseSink | None = None  # rank 0's store, once open
@@ -152,6 +152,7 @@ class Watch:
         self._began = self._closed = False
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loss_fn: Callable[[Any], torch.Tensor] | None = None
+        self._run_step: Callable[[int], None] | None = None
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
@@ -257,13 +258,8 @@ class Watch:
                 return rank_share(whole(index), world.rank, world.size)[0]
 
         self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
-        if loss_fn is not None and self.cfg.guard.classify_cause:
-            core.replay = self._replay  # on every rank: a replay's collectives need them all
-            core.swap = self._swap if core.world.distributed else None
-            guard = self.guard  # rank 0's
-            if guard is not None:
-                guard.classify = True
         if loss_fn is not None:
+            self._classify(swap=True)
             # one process: the named rows are dropped from their batches (under torchrun a
             # rank could be left with none, so whole batches are skipped there)
             self.attribute_with(batch_at, loss_fn, decode, drop=not core.world.distributed)
@@ -375,6 +371,11 @@ class Watch:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
         return self._c.conclude()
 
+    def drain(self) -> str:
+        """Read the step in flight now (on a GPU a step is read one step late) and act on it:
+        before a framework publishes a checkpoint of its own, which must hold decided steps."""
+        return self._c.drain()
+
     @property
     def scaler(self) -> Any:
         """fp16's GradScaler, if any (the user's, accelerate's or Lightning's)."""
@@ -455,76 +456,6 @@ class Watch:
             attn_layers=layers,
             overflow=None if amp is None else amp[0],
             loss_scale=None if amp is None else amp[1],
-        )
-
-    def _replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
-        """For the cause of a spike (the core's replay): batch `index` again, through the
-        user's `loss_fn`, its update applied only if the core finds it finite."""
-        assert self._batch_at is not None and self._loss_fn is not None
-        self._loss_sum, self._loss_n, self._loss_share = None, 0, None
-        self.attn.active = False
-        with self._c.world.replay_sync(self.model):
-            loss = self._loss_fn(self._batch_at(index))
-            loss.backward()  # unscaled under fp16 too: a replay leaves the GradScaler alone
-        self.observe_loss(loss)
-        t = self._tensors(scaled=False)
-        self._lr_scale = self._c.run.lr_scale
-        # the optimizer's own step (not accelerate's, which would step the scaler)
-        raw = (
-            self.amp.optimizer.step if self.amp.in_step else self._inner_step or self.optimizer.step
-        )
-
-        def update() -> None:
-            self.apply(raw)
-            if self.scheduler is not None:
-                self.scheduler.step()
-
-        return t, update
-
-    def _swap(self, step: int, index: int) -> torch.Tensor:
-        """For the device check of a spike (core/cause.py): the next rank's batch `index`
-        through the user's `loss_fn` here, forward only (the batches travel on the host)."""
-        assert self._batch_at is not None and self._loss_fn is not None
-        world = self._c.world
-        everyone = world.all_objects(to_host(self._batch_at(index), None))
-        theirs = moved(everyone[(world.rank + 1) % world.size], self._c.probes.device)
-        self.attn.active = False
-        with torch.no_grad():
-            loss = self._loss_fn(theirs).detach().float()
-        world.reshard(self.model)
-        return loss
-
-    def attribute_with(
-        self,
-        batch_at: Callable[[int], Any],
-        loss_fn: Callable[[Any], torch.Tensor],
-        decode: Callable[[list[int]], str] | None = None,
-        *,
-        drop: bool = False,
-        backward: bool = True,
-    ) -> None:
-        """Name the rows behind a spike at each rollback (guard.attribute_samples): `loss_fn`
-        on each row of `batch_at(index)` (a batch, `MicroBatches`, or None: not at hand) on
-        the restored weights. `drop`: the client leaves the named rows out of their batches
-        (else the rollback skips whole batches); `backward=False`: losses only."""
-        core = self._c
-        self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
-        self._row_backward = backward and core.world.strategy != "fsdp2"  # shards: loss only
-        if self.cfg.guard.attribute_samples:
-            core.measure_rows = self._measure_rows
-            core.skip_samples = self.cfg.guard.skip_samples and drop
-
-    def _measure_rows(self, index: int) -> list[RowStat]:
-        """For the attribution of a spike (the core's): this rank's rows of batch `index`."""
-        assert self._batch_at is not None and self._loss_fn is not None
-        core = self._c
-        return measure_rows(
-            index,
-            self._batch_at(index),
-            self._loss_fn,
-            core.probes.params if self._row_backward else None,
-            core.world.rank,
-            self._decode,
         )
 
     # -- checkpoints and state --------------------------------------------------------------

@@ -84,13 +84,17 @@ def build_watch_core(watch: Any) -> StepCore:  # a Watch (trainer/watch.py impor
         resume_hint="resume=True, or resume='auto'",
         scheduler=watch.scheduler,
         max_steps=cfg.max_steps,
+        disk=watch.disk_arg,
     )
 
 
 def _guard(watch: Any, retained: Callable[[], list[int]]) -> SpikeGuard:
     cfg = watch.cfg
     guard = SpikeGuard(
-        cfg.guard, retained, warmup_steps=cfg.warmup_steps, can_roll_back=cfg.checkpoint.any_tier
+        cfg.guard,
+        retained,
+        warmup_steps=cfg.warmup_steps,
+        can_roll_back=cfg.checkpoint.any_tier or watch.disk_arg is not None,
     )
     guard.classify = False  # until `batches(..., loss_fn)` makes a replay possible
     return guard

@@ -56,10 +56,10 @@ def _losses(db: str) -> dict[int, float]:
         return {b.start: b.max_value for b in series.buckets}
 
 
-def _one_rollback(summary: dict[str, Any]) -> dict[str, Any]:
+def _one_rollback(summary: dict[str, Any], tier: str = "memory") -> dict[str, Any]:
     (rb,) = [i for i in summary["interventions"] if i["kind"] == "rollback"]
     assert rb["to_step"] < rb["onset_step"] <= rb["step"], rb
-    assert rb["tier"] == "memory"
+    assert rb["tier"] == tier
     (skip,) = rb["skip_ranges"]  # the loader flowed on past the poisoned batches
     assert skip[0] <= rb["onset_step"] and skip[1] > rb["step"], rb
     return rb
@@ -72,16 +72,34 @@ def _stored(db: str, run_id: str) -> tuple[list[str], list[Any]]:
         return store.metric_names(session, run_id=run_id), store.events(session, run_id=run_id)
 
 
-def test_one_process_rolls_back_skips_and_records_every_probe(tmp_path) -> None:
+def test_one_process_rolls_back_tells_the_cause_names_the_rows_and_records_every_probe(
+    tmp_path,
+) -> None:
+    """Row 2 of batches 80-85 poisoned: one rollback from host memory before the onset; the
+    replay of the kept batches reproduces the spike to the bit (the data's cause), and the
+    rows named are the poisoned ones, by the loader's own ids."""
     out = _titan(
-        tmp_path, 1, "--training.steps", "60", "--dataloader.poison_at", "40",
-        "--dataloader.poison_len", "6",
+        tmp_path, 1, "--training.steps", "100", "--dataloader.poison_at", "80",
+        "--dataloader.poison_len", "6", "--dataloader.poison_row", "2", "--dataloader.ids",
     )  # fmt: skip
     s = out["summary"]
     rb = _one_rollback(s)
-    assert 40 <= rb["onset_step"] <= 43 and rb["to_step"] == 25  # host memory every 25 steps
-    assert s["steps"] == s["framework_step"] == 60  # torchtitan's step follows the Watch's
-    assert s["tokens"] > 60 * 4 * 64  # the steps made, and the ones rolled back
+    assert 80 <= rb["onset_step"] <= 83 and rb["to_step"] == 75  # host memory every 25 steps
+    assert s["steps"] == s["framework_step"] == 100  # torchtitan's step follows the Watch's
+    assert s["tokens"] > 100 * 4 * 64  # the steps made, and the ones rolled back
+    assert rb["cause"] == "data_x_state" and rb["control_peak_loss"] < rb["pre_spike_loss"] * 2
+    assert rb["replay_peak_loss"] == rb["peak_loss"]  # the same batches, the same state
+    from spikewatch.corpus import text_corpus
+
+    from .titan_cpu import window_start
+
+    n = len(text_corpus(source="code")[0])
+    named = rb["samples"]
+    assert named and {x["row"] for x in named} == {2}, named
+    for x in named:  # batch b's row 2 is the loader's row 4 b + 2: its window, its id
+        assert 80 <= x["batch"] < 86 and x["id"] == str(
+            window_start(4 * x["batch"] + 2, 0, 1, n, 64)
+        )
     names, events = _stored(out["db"], s["run_id"])
     assert [e.kind for e in events if e.kind == "rollback"] == ["rollback"]
     # torchtitan's model, probed in its own module names: per-layer gradient norms, per-head
@@ -109,6 +127,26 @@ def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) ->
     rollbacks = [e for e in events if e.kind == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0].data["ranks"] == [1]
     assert "rank/*/loss" in names and "layer/*/head/*/attn_max" in names
+
+
+def test_rollback_from_torchtitans_checkpoints_kept_exponentially(tmp_path) -> None:
+    """Host memory off: the rollback restores torchtitan's own DCP checkpoint from before the
+    onset (in place: the loader flows on), replays the spike from it, pins it and drops the
+    abandoned step-40 one; retention keeps the newest 2, one per power-of-two age, the pin."""
+    args = ("--training.steps", "60", "--checkpoint.enable", "--checkpoint.interval", "5",
+            "--checkpoint.keep_latest_k", "2", "--dataloader.poison_at", "40",
+            "--dataloader.poison_len", "6",
+            "--spikewatch.settings", '{"checkpoint": {"memory_interval": null}}')  # fmt: skip
+    s = _titan(tmp_path, 1, *args)["summary"]
+    rb = _one_rollback(s, tier="disk")
+    assert rb["to_step"] == 35 and rb["dropped_checkpoints"] == [40], rb
+    assert rb["cause"] == "data_x_state"
+    folder = tmp_path / "out" / "checkpoint"
+    held = sorted(int(p.name[5:]) for p in folder.glob("step-*"))
+    # pruned at the step-55 save (torchtitan's last-step save does not prune): 55 and 50 the
+    # newest, 45 (age 10), 35 pinned, 25 (age 30), 5 (age 50); then the final step 60
+    assert held == [5, 25, 35, 45, 50, 55, 60], held
+    assert json.loads((folder / "spikewatch-pins.json").read_text()) == {"35": ["rollback target"]}
 
 
 def test_selected_with_one_flag_or_one_line() -> None:
@@ -144,47 +182,40 @@ def test_cuda_graphs_and_pipeline_parallelism_are_refused_in_one_line(monkeypatc
         titan._refuse_unsupported(config)
 
 
-def test_a_killed_job_resumes_from_torchtitans_checkpoint_on_the_same_weights(tmp_path) -> None:
+def test_a_job_killed_after_a_rollback_and_after_a_checkpoint_resumes_on_the_same_weights(
+    tmp_path,
+) -> None:
     """torchtitan's own DCP checkpoints carry the Watch (its guard, the run, the data
-    position): a job SIGKILLed after its step-40 checkpoint and started again with the same
-    command continues the same run and ends on the uninterrupted twin's losses, to the bit
-    (the spike before the kill rolled back in both; the loader resumes its own state)."""
-    import re
-    import signal
-    import time
-
-    import psutil
-
+    position). The spike at batch 30 rolls back to host memory's step 25; the job dies at
+    batch 36, before its next checkpoint (step 40): the rollback wrote step 25 again with what
+    the run learned, so the restarted job goes on past the poisoned batches (from step 20, as
+    torchtitan alone would, it trains them again); it dies once more at batch 60, after
+    torchtitan's step-40 checkpoint, and the third start ends on the uninterrupted twin's
+    losses, to the bit."""
     args = ("--training.steps", "60", "--checkpoint.enable", "--checkpoint.interval", "20",
             "--dataloader.poison_at", "30", "--dataloader.poison_len", "6")  # fmt: skip
     twin = _titan(tmp_path / "twin", 1, *args)
+    a = twin["summary"]
+    assert [(i["kind"], i["to_step"], i["tier"]) for i in a["interventions"]] == [
+        ("rollback", 25, "memory")
+    ]
     killed = tmp_path / "killed"
     killed.mkdir()
-    cmd, env = _command(killed, 1, *args)
-    with open(killed / "log.txt", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=killed, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (killed / "out" / "checkpoint" / "step-40").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, "no step-40 checkpoint"
-            time.sleep(0.2)
-        time.sleep(0.5)  # its metadata written (torchtitan saves synchronously on a CPU)
-        # every process of the job: torchrun's workers live in sessions of their own
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.send_signal(signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    steps = re.findall(r"step:\s+(\d+)", (killed / "log.txt").read_text())
-    assert steps and int(steps[-1]) < 60, steps  # killed before its end
-    assert not (killed / "s.json").exists()
-    resumed = _titan(killed, 1, *args)
-    a, b = twin["summary"], resumed["summary"]
-    assert [i["kind"] for i in a["interventions"]] == ["rollback"]
+    cmd, env = _command(killed, 1, *args, "--dataloader.die_at", "36,60")
+    folder = killed / "out" / "checkpoint"
+    for died, newest in ((36, 25), (60, 40)):
+        done = subprocess.run(cmd, cwd=killed, env=env, capture_output=True, timeout=TIMEOUT_S)
+        assert done.returncode != 0 and (killed / f"died-{died}").exists()
+        held = sorted(int(p.name[5:]) for p in folder.glob("step-*"))
+        assert held[-1] == newest, held  # the rewritten step 25; then torchtitan's step 40
+        assert not (killed / "s.json").exists()
+    resumed = _titan(killed, 1, *args, "--dataloader.die_at", "36,60")
+    b = resumed["summary"]
     assert b["steps"] == 60 and b["final_train_loss"] == a["final_train_loss"]  # to the bit
     assert b["skipped_batches"] == a["skipped_batches"] and b["tokens"] == a["tokens"]
     assert [i["step"] for i in b["interventions"]] == [i["step"] for i in a["interventions"]]
-    after = {s: v for s, v in _losses(resumed["db"]).items() if s > 40}
-    assert after and after == {s: v for s, v in _losses(twin["db"]).items() if s > 40}
+    after = {s: v for s, v in _losses(resumed["db"]).items() if s > 25}
+    assert after and after == {s: v for s, v in _losses(twin["db"]).items() if s > 25}
 
 
 def test_the_watchs_disk_tier_is_refused_and_settings_are_checked() -> None:

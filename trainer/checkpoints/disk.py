@@ -215,6 +215,13 @@ class Checkpointer:
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
 
     # -- pins and branches ----------------------------------------------------------------
+    def path_of(self, step: int) -> Path:
+        return ck.step_dir(self.root, step)
+
+    def has(self, step: int) -> bool:
+        """A complete checkpoint of `step` is on disk."""
+        return (ck.step_dir(self.root, step) / ck.META).exists()
+
     def pin(self, step: int, reason: str) -> None:
         """Protect the checkpoint of `step` from retention (now, or once it is written)."""
         self.wait()

@@ -17,18 +17,25 @@ import logging
 import math
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from spikewatch.trainer.checkpoints import format as ck
-from spikewatch.trainer.checkpoints.disk import Checkpointer
 from spikewatch.trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
 from spikewatch.trainer.checkpoints.staging import Live, Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World, local
 
-__all__ = ["DISK", "MEMORY", "Tiers", "build_tiers", "describe", "estimated_snapshot_bytes"]
+__all__ = [
+    "DISK",
+    "MEMORY",
+    "DiskTier",
+    "Tiers",
+    "build_tiers",
+    "describe",
+    "estimated_snapshot_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +47,37 @@ def memory_path(step: int) -> str:
     return f"memory://step{step:08d}"
 
 
+class DiskTier(Protocol):
+    """What the tiers need of the disk tier: spikewatch's own (disk.py, sharded.py) or a
+    framework's checkpoints (spikewatch/torchtitan/checkpoints.py)."""
+
+    root: Path
+    cfg: CheckpointConfig
+    pins: dict[int, set[str]]
+    last_saved: int | None
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def in_background(self) -> bool: ...
+    def open(self) -> None: ...
+    def due(self, step: int, seconds_per_step: float) -> bool: ...
+    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float | None: ...
+    def before_mutation(self) -> float: ...
+    def wait(self) -> None: ...
+    def take_changes(self) -> list[tuple[int, str, str]]: ...
+    def pin(self, step: int, reason: str) -> None: ...
+    def has(self, step: int) -> bool: ...
+    def drop_after(self, step: int) -> list[int]: ...
+    def retained(self) -> list[int]: ...
+    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None: ...
+    def resume_point(self) -> tuple[int, Path]: ...
+    def read(self, path: Path) -> dict[str, Any]: ...
+    def path_of(self, step: int) -> Path: ...
+
+
 class Tiers:
-    def __init__(self, disk: Checkpointer, memory: MemoryTier | None = None) -> None:
+    def __init__(self, disk: DiskTier, memory: MemoryTier | None = None) -> None:
         self.disk = disk
         self.memory = memory
         self.root = disk.root
@@ -101,7 +137,9 @@ class Tiers:
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
         if self.disk.enabled and (tiers is None or DISK in tiers):
-            stalls[DISK] = self.disk.save(step, build)
+            stall = self.disk.save(step, build)  # None: this tier does not keep that step
+            if stall is not None:
+                stalls[DISK] = stall
         return stalls
 
     def before_mutation(self) -> float:
@@ -140,9 +178,22 @@ class Tiers:
             placed = True
         disk = self.disk
         if disk.enabled:
-            held = (ck.step_dir(disk.root, step) / ck.META).exists()
+            held = disk.has(step)
             if held or disk.last_saved is None or step > disk.last_saved or not placed:
                 disk.pin(step, reason)
+
+    def pin_newest(self, reason: str) -> None:
+        """A leading signal's pre-spike anchor: the newest step of each tier (host memory may
+        not hold its newest for long, and a rollback may need to go further back than it)."""
+        newest, disk = self.last_saved, self.disk
+        if newest is None:
+            return
+        self.pin(newest, reason)
+        older = disk.last_saved if disk.enabled else None
+        if older is not None and older != newest:
+            disk.wait()
+            if disk.has(older):
+                disk.pin(older, reason)
 
     def drop_after(self, step: int) -> list[int]:
         dropped = set(self.disk.drop_after(step))
@@ -197,7 +248,7 @@ class Tiers:
         return self.disk.read(where)
 
     def path_of(self, step: int, tier: str) -> str:
-        return memory_path(step) if tier == MEMORY else str(ck.step_dir(self.root, step))
+        return memory_path(step) if tier == MEMORY else str(self.disk.path_of(step))
 
 
 def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
@@ -261,7 +312,7 @@ def estimated_snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def build_tiers(
     cfg: CheckpointConfig,
-    disk: Checkpointer,
+    disk: DiskTier,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     world: World,

@@ -17,7 +17,7 @@ from typing import Any
 
 from spikewatch.trainer.core.actions import Spike
 
-__all__ = ["DEVICE_TOL", "cause_of", "classify", "device_of"]
+__all__ = ["DEVICE_TOL", "NotAtHand", "cause_of", "classify", "device_of"]
 
 # Relative disagreement of a rank's replayed own loss with the one it first computed beyond
 # which the first computation was wrong (a deterministic replay agrees to the bit; GPU kernels
@@ -27,6 +27,11 @@ DEVICE_TOL = 1e-3
 log = logging.getLogger(__name__)
 
 Replayer = Callable[[Iterable[tuple[int, int]], int], dict[int, float]]
+
+
+class NotAtHand(LookupError):
+    """A client cannot draw a batch of the replay again (it keeps only recent ones): every
+    rank raises it at the same batch, and the cause is not told."""
 
 
 def cause_of(
@@ -39,9 +44,13 @@ def cause_of(
     out: dict[str, Any] = {"replay_peak_loss": replay_peak}
     if cause == "data_x_state" and spike.control:
         reload()
-        again, control_peak = classify(spike, replay(spike.control, from_step))
-        out["control_peak_loss"] = control_peak
-        cause = "state" if again == "data_x_state" else cause
+        try:
+            again, control_peak = classify(spike, replay(spike.control, from_step))
+        except NotAtHand as e:  # the spike's own replay stands; its control is not told
+            log.warning("no control replay: %s", e)
+        else:
+            out["control_peak_loss"] = control_peak
+            cause = "state" if again == "data_x_state" else cause
     log.warning(
         "replayed steps %d..%d: the spike %s (peak %.4f, originally %.4f)%s",
         from_step + 1,

@@ -26,7 +26,7 @@ from spikewatch.trainer.checkpoints.staging import Stager, to_host
 from spikewatch.trainer.core.actions import Rollback
 from spikewatch.trainer.core.attribution import Measure, attribute
 from spikewatch.trainer.core.callbacks import Callback
-from spikewatch.trainer.core.cause import cause_of, device_of
+from spikewatch.trainer.core.cause import NotAtHand, cause_of, device_of
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.decide import rescale
 from spikewatch.trainer.core.state import (
@@ -106,8 +106,12 @@ class Checkpointed:
                 self.restore(ck.read(where), resume=False)
 
             t1, self._replayed_ranks, self._swapped_ranks = time.perf_counter(), {}, {}
-            record.update(cause_of(spike, step, self._replay_losses, reload))
-            record.update(device_of(spike, self._replayed_ranks, self._swapped_ranks))
+            try:
+                record.update(cause_of(spike, step, self._replay_losses, reload))
+                record.update(device_of(spike, self._replayed_ranks, self._swapped_ranks))
+            except NotAtHand as e:  # on every rank alike: the batches went, not the cause
+                log.warning("the spike's cause is not told: %s", e)
+                record.update(cause="unknown", cause_note=str(e))
             n = len(spike.replay) + (len(spike.control) if "control_peak_loss" in record else 0)
             record.update(replay_steps=n, replay_s=time.perf_counter() - t1)
             reload()
@@ -298,12 +302,15 @@ class Checkpointed:
             from spikewatch.trainer.checkpoints.sharded import load_sharded
 
             load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
+        elif loaded.get("in_place"):  # a framework's own checkpointer loaded it already
+            pass
         else:
             self.model.load_state_dict(loaded["model.pt"])
             self.optimizer.load_state_dict(join_optimizer(loaded))
         if self.scheduler is not None and "scheduler.pt" in loaded:
             self.scheduler.load_state_dict(loaded["scheduler.pt"])
-        set_rng_states(loaded["rng.pt"], state["rng"])
+        if "rng.pt" in loaded:  # a framework's own checkpoints keep no RNG
+            set_rng_states(loaded["rng.pt"], state["rng"])
         if resume:
             last = loaded.get("meta", {}).get("loss")
             self.run.resumed_loss = math.nan if last is None else float(last)

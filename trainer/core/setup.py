@@ -51,15 +51,21 @@ def open_core(
     resume_hint: str,
     scheduler: Any = None,
     max_steps: int | None = None,
+    disk: Callable[[World], Any] | None = None,
 ) -> StepCore:
     """The run's core, resumed if `resume(core)` says it did (True), else a fresh start in a
     directory that must hold no checkpoints. `make_guard(retained)` builds rank 0's spike guard
-    (when `guard.enabled`); `resume_hint` says how to resume, for the refusal."""
+    (when `guard.enabled`); `resume_hint` says how to resume, for the refusal; `disk(world)`:
+    a framework's own checkpoints as the disk tier, opened (else spikewatch's own)."""
     durable = next((c.persist for c in callbacks if isinstance(c, Recorder)), None)
-    disk = open_checkpointer(
-        run.run_dir / "checkpoints", checkpoint, world, model, optimizer, durable
-    )
-    tiers = build_tiers(checkpoint, disk, model, optimizer, world)
+    if disk is not None:
+        ondisk = disk(world)
+        ondisk.open()
+    else:
+        ondisk = open_checkpointer(
+            run.run_dir / "checkpoints", checkpoint, world, model, optimizer, durable
+        )
+    tiers = build_tiers(checkpoint, ondisk, model, optimizer, world)
     if world.is_main:
         say(log, describe(tiers, estimated_snapshot_bytes(model, optimizer), max_steps))
     everyone = list(callbacks)

@@ -511,8 +511,8 @@ class StepCore(Checkpointed):
         ck.report(self.callbacks)
 
     def pin_newest(self, reason: str) -> None:
-        if self.checkpointer.enabled and self.checkpointer.last_saved is not None:
-            self.checkpointer.pin(self.checkpointer.last_saved, reason)
+        if self.checkpointer.enabled:
+            self.checkpointer.pin_newest(reason)
 
     # -- the end ----------------------------------------------------------------------------
     def finish(self, status: str) -> None:

@@ -47,15 +47,23 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
+from spikewatch.trainer.core.attribution import ID_KEYS, MicroBatches
+from spikewatch.trainer.core.cause import NotAtHand
+from spikewatch.trainer.core.world import World
 from spikewatch.trainer.watch import Watch
 
 require("torchtitan", "torchtitan")
 try:
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.trainer import Trainer
 except ImportError as e:  # torchtitan 0.3 imports triton, which torch's CUDA builds bring
     raise ImportError(f"spikewatch.torchtitan: torchtitan's trainer does not import: {e}") from e
+
+from spikewatch.torchtitan.checkpoints import TitanCheckpointManager, TitanDisk  # noqa: E402
+
+Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]  # a step's micro-batches
 
 __all__ = ["SpikewatchOptions", "SpikewatchTrainer", "with_spikewatch"]
 
@@ -76,6 +84,9 @@ class SpikewatchOptions:
     """Record the per-head attention maxima of the inner attention modules."""
     summary_json: str = ""
     """Write the run's summary here at the end (rank 0)."""
+    replay_steps: int = -1
+    """Steps of batches kept on the host to replay a spike (its cause) and name its rows: -1,
+    twice the host-memory interval plus 32; 0, none (no cause, no rows named)."""
 
 
 class SpikewatchTrainer(Trainer):
@@ -86,13 +97,18 @@ class SpikewatchTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         _refuse_unsupported(config)
         settings = watch_settings(config.spikewatch)
+        config.checkpoint = titan_checkpoints(config.checkpoint)
+        self.spikewatch_state: dict[str, Any] | None = None  # the Watch's, from a checkpoint
         super().__init__(config)
         opts = config.spikewatch
         self._adapter = Adapter(
             db=opts.db, name=opts.name, settings=settings, attn_max=opts.attn_max
         )
         self._position = 0  # batches drawn: the data position (the loader flows on)
-        self._saved: dict[str, Any] | None = None
+        memory = settings["checkpoint"].get("memory_interval") or 0
+        keep = opts.replay_steps if opts.replay_steps >= 0 else 2 * memory + 32
+        self._keep_steps = keep
+        self._fed: dict[int, tuple[Batches, torch.Tensor]] = {}  # data position -> its batches
         if len(self.model_parts) != 1 or len(self.optimizers.optimizers) != 1:
             raise ValueError(
                 "spikewatch.torchtitan: one model part with one optimizer is supported "
@@ -106,6 +122,17 @@ class SpikewatchTrainer(Trainer):
         if self._adapter.watch is None:
             cfg = self.config
             spec = cfg.model_spec
+            saved = self.spikewatch_state
+            manager = self.checkpointer
+            disk = None
+            if isinstance(manager, TitanCheckpointManager) and manager.enable:
+
+                def disk(world: World) -> TitanDisk:
+                    manager.disk = TitanDisk(
+                        manager, world, train_state=self, before_save=self._before_save
+                    )
+                    return manager.disk
+
             watch = self._adapter._open(
                 self.model_parts[0],
                 self.optimizers.optimizers[0],
@@ -114,14 +141,21 @@ class SpikewatchTrainer(Trainer):
                 output_dir=cfg.dump_folder,
                 default_name=f"{spec.name}-{spec.flavor}" if spec is not None else "torchtitan",
                 max_steps=cfg.training.steps,
-                saved=self._saved,
+                saved=saved,
                 clip=cfg.training.max_norm if cfg.training.max_norm > 0 else None,
                 warmup_steps=cfg.lr_scheduler.warmup_steps,
+                disk=disk,
             )
-            if self._saved:
-                self._position = int(self._saved.get("torchtitan_position", self._position))
+            if saved:
+                self._position = int(saved.get("torchtitan_position", self._position))
             if self._adapter.attn_max and watch.cfg.probes.attn_max:
                 attach_inner_attention(self.model_parts[0], watch)
+            if self._keep_steps:  # the batches are at hand: replay a spike, name its rows
+                watch.replay_with(self._replay_step)
+                tokenizer = getattr(self, "tokenizer", None)
+                watch.attribute_with(
+                    self._fed_at, self._row_loss, getattr(tokenizer, "decode", None)
+                )
         return self._adapter._w
 
     def train_step(
@@ -134,13 +168,12 @@ class SpikewatchTrainer(Trainer):
         step: int = self.step  # type: ignore[has-type]  # counted by torchtitan's loop already
         should_log = self.metrics_processor.should_log(step)
         lr_metrics = self.lr_schedulers.get_metrics()
-        batches = []
+        batches: Batches = []
         local_tokens = torch.tensor(0, dtype=torch.int64)
         for _ in range(self.gradient_accumulation_steps):
             input_dict, labels = next(data_iterator)
             local_tokens += (labels != IGNORE_INDEX).sum()
             batches.append((input_dict, labels))
-        self._position += 1
         dims = self.parallel_dims
         if dims.dp_enabled:
             tokens = dist_utils.dist_sum_tensor(
@@ -148,26 +181,75 @@ class SpikewatchTrainer(Trainer):
             )
         else:
             tokens = local_tokens.to(self.device)
-        world = watch.world.size
-        watch.add_tokens(int(local_tokens) * world)  # counted on the host: no device read
-        total: torch.Tensor | None = None
-        for input_dict, labels in batches:
-            for key, value in input_dict.items():
-                if isinstance(value, torch.Tensor):
-                    input_dict[key] = value.to(self.device)
-            loss = self.forward_backward_step(
-                input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=tokens
-            )
-            # this rank's token sum over the job's tokens: x world, a rank's own mean loss
-            # (the ranks' mean is then the job's loss, as the Watch reduces it)
-            watch.observe_loss(loss.detach() * world, share=True)
-            total = loss.detach() if total is None else total + loss.detach()
+        if self._keep_steps:  # as drawn, on the host, for a replay and the rows' names
+            self._fed[self._position] = ([(dict(d), y) for d, y in batches], tokens)
+            while len(self._fed) > self._keep_steps:
+                del self._fed[next(iter(self._fed))]
+        self._position += 1
+        watch.add_tokens(int(local_tokens) * watch.world.size)  # on the host: no device read
+        total = self._forward_backward(batches, tokens)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()  # routed: measure, clip, gate, apply or refuse, decide
         self.lr_schedulers.step()  # held unless the step was applied or refused
         self.step = watch.step_count  # a rollback sets the run back
-        if should_log and total is not None:
+        if should_log:
             self._log(total, tokens, lr_metrics)
+
+    def _forward_backward(self, batches: Batches, tokens: torch.Tensor) -> torch.Tensor:
+        """torchtitan's forward and backward of each micro-batch, each loss to the Watch: this
+        rank's token sum over the job's tokens, x world (a rank's own mean loss; the ranks'
+        mean is then the job's loss, as the Watch reduces it). Returns the rank's loss."""
+        world = self.watch.world.size
+        total = torch.zeros((), device=self.device)
+        for input_dict, labels in batches:
+            inputs = {k: v for k, v in input_dict.items() if k not in ID_KEYS}  # a row's id
+            for key, value in inputs.items():
+                if isinstance(value, torch.Tensor):
+                    inputs[key] = value.to(self.device)
+            loss = self.forward_backward_step(
+                input_dict=inputs, labels=labels.to(self.device), global_valid_tokens=tokens
+            )
+            self.watch.observe_loss(loss.detach() * world, share=True)
+            total = total + loss.detach()
+        return total
+
+    # -- a spike's batches again: its cause (replay) and its rows (attribution) ---------------
+    def _replay_step(self, index: int) -> None:
+        kept = self._fed.get(index)
+        if kept is None:
+            raise NotAtHand(
+                f"batch {index} is no longer kept (the last {self._keep_steps} steps are: "
+                "--spikewatch.replay_steps)"
+            )
+        self._forward_backward(*kept)
+
+    def _fed_at(self, index: int) -> MicroBatches | None:
+        """The rows of the batch at data position `index` as dicts (input, labels, id)."""
+        kept = self._fed.get(index)
+        if kept is None:
+            return None
+        return MicroBatches([{**d, "labels": y} for d, y in kept[0]])
+
+    def _row_loss(self, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One row's own loss (its mean over its tokens) through torchtitan's model and loss."""
+        device = self.device
+        input_dict = {k: v.to(device) for k, v in row.items() if k not in (*ID_KEYS, "labels")}
+        labels = row["labels"].to(device)
+        inputs, labels, extra = self.post_dataloading_process(input_dict, labels)
+        with self.train_context():
+            pred = self.model_parts[0](inputs, **extra)
+            n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+            loss, _ = self.loss_fn(pred, labels, n)
+        return loss
+
+    def _before_save(self, step: int) -> bool:
+        """Before torchtitan saves `step`: the step in flight is read and acted on (a
+        checkpoint holds only decided steps); a rollback there moved the run: no save."""
+        watch = self._adapter.watch
+        if watch is None:
+            return True
+        watch.drain()
+        return watch.step_count == step
 
     def _log(self, total: torch.Tensor, tokens: torch.Tensor, lr_metrics: dict) -> None:
         """torchtitan's metrics line (no crash on a non-finite loss: the Watch refused it)."""
@@ -220,7 +302,19 @@ class SpikewatchTrainer(Trainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         saved = json.loads(state_dict.get("spikewatch") or "{}")
-        self._saved = saved or None
+        self.spikewatch_state = saved or None
+
+
+def titan_checkpoints(config: Any) -> Any:
+    """torchtitan's checkpoint config as `TitanCheckpointManager`'s (the same fields): its DCP
+    checkpoints become the Watch's disk tier, kept on spikewatch's schedule."""
+    if isinstance(config, TitanCheckpointManager.Config):
+        return config
+    if type(config) is not CheckpointManager.Config:
+        log.warning("a checkpoint manager of its own (%s): not a rollback tier", type(config))
+        return config
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return TitanCheckpointManager.Config(**fields)
 
 
 def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
