@@ -13,6 +13,9 @@ read back; `ok` says whether it did):
   fp16 (accelerate's GradScaler, Lightning's "16-mixed").
 - `builtin_fault`: the built-in trainer at GPT-2-small shape, compiled, bf16, a shifted-labels
   fault, rollbacks from the host-memory tier.
+- `torchtitan`: torchtitan's own trainer with `spikewatch.torchtitan`, 8 Llama 3 1B blocks
+  compiled, bf16, a poisoned region (benchmarks/_gpu_titan.py); and its tokens per second
+  with and without spikewatch (`ratio`, goal >= 0.97).
 
 Its cost:
 1. `syncs`: host synchronisations per step of the built-in trainer (GPT-2-small shape, bf16,
@@ -70,6 +73,7 @@ from _gpu_product import (  # noqa: E402
     plain_loop_fp16_check,
     resume_check,
 )
+from _gpu_titan import titan_check  # noqa: E402
 
 from spikewatch.observatory import metric_names as M  # noqa: E402
 from spikewatch.trainer.builtin.loop import build_trainer  # noqa: E402
@@ -511,6 +515,7 @@ SECTIONS: dict[str, Callable[[bool, Path], object]] = {
     "lightning": lightning_check,
     "lightning_fp16": lightning_fp16_check,
     "builtin_fault": builtin_fault_check,
+    "torchtitan": titan_check,  # issue 48: torchtitan's own trainer, compiled, with a fault
     # its cost
     "syncs": lambda smoke, out: sync_check(smoke),
     "mfu": lambda smoke, out: mfu_check(smoke),

