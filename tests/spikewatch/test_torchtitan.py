@@ -91,7 +91,7 @@ def test_one_process_rolls_back_tells_the_cause_names_the_rows_and_records_every
     assert rb["replay_peak_loss"] == rb["peak_loss"]  # the same batches, the same state
     from spikewatch.corpus import text_corpus
 
-    from .titan_cpu import window_start
+    from .titan_data import window_start
 
     n = len(text_corpus(source="code")[0])
     named = rb["samples"]
@@ -230,3 +230,29 @@ def test_the_watchs_disk_tier_is_refused_and_settings_are_checked() -> None:
         watch_settings(SpikewatchOptions(settings='{"checkpoint": {"interval": 10}}'))
     with pytest.raises(ValueError, match="not JSON"):
         watch_settings(SpikewatchOptions(settings="{guard"))
+
+
+def test_the_gpu_checks_torchtitan_job_is_a_compiled_llama_of_8_blocks() -> None:
+    """The GPU check's job (benchmarks/_gpu_titan.py, run only on a device) as built here: a
+    torchtitan Llama 3 of 8 blocks (1B's: d=2048, grouped-query attention), compiled, spikewatch
+    on, every block's inner attention where the probes hook it; its model built on `meta`."""
+    import importlib.util
+
+    import torch
+
+    from spikewatch.torchtitan import SpikewatchTrainer
+
+    spec = importlib.util.spec_from_file_location("_gpu_titan", REPO / "benchmarks/_gpu_titan.py")
+    assert spec is not None and spec.loader is not None
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    config = gpu.gpu_llama()
+    assert isinstance(config, SpikewatchTrainer.Config) and config.compile.enable
+    assert config.training.disable_cuda_graphs and not config.checkpoint.enable
+    model = config.model_spec.model
+    assert (len(model.layers), model.dim, model.vocab_size) == (8, 2048, 2048)
+    with torch.device("meta"):
+        built = model.build()
+    hooked = [n for n, _ in built.named_modules() if n.endswith("attention.inner_attention")]
+    assert len(hooked) == 8
+    assert 0.45e9 < sum(p.numel() for p in built.parameters()) < 0.55e9
