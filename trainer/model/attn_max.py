@@ -92,7 +92,8 @@ class AttnMax:
                 torch.is_grad_enabled(),
             )
         elif self.active and torch.is_grad_enabled() and not _recomputing():
-            self._keep(layer, _max_logits(q, k, mask, causal, scale, n_rep))
+            # a probe: no autograd graph over its score blocks
+            self._keep(layer, _max_logits(q.detach(), k.detach(), mask, causal, scale, n_rep))
 
     def sdpa(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
