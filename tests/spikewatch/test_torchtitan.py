@@ -186,12 +186,12 @@ def test_a_job_killed_after_a_rollback_and_after_a_checkpoint_resumes_on_the_sam
     tmp_path,
 ) -> None:
     """torchtitan's own DCP checkpoints carry the Watch (its guard, the run, the data
-    position). The spike at batch 30 rolls back to host memory's step 25; the job dies at
-    batch 36, before its next checkpoint (step 40): the rollback wrote step 25 again with what
-    the run learned, so the restarted job goes on past the poisoned batches (from step 20, as
-    torchtitan alone would, it trains them again); it dies once more at batch 60, after
-    torchtitan's step-40 checkpoint, and the third start ends on the uninterrupted twin's
-    losses, to the bit."""
+    position). The spike at batch 30 rolls back to host memory's step 25; the worker is
+    SIGKILLed at batch 36, before its next checkpoint (step 40): the rollback wrote step 25
+    again with what the run learned, so the restarted job goes on past the poisoned batches
+    (from step 20, as torchtitan alone would, it trains them again); it is killed once more at
+    batch 60, after torchtitan's step-40 checkpoint, and the third start ends on the
+    uninterrupted twin's losses, to the bit."""
     args = ("--training.steps", "60", "--checkpoint.enable", "--checkpoint.interval", "20",
             "--dataloader.poison_at", "30", "--dataloader.poison_len", "6")  # fmt: skip
     twin = _titan(tmp_path / "twin", 1, *args)

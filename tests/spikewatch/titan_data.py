@@ -3,13 +3,14 @@ downloaded): a byte-level tokenizer, and a loader of windows of the shipped corp
 (`spikewatch.corpus`), each data-parallel rank its own, with a poisoned region on one rank
 (`--dataloader.poison_at/poison_len/poison_rank`, one row of each batch with
 `--dataloader.poison_row`), with `--dataloader.ids` each row's window start as its "id" (a
-plain torchtitan Trainer would hand it to the model), and a process death once at each of some
+plain torchtitan Trainer would hand it to the model), and a SIGKILL once at each of some
 batches (`--dataloader.die_at 36,60`, a marker file each in the working directory: the
 restarted job goes on)."""
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ class _Windows(IterableDataset):
                 marker = f"died-{i // self.batch}"
                 if not os.path.exists(marker):
                     open(marker, "w").close()  # noqa: SIM115
-                    os._exit(9)  # as a SIGKILL would: no clean-up, no checkpoint
+                    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint
             start = window_start(i, self.rank, self.world, len(self.data), self.seq_len)
             row = self.data[start : start + self.seq_len + 1].long()
             x, y = row[:-1], row[1:]
