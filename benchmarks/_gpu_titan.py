@@ -66,9 +66,10 @@ def stand_in_missing() -> list[str]:
 def gpu_llama_plain() -> Any:
     """torchtitan's own Trainer: 8 Llama 3 1B blocks, bf16 (FSDP2's mixed precision), each
     block compiled, T=2048, 4 rows, AdamW, warmup 10, 120 steps, no checkpoint."""
-    from tests.spikewatch.titan_data import ByteTokenizer, WindowsLoader
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from tests.spikewatch.titan_data import ByteTokenizer, WindowsLoader
 
     config = llama3_debugmodel()
     spec = model_registry("1B")  # FlexAttention, as torchtitan trains Llama 3 by default
