@@ -204,7 +204,7 @@ class SpikewatchTrainer(Trainer):
         rank's token sum over the job's tokens, x world (a rank's own mean loss; the ranks'
         mean is then the job's loss, as the Watch reduces it). Returns the rank's loss."""
         world = self.watch.world.size
-        total = torch.zeros((), device=self.device)
+        total: torch.Tensor | None = None
         for input_dict, labels in batches:
             inputs = {k: v for k, v in input_dict.items() if k not in ID_KEYS}  # a row's id
             for key, value in inputs.items():
@@ -214,7 +214,8 @@ class SpikewatchTrainer(Trainer):
                 input_dict=inputs, labels=labels.to(self.device), global_valid_tokens=tokens
             )
             self.watch.observe_loss(loss.detach() * world, share=True)
-            total = total + loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None  # at least one micro-batch
         return total
 
     # -- a spike's batches again: its cause (replay) and its rows (attribution) ---------------
