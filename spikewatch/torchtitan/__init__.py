@@ -186,7 +186,7 @@ class SpikewatchTrainer(Trainer):
         else:
             tokens = local_tokens.to(self.device)
         if self._keep_steps:  # as drawn, on the host, for a replay and the rows' names
-            self._fed[self._position] = ([(dict(d), y) for d, y in batches], tokens)
+            self._fed[self._position] = (batches, tokens)  # _forward_backward changes none
             while len(self._fed) > self._keep_steps:
                 del self._fed[next(iter(self._fed))]
         self._position += 1

@@ -93,7 +93,6 @@ class TitanDisk:
         self.root = Path(manager.folder)
         k = manager.keep_latest_k
         self.cfg = CheckpointConfig(interval=manager.interval, keep_last=k or KEEP_ALL)
-        self.before_commit = None
         self.pins: dict[int, set[str]] = {}
         self.last_saved: int | None = None
         self.save_seconds: float | None = None
