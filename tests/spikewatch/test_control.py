@@ -60,8 +60,11 @@ def test_a_running_watch_obeys_rollback_and_stop_requests(example: str, tmp_path
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((tmp_path / "s.json").read_text())
-    first, last = summary["interventions"][0], summary["interventions"][-1]
-    assert first["kind"] == "rollback" and "dashboard" in first["reason"]
+    # the rollback asked for (the same-step tier may refuse an outlier update of its own
+    # before the request arrives, which is a timing matter, not this test's)
+    first = next(i for i in summary["interventions"] if i["kind"] == "rollback")
+    last = summary["interventions"][-1]
+    assert "dashboard" in first["reason"]
     assert first["to_step"] <= 25 and first["from_step"] >= 60
     assert last["kind"] == "halt" and "dashboard" in summary["halted"]
     assert summary["steps"] < 4000
