@@ -45,6 +45,41 @@ def test_sdpa_backend_reports_the_same_max() -> None:
     torch.testing.assert_close(max_logits(q, k, chunk=5), ref_max)
 
 
+def test_the_max_pass_reuses_its_score_block_and_stays_exact_in_float64_terms() -> None:
+    """One CPU score block serves every call (shapes growing and shrinking, a mask, a strided
+    q and k as torchtitan passes them, bf16 autocast around it); each answer is the float64
+    maximum's, and an earlier answer is not overwritten by a later call."""
+
+    def reference(q, k, causal, mask=None):
+        s = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.size(-1))
+        if causal:
+            tq, tk = q.size(-2), k.size(-2)
+            s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(1), float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return s.amax(dim=(-2, -1)).float()
+
+    big = _qkv(B=2, H=4, T=96, D=8, seed=1)
+    first = max_logits(big[0], big[1], chunk=64)
+    expected_first = reference(big[0], big[1], True)
+    torch.testing.assert_close(first, expected_first)
+    small = _qkv(B=1, H=2, T=20, D=8, seed=2)
+    sq, sk = small[:2]
+    torch.testing.assert_close(max_logits(sq, sk, chunk=64), reference(sq, sk, True))
+    pad = torch.ones(1, 1, 20, 20, dtype=torch.bool)
+    pad[..., 15:] = False  # the last five keys padded
+    torch.testing.assert_close(
+        max_logits(small[0], small[1], causal=False, mask=pad, chunk=8),
+        reference(small[0], small[1], False, pad),
+    )
+    blh = torch.randn(2, 70, 4, 8, generator=torch.Generator().manual_seed(3)) * 3
+    q, k = blh.transpose(1, 2), blh.flip(1).transpose(1, 2)  # (B, L, N, H) seen as (B, N, L, H)
+    torch.testing.assert_close(max_logits(q, k, chunk=32), reference(q, k, True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a probe reads its inputs' precision
+        torch.testing.assert_close(max_logits(q, k, chunk=32), reference(q, k, True))
+    torch.testing.assert_close(first, expected_first)  # not a view of the reused block
+
+
 def test_chunked_gradients_equal_eager() -> None:
     q, k, v = (t.requires_grad_() for t in _qkv(T=40))
     out_c, _ = attention(q, k, v, backend="chunked", chunk=16, softcap=5.0)
