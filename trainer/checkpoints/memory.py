@@ -119,6 +119,7 @@ class MemoryTier:
         self._spare_pool: ThreadPoolExecutor | None = None
         self._need = 0  # bytes of the last snapshot
         self._spare_state = 0  # parameters with optimizer state when the spare was shaped
+        self._on_cuda = False  # the tensors of the last snapshot: pinned ahead on CUDA only
 
     # -- what the tiers facade asks -------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -144,6 +145,7 @@ class MemoryTier:
         self.before_mutation()
         live = dict(_live_tensors(self.model, self.optimizer))
         need = sum(t.numel() * t.element_size() for t in live.values())
+        self._on_cuda = any(t.is_cuda for t in live.values())
         if not self._make_room(step, need):
             return time.perf_counter() - t0
         buffers = self._buffers(live)
@@ -173,7 +175,8 @@ class MemoryTier:
         one more. Also once the optimizer's state has appeared after the step-0 snapshot."""
         if self._spare is not None and self._spare_state != len(self.optimizer.state):
             self._spare = None  # made before the optimizer's state existed: of another shape
-        if self._spare is None and not self.free and self.slots and self._room():
+        ahead = self._on_cuda or self.spare_ahead  # else no spare is made: no walk of the tensors
+        if ahead and self._spare is None and not self.free and self.slots and self._room():
             self._prepare_spare(dict(_live_tensors(self.model, self.optimizer)))
 
     def _room(self) -> bool:
