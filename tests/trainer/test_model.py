@@ -215,3 +215,11 @@ def test_z_loss_pushes_log_partition_towards_zero() -> None:
     lse = torch.logsumexp(m1(x, y).logits, -1).square().mean()
     d = m1(x, y).loss - m0(x, y).loss
     torch.testing.assert_close(d, lse, rtol=1e-5, atol=1e-6)
+
+
+def test_off_the_cpu_the_max_pass_takes_its_blocks_on_the_tensors_own_device() -> None:
+    """The reused score buffer is a CPU one: on another device (`meta` standing in for CUDA)
+    each call's blocks are allocated there, so the pass runs and answers on that device."""
+    q, k = (torch.empty(2, 3, 40, 8, device="meta") for _ in range(2))
+    mx = max_logits(q, k, chunk=16, fused=False)
+    assert mx.device.type == "meta" and mx.shape == (2, 3)
