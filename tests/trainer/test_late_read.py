@@ -19,6 +19,8 @@ from spikewatch.trainer.builtin.loop import build_trainer
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import FaultConfig, load_config
 from spikewatch.trainer.core import step_core, transfer
+from spikewatch.trainer.core.callbacks import Callback, StepState
+from spikewatch.trainer.core.probes import Probes
 
 from ..spikewatch.conftest import example
 
@@ -166,3 +168,82 @@ def test_a_watched_loop_reads_a_step_late_and_ends_where_the_same_step_read_does
     assert [r[2] for r in a] == [r[2] + 1 for r in b]
     for p, q in zip(m_late.parameters(), m_now.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+# -- host-memory snapshots read late: no wait, completed once decided, dropped if refused --------
+class _Seen(Callback):
+    """What the run's callbacks hear of the host-memory snapshots, and the same-step tier's
+    state right after each step is decided."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[int, str]] = []
+        self.tier_after: dict[int, dict] = {}
+        self.core: Any = None
+
+    def on_checkpoint_change(self, step: int, path: str, status: str, pinned: bool) -> None:
+        if path.startswith("memory://"):
+            self.changes.append((step, status))
+
+    def post_step(self, state: StepState) -> None:
+        self.tier_after[state.step] = self.core.same_step.state_dict()
+
+
+def _snapshotting(tmp: Path, monkeypatch: pytest.MonkeyPatch, nan_at: int | None) -> tuple:
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    trace, seen = Trace(monkeypatch), _Seen()
+    flushes = []
+    take = Probes.take_pending_metrics
+
+    def counted(probes):  # noqa: ANN001, ANN202
+        out = take(probes)
+        if out is not None:
+            flushes.append(out[0])
+        return out
+
+    monkeypatch.setattr(Probes, "take_pending_metrics", counted)
+    settings = {
+        "probes": {"read": "next_step"},
+        "checkpoint": {"memory_interval": 5, "interval": None},
+        "guard": {"rollback": False},
+    }
+    watch = Watch(model, opt, run_dir=tmp, db="none", max_steps=40, settings=settings,
+                  callbacks=[seen])  # fmt: skip
+    seen.core = watch.open()
+    model.use_recorder(watch.attn)
+    train, _ = text_corpus()
+    with watch:
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+            loss = model(x, y)
+            if watch.step_count + 1 == nan_at:
+                loss = loss * float("nan")
+            loss.backward()
+            watch.step(loss)
+    monkeypatch.undo()
+    return trace, seen, watch, flushes
+
+
+def test_a_host_memory_snapshot_read_late_makes_the_host_wait_for_nothing(
+    tmp_path, monkeypatch
+) -> None:
+    trace, seen, watch, flushes = _snapshotting(tmp_path, monkeypatch, None)
+    assert {s for s, status in seen.changes if status == "ok"} >= {5, 10, 35, 40}
+    drained = {now for now, _, d in trace.reads if d}
+    assert drained <= {40}  # only the run's end reads the step in flight
+    assert all(born < now for now, born, d in trace.reads if not d)  # every read one step late
+    assert flushes == [40] or flushes == []  # no update statistics read apart at a snapshot
+    # each snapshot holds the same-step tier as it was once its step was decided
+    mem = watch.checkpointer.memory
+    for step in mem.steps():
+        if step:
+            assert mem.slots[step].small["trainer.json"]["same_step"] == seen.tier_after[step]
+
+
+def test_a_refused_steps_host_memory_snapshot_is_dropped(tmp_path, monkeypatch) -> None:
+    _, seen, watch, _ = _snapshotting(tmp_path, monkeypatch, nan_at=15)
+    assert watch.interventions[0]["step"] == 15 and watch.interventions[0]["kind"] == "skip_update"
+    ok = {s for s, status in seen.changes if status == "ok"}
+    assert 15 not in ok and {10, 20} <= ok  # taken in flight, dropped once read as refused
+    assert 15 not in watch.checkpointer.memory.slots

@@ -79,6 +79,9 @@ class _Slot:
     opt_other: dict[int, dict[str, Any]]  # non-tensor optimizer state (per parameter index)
     groups: list[dict[str, Any]]  # the optimizer's hyperparameters (no params)
     pins: set[str] = field(default_factory=set)
+    # taken while its step was still on the device (read one step late): not a rollback
+    # target until that step is decided (`complete`), dropped if it is refused (`drop`)
+    awaiting: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
     events: Events = field(default_factory=list)  # CUDA: the side-stream copies' events
 
@@ -126,10 +129,11 @@ class MemoryTier:
         return step % self.interval == 0
 
     def steps(self) -> list[int]:
-        return sorted(self.slots)
+        return sorted(s for s, slot in self.slots.items() if not slot.awaiting)
 
     def has(self, step: int) -> bool:
-        return step in self.slots
+        slot = self.slots.get(step)
+        return slot is not None and not slot.awaiting
 
     @property
     def bytes_held(self) -> int:
@@ -139,8 +143,10 @@ class MemoryTier:
         return self.budget_bytes // max(per_snapshot, 1)
 
     # -- saving ---------------------------------------------------------------------------
-    def save(self, step: int, snap: Snapshot, pins: set[str]) -> float:
-        """Start copying this rank's tensors for `step`; returns how long the loop blocked."""
+    def save(self, step: int, snap: Snapshot, pins: set[str], awaiting: bool = False) -> float:
+        """Start copying this rank's tensors for `step`; returns how long the loop blocked.
+        `awaiting`: the step is still on the device (its values not read): the snapshot
+        waits for `complete` (its decided state) or `drop` before a rollback may use it."""
         t0 = time.perf_counter()
         self.before_mutation()
         live = dict(_live_tensors(self.model, self.optimizer))
@@ -159,6 +165,7 @@ class MemoryTier:
                 for g in self.optimizer.param_groups
             ],
             pins=set(pins),
+            awaiting=awaiting,
         )
         self.slots[step] = slot
         self._copy(slot, live)
@@ -296,6 +303,26 @@ class MemoryTier:
         waited = time.perf_counter() - t0
         self.last_stall_s += waited
         return waited
+
+    def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> bool:
+        """The step of an awaiting snapshot is decided and applied: its state as decided (the
+        guard's and the same-step tier's statistics, the records) fills the parts left open;
+        the snapshot is a rollback target from now on. False if it is no longer held."""
+        slot = self.slots.get(step)
+        if slot is None or not slot.awaiting:
+            return False
+        slot.small["trainer.json"].update(copied(trainer))
+        slot.small["meta"].update(copied(meta))
+        slot.awaiting = False
+        return True
+
+    def drop(self, step: int) -> None:
+        """Forget the snapshot of `step` (its step was refused: the optimizer's counts in it
+        are not the run's); its buffers are reused."""
+        if step in self.slots:
+            self._evict(step)
+            if self.last_saved == step:
+                self.last_saved = max(self.slots, default=None)
 
     # -- restoring ------------------------------------------------------------------------
     def read(self, step: int) -> dict[str, Any]:

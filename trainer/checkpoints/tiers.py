@@ -128,12 +128,15 @@ class Tiers:
         step: int,
         build: Callable[[Stager | None], ck.Snapshot],
         tiers: Collection[str] | None = None,
+        awaiting: bool = False,
     ) -> dict[str, float]:
-        """Save `step` to `tiers` (None: every tier that is on); returns each tier's stall."""
+        """Save `step` to `tiers` (None: every tier that is on); returns each tier's stall.
+        `awaiting` (host memory only): `step` is still on the device; its snapshot is
+        completed or dropped once the step is decided (`complete`, `drop`)."""
         stalls: dict[str, float] = {}
         if self.memory is not None and (tiers is None or MEMORY in tiers):
             pins = self.pins.get(step, set())
-            stalls[MEMORY] = self.memory.save(step, build(Live()), pins)
+            stalls[MEMORY] = self.memory.save(step, build(Live()), pins, awaiting)
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
         if self.disk.enabled and (tiers is None or DISK in tiers):
@@ -141,6 +144,16 @@ class Tiers:
             if stall is not None:
                 stalls[DISK] = stall
         return stalls
+
+    def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
+        """An awaiting host-memory snapshot's step was decided and applied (memory.py)."""
+        if self.memory is not None and self.memory.complete(step, trainer, meta):
+            self._changes.append((step, memory_path(step), "ok"))
+
+    def drop(self, step: int) -> None:
+        """An awaiting host-memory snapshot's step was refused: the snapshot goes."""
+        if self.memory is not None:
+            self.memory.drop(step)
 
     def before_mutation(self) -> float:
         waited = self.disk.before_mutation()
@@ -165,7 +178,7 @@ class Tiers:
     def _memory_evictions(self) -> list[tuple[int, str, str]]:
         if self.memory is None:
             return []
-        held = set(self.memory.slots)
+        held = set(self.memory.steps())  # an awaiting snapshot is not held yet
         seen, self._mem_seen = self._mem_seen, held
         return [(s, memory_path(s), "deleted") for s in sorted(seen - held)]
 

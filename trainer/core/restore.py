@@ -236,19 +236,30 @@ class Checkpointed:
         return losses
 
     # -- the state a checkpoint holds (core/state.py's schema) -------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, decided: bool = True) -> dict[str, Any]:
         """`trainer.json` without the RNG states: counters, data position, skips, records, the
-        same-step tier and every callback's state (JSON types)."""
+        same-step tier and every callback's state (JSON types). `decided` False: without what
+        the decision of the step in flight changes (DECIDED_KEYS; filled in later)."""
+        if not decided:
+            return self._counters()
+        return {**self._counters(), **self._decided()}
+
+    def _counters(self) -> dict[str, Any]:
         run = self.run
         return {
             "run_id": run.run_id,
             "step": run.step,
             "tokens": run.tokens,
-            "lr_scale": run.lr_scale,
             "generation": run.generation,
             "data_state": run.data.to_dict(),
-            "interventions": run.interventions,
             "val_losses": run.val_losses,
+        }
+
+    def _decided(self) -> dict[str, Any]:
+        run = self.run
+        return {
+            "lr_scale": run.lr_scale,
+            "interventions": run.interventions,
             "halted": run.halted,
             "same_step": None if self.same_step is None else self.same_step.state_dict(),
             "callbacks": {
@@ -257,8 +268,10 @@ class Checkpointed:
             },
         }
 
-    def snapshot(self, stage: Stager | None) -> Snapshot:
-        """The current state as a checkpoint `Snapshot` (self/state.py's schema)."""
+    def snapshot(self, stage: Stager | None, *, decided: bool = True) -> Snapshot:
+        """The current state as a checkpoint `Snapshot` (core/state.py's schema). `decided`
+        False: the step is still in flight, and what its decision changes (DECIDED_KEYS) is
+        left out, to be filled in once it is read (StepCore._settle_snapshot)."""
         rng_tensors, rng_json = rng_states()
         run = self.run
         sched = None if self.scheduler is None else self.scheduler.state_dict()
@@ -279,7 +292,7 @@ class Checkpointed:
             step=run.step,
             torch_files=torch_files,
             json_files={
-                "trainer.json": {**self.state_dict(), "rng": rng_json},
+                "trainer.json": {**self.state_dict(decided), "rng": rng_json},
                 "config.json": self.config(),
             },
             meta={

@@ -26,6 +26,7 @@ import torch
 from spikewatch.trainer.core.data_state import DataState
 
 __all__ = [
+    "DECIDED_KEYS",
     "RunState",
     "callback_keys",
     "join_optimizer",
@@ -33,6 +34,11 @@ __all__ = [
     "set_rng_states",
     "split_optimizer",
 ]
+
+
+# The parts of `trainer.json` a step's decision changes (read one step late, a host-memory
+# snapshot of a step still in flight gets them once the step is read): StepCore._settle_snapshot
+DECIDED_KEYS = ("lr_scale", "interventions", "halted", "same_step", "callbacks")
 
 
 @dataclass

@@ -56,9 +56,7 @@ from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, i
 from spikewatch.trainer.core.probes import Probes
 from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
 from spikewatch.trainer.core.same_step import SameStepGate, step_factor
-from spikewatch.trainer.core.state import (
-    RunState,
-)
+from spikewatch.trainer.core.state import DECIDED_KEYS, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
 from spikewatch.trainer.core.world import World
 from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer
@@ -143,6 +141,7 @@ class StepCore(Checkpointed):
     late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
     _late: _Read | None = None  # the step whose values are read at the next step's end
     _unapplied: set[int] = field(default_factory=set)  # late: steps the device refused
+    _awaiting: int | None = None  # late: a host-memory snapshot of the step still in flight
     _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
     _read: _Read | None = None
     _applied: bool = False  # what the device did with the step's update
@@ -398,8 +397,25 @@ class StepCore(Checkpointed):
         self._unapplied = {s for s in self._unapplied if s >= state.step - 2}
         if isinstance(action, Rollback) and self._late is not None:
             self._record_abandoned(state, action)
+            self._awaiting = None  # newer than any rollback target: dropped with its branch
             return self.outcome
-        return self._record(state, action, self._applied and not isinstance(action, Rollback))
+        outcome = self._record(state, action, self._applied and not isinstance(action, Rollback))
+        if self._awaiting == state.step:
+            self._settle_snapshot(state.step, self._applied and outcome == APPLIED)
+        return outcome
+
+    def _settle_snapshot(self, step: int, applied: bool) -> None:
+        """The step of the host-memory snapshot taken while it was in flight is decided: an
+        applied step's snapshot gets the state as decided (the guard's and the same-step tier's
+        statistics, the records: what a drained snapshot would hold); a refused step's goes
+        (the optimizer's step counts in it had counted the refused update)."""
+        self._awaiting = None
+        if not applied:
+            self.checkpointer.drop(step)
+            return
+        state = self.state_dict()
+        decided = {k: state[k] for k in DECIDED_KEYS}
+        self.checkpointer.complete(step, decided, {"loss": self.run.history[-1][1]})
 
     def _record_abandoned(self, state: StepState, action: Rollback) -> None:
         """A rollback decided from a step read late: that step's record (with the action),
@@ -481,10 +497,15 @@ class StepCore(Checkpointed):
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
         due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
-        if due and self._late is not None:  # a checkpoint holds only steps read and decided
+        if DISK in due and self._late is not None:  # a file holds only steps read and decided
             self.drain()
             due = ck.due(self.step_count, self.seconds_per_step)
-        if due:
+        if due and self._late is not None and self._awaiting is None:
+            # host memory, the step in flight: no wait; its decided state completes the
+            # snapshot when the step is read (or the snapshot goes, if it was refused)
+            self.save(due, awaiting=True)
+            return True
+        if due and self._late is None:
             self.save(due)
             return True
         ck.report(self.callbacks)  # an asynchronous save that landed meanwhile
@@ -492,13 +513,24 @@ class StepCore(Checkpointed):
             ck.memory.ahead()  # the next snapshot's pinned block, prepared off the loop
         return False
 
-    def save(self, tiers: list[str] | None = None) -> None:
-        """Checkpoint the current step to `tiers` (None: every tier that is on). The step's
-        update statistics go out first, not with the next step's transfer: a resume from this
-        checkpoint never recomputes them. What each tier cost the loop goes to the record."""
-        self.flush_probes()
+    def save(self, tiers: list[str] | None = None, *, awaiting: bool = False) -> None:
+        """Checkpoint the current step to `tiers` (None: every tier that is on). A file's
+        update statistics go out first, not with the next step's transfer: a resume from it
+        never recomputes them (host memory is never resumed from: they ride the next transfer,
+        no host read). `awaiting` (host memory, read late): the step is still in flight; the
+        parts of its state that its decision changes are filled in once it is read
+        (`_settle_snapshot`). What each tier cost the loop goes to the record."""
         ck = self.checkpointer
-        stalls = ck.save(self.step_count, self.snapshot, tiers)
+        if not awaiting:
+            self.flush_probes()
+        step = self.step_count
+
+        def build(stage: Any) -> Any:
+            return self.snapshot(stage, decided=not awaiting)
+
+        stalls = ck.save(step, build, tiers, awaiting=awaiting)
+        if awaiting:
+            self._awaiting = step
         log.debug("checkpoint at step %d (loop blocked %s)", self.step_count, stalls)
         if DISK in stalls:
             path = ck.path_of(self.step_count, DISK)
