@@ -154,3 +154,62 @@ def test_thresholds_with_the_step_before_on_the_device_are_those_after_observing
             kinds["armed"] += 1
             assert lim.tolist() == pytest.approx(list(want), rel=1e-12, abs=1e-12)
     assert min(kinds.values()) > 20, kinds
+
+
+def _late_cases(n: int = 400):  # noqa: ANN202
+    """(gate before the step, the step before's device values, this step's loss and norm)
+    through a window's filling, evictions, refusals, non-finite steps and overflows."""
+    import random
+
+    from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate
+
+    rng = random.Random(1)
+    gate = SameStepGate(SameStepConfig(window=16, min_history=8, max_refusals=2, sigma=2.0))
+    for _ in range(n):
+        loss, gnorm = rng.lognormvariate(0, 0.3), rng.lognormvariate(0, 0.5)
+        kind = rng.choices(["learnt", "refused", "nonfinite", "overflow"], [8, 2, 1, 1])[0]
+        if kind in ("nonfinite", "overflow"):
+            gnorm = math.inf if rng.random() < 0.5 else math.nan
+        factor = 0.0 if kind != "learnt" else 1.0
+        ahead = tuple(torch.tensor(v) for v in (loss, gnorm, factor))
+        over = torch.tensor(1.0 if kind == "overflow" else 0.0) if rng.random() < 0.7 else None
+        now = [rng.lognormvariate(0, 0.6), rng.lognormvariate(0, 0.9)]
+        if rng.random() < 0.05:
+            now[rng.randrange(2)] = rng.choice([math.nan, math.inf, 0.0])
+        yield gate, (*ahead, over), torch.tensor(now[0]), torch.tensor(now[1])
+        if not (kind == "overflow" and over is not None):
+            gate.observe(float(ahead[0]), float(ahead[1]), kind == "refused")
+
+
+def test_the_late_factor_in_one_op_is_the_reference_to_the_bit() -> None:
+    """Read late, a step's factor is one device op (`spikewatch::late_factor`): the same
+    decision as `step_factor` over `limits_after`'s thresholds in every case, refusals too."""
+    from spikewatch.trainer.core.same_step import step_factor
+
+    refused = applied = 0
+    for gate, ahead, loss, gnorm in _late_cases():
+        want = step_factor(loss, gnorm, gate.limits_after(*ahead))
+        got = gate.factor_after(loss, gnorm, ahead)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert got.item() == want.item()
+        refused += want.item() == 0.0
+        applied += want.item() == 1.0
+    assert refused > 40 and applied > 200, (refused, applied)
+
+
+def test_the_late_factor_compiled_as_on_cuda_equals_the_eager_op() -> None:
+    """On CUDA the op runs `late_factor` compiled (one kernel, no Python per scalar op); the
+    same compilation on a CPU gives the eager decisions."""
+    import functools
+
+    from spikewatch.trainer.core.same_step import late_factor
+
+    kw = dict(sigma=2.0, floor=0.01, min_history=8, refusals=2)
+    compiled = torch.compile(functools.partial(late_factor, **kw), dynamic=False, fullgraph=True)
+    seen = set()
+    for gate, ahead, loss, gnorm in _late_cases(150):
+        eager = gate.factor_after(loss, gnorm, ahead)
+        got = compiled(*gate.late_inputs(loss, gnorm, ahead))
+        assert got.item() == eager.item()
+        seen.add(got.item())
+    assert seen == {0.0, 1.0}

@@ -27,13 +27,17 @@ and never enter the statistics.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["SameStepConfig", "SameStepGate", "step_factor"]
+__all__ = ["SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
+
+log = logging.getLogger(__name__)
 
 
 class SameStepConfig(BaseModel):
@@ -128,6 +132,60 @@ class SameStepGate:
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
         armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
         return lim, armed
+
+    def factor_after(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """`step_factor(loss, grad_norm, self.limits_after(*ahead))` in one device op
+        (`spikewatch::late_factor`): the host packs the window's numbers into one small copy,
+        the device does the ~50 scalar operations in one call (on CUDA a compiled kernel),
+        not ~50 launches from Python on the loop thread every step."""
+        cfg = self.cfg
+        v, h = self.late_inputs(loss, grad_norm, ahead)
+        return torch.ops.spikewatch.late_factor(
+            v, h, cfg.sigma, cfg.floor, max(cfg.min_history, 2), cfg.max_refusals
+        )
+
+    def late_inputs(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`late_factor`'s (v, h): the device values, and the window's numbers (one copy)."""
+        cfg = self.cfg
+        n = self.count
+        host = []
+        for series in self.values:
+            held = series[:n]
+            avg = math.fsum(held) / n if n else 0.0
+            host.append(
+                (avg, math.fsum((v - avg) ** 2 for v in held),
+                 series[self.pos] - avg if n == cfg.window else 0.0)
+            )  # fmt: skip
+        prev_loss, prev_norm, prev_factor, overflow = ahead
+        h = torch.tensor(
+            [host[0][0], host[1][0], host[0][1], host[1][1], host[0][2], host[1][2],
+             float(n), float(n == cfg.window), float(self.refused), float(overflow is not None)],
+            dtype=torch.float64,
+        )  # fmt: skip
+        dev = loss.device
+        if dev.type != "cpu":
+            h = h.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else h.to(dev)
+        v = torch.stack(
+            [
+                prev_loss.detach().float(),
+                prev_norm.detach().float(),
+                prev_factor.detach().float(),
+                (prev_factor if overflow is None else overflow).detach().float(),
+                loss.detach().float(),
+                grad_norm.detach().float(),
+            ]
+        )
+        return v, h
 
     def z(self, loss: float, grad_norm: float) -> tuple[float, float]:
         """Deviations of the two log-values above their rolling means (0 without history)."""
@@ -229,3 +287,83 @@ def step_factor(
 def _log(v: float) -> float:
     """log, with what has none (<= 0, nan) as nan: never learnt, never refused."""
     return math.log(v) if v > 0 else math.nan
+
+
+def late_factor(
+    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+) -> torch.Tensor:
+    """`limits_after` then `step_factor`, as one function of two small tensors (so that it is
+    one op, and one compiled kernel on CUDA). v (6,) float32 on the device: the step before's
+    loss, grad norm, factor and GradScaler overflow (its factor when there is no scaler), then
+    this step's loss and grad norm. h (10,) float64: the window's means, sums of squared
+    deviations and evicted values (each per series), its count, whether it is full, the
+    refusals in a row, and whether there is an overflow flag. Returns () float32, 1 or 0."""
+    x = v[:2].double()  # the step before: (2,)
+    fin = torch.isfinite(x)
+    loss_ok = fin[0]
+    over = (v[3] > 0) & loss_ok & (h[9] > 0)
+    nonfinite = ~(loss_ok & (fin[1] | over))
+    refused = (v[2] == 0) & ~nonfinite
+    learnable = (fin & (x > 0)).all()
+    pushed = ~over & learnable & ~refused
+    full, n = h[7], h[6]  # as limits_after: a full window keeps its count
+    keep = pushed.double()
+    n_new = keep * (1.0 - full) + n
+    mean0, dev2, e = h[0:2], h[2:4], h[4:6]  # e: 0 while the window is not full
+    d = torch.where(pushed, x.log() - mean0, 0.0)
+    s1 = keep * (d - e)
+    s2 = dev2 + keep * (d * d - e * e)
+    nn = n_new.clamp_min(1.0)
+    mean = mean0 + s1 / nn
+    var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
+    lim = mean + sigma * var.sqrt().clamp_min(floor)
+    run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
+    armed = (n_new >= min_history) & (run < refusals)
+    y = v[4:6].double()  # this step: (2,)
+    ok = torch.isfinite(y).all()
+    lx = y.log()
+    too_high = ((lx[0] > lim[0]) | (lx[1] > lim[1])) & armed
+    return (ok & ~(too_high & (y > 0).all())).float()
+
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _late_factor_cuda(
+    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+) -> torch.Tensor:
+    """On CUDA: `late_factor` compiled once per setting into one kernel (its inputs have fixed
+    shapes, the settings are constants: no recompile); eager if the compiler is not at hand."""
+    key = (sigma, floor, min_history, refusals)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        try:
+            fn = torch.compile(
+                functools.partial(
+                    late_factor, sigma=sigma, floor=floor, min_history=min_history,
+                    refusals=refusals,
+                ),
+                dynamic=False,
+                fullgraph=True,
+            )  # fmt: skip
+            fn(v, h)
+        except Exception as e:  # no Triton, no compiler: the same arithmetic, op by op
+            log.info("same-step tier: the late factor runs eagerly (%s)", e)
+            fn = functools.partial(late_factor, sigma=sigma, floor=floor,
+                                   min_history=min_history, refusals=refusals)  # fmt: skip
+        _COMPILED[key] = fn
+    return fn(v, h)
+
+
+@torch.library.custom_op("spikewatch::late_factor", mutates_args=())
+def _late_factor_op(
+    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+) -> torch.Tensor:
+    if v.is_cuda:
+        return _late_factor_cuda(v, h, sigma, floor, min_history, refusals)
+    return late_factor(v, h, sigma, floor, min_history, refusals)
+
+
+@_late_factor_op.register_fake
+def _(v, h, sigma, floor, min_history, refusals):  # noqa: ANN001, ANN202
+    return v.new_empty((), dtype=torch.float32)

@@ -232,11 +232,12 @@ class StepCore(Checkpointed):
         path) they are read now and the callbacks decide before the update."""
         step = self.step_count + 1
         t = self.world.reduce(t, stop=self.stop_asked)
-        limits: Any = None
-        if self.same_step is not None:  # read late: the step before is still on the device
-            ahead = self._late.tier if self._late is not None else None
-            limits = self.same_step.limits_after(*ahead) if ahead else self.same_step.limits()
-        factor = step_factor(t.loss, t.grad_norm, limits)
+        ahead = self._late.tier if self._late is not None else None
+        if self.same_step is not None and ahead is not None:  # the step before is on the device
+            factor = self.same_step.factor_after(t.loss, t.grad_norm, ahead)
+        else:
+            limits = None if self.same_step is None else self.same_step.limits()
+            factor = step_factor(t.loss, t.grad_norm, limits)
         xfer = HostTransfer()
         xfer.add_step(t)
         xfer.add([_FACTOR], factor)
