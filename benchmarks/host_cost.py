@@ -58,7 +58,7 @@ from spikewatch.trainer.checkpoints.tiers import Tiers  # noqa: E402
 from spikewatch.trainer.core.actions import Action, Continue, Rollback  # noqa: E402
 from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 from spikewatch.trainer.core.probes import Probes  # noqa: E402
-from spikewatch.trainer.core.transfer import HostTransfer  # noqa: E402
+from spikewatch.trainer.core.transfer import HostTransfer, clip_by_global_norm  # noqa: E402
 from spikewatch.trainer.model import attention  # noqa: E402
 from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
 
@@ -312,7 +312,7 @@ def bare_step(model: Any, opt: Any, b: int, t: int) -> None:
     x = torch.empty(b, t, dtype=torch.long, device=META)
     loss = model(x, x)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)  # as on CUDA
+    clip_by_global_norm(list(model.parameters()), 1.0)  # clip_grad_norm_'s foreach arithmetic
     opt.step()
     opt.zero_grad(set_to_none=True)
 

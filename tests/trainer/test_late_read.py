@@ -247,3 +247,55 @@ def test_a_refused_steps_host_memory_snapshot_is_dropped(tmp_path, monkeypatch) 
     ok = {s for s, status in seen.changes if status == "ok"}
     assert 15 not in ok and {10, 20} <= ok  # taken in flight, dropped once read as refused
     assert 15 not in watch.checkpointer.memory.slots
+
+
+def test_the_loops_garbage_collections_walk_only_what_the_run_made(tmp_path) -> None:
+    """A full collection walks every tracked object: the set-up (torch's modules, the model,
+    the store) is frozen at the first step, so what the collector walks is what the run made
+    since, and over a long run that grows only with the snapshots retention keeps (about one
+    per doubling of the run), never a step at a time."""
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = AdamW(model.parameters(), lr=1e-3)
+    settings = {"probes": {"read": "next_step"}, "checkpoint": {"memory_interval": 25}}
+    watch = Watch(model, opt, db="none", run_dir=tmp_path, settings=settings)
+    gc.unfreeze()
+    x, walked, held = torch.randn(4, 8), {}, {}
+    try:
+        with watch:
+            for i in range(3001):
+                watch.begin_step(i)
+                if i == 0:
+                    frozen = gc.get_freeze_count()
+                loss = model(x).square().mean()
+                loss.backward()
+                watch.step(loss)
+                if i in (1000, 3000):
+                    gc.collect()
+                    walked[i] = len(gc.get_objects())
+                    held[i] = len(watch.checkpointer.memory.slots)
+            mem = watch.checkpointer.memory
+            one = _tracked(mem.slots[max(mem.steps())].small)
+    finally:
+        gc.unfreeze()
+    assert frozen > 10 * walked[1000]  # the set-up is out of the collector's walk
+    more = held[3000] - held[1000]
+    assert 0 <= more <= 2  # exponential retention: log2(3000 / 1000) more age buckets at most
+    assert walked[3000] - walked[1000] <= (more + 1) * one  # those snapshots, and no step's
+
+
+def _tracked(obj: Any) -> int:
+    """The garbage collector's tracked containers reachable from `obj` through containers."""
+    import gc
+
+    seen, stack = set(), [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or not gc.is_tracked(o):
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict | list | tuple | set):
+            stack.extend(gc.get_referents(o))
+    return len(seen)
