@@ -65,6 +65,48 @@ def _live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> I
                 yield f"o/{i}/{k}", local(v).detach()
 
 
+class _Plan:
+    """Which live tensors a snapshot copies, and under which keys: found by one walk of the
+    model and the optimizer (`_live_tensors`'s order and keys), then read at each snapshot
+    through the dicts that hold them (a module's `_parameters` / `_buffers`, a parameter's
+    optimizer state), so that a tensor replaced in place of another (`param.data = ...` keeps the
+    Parameter; a buffer or state entry reassigned) is the one copied, with no walk. Made again
+    when the optimizer's state appears or is replaced (`load_state_dict`) or a shape changes."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        refs: list[tuple[str, dict[str, Any], str]] = []
+        seen: set[int] = set()
+        for kind, attr in (("p", "_parameters"), ("b", "_buffers")):
+            seen.clear()
+            for prefix, mod in model.named_modules():
+                for name, t in getattr(mod, attr).items():
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    refs.append(
+                        (f"{kind}/{prefix + '.' if prefix else ''}{name}", getattr(mod, attr), name)
+                    )
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            st = optimizer.state.get(p, {})
+            for k, v in sorted(st.items()):
+                if torch.is_tensor(v):
+                    refs.append((f"o/{i}/{k}", st, k))
+        self.refs = refs
+        self.keys = tuple(k for k, _, _ in refs)
+        self.state_of = optimizer.state  # replaced by the optimizer's load_state_dict
+        self.n_state = len(optimizer.state)
+        live = self.live()
+        self.signature = tuple((t.shape, t.dtype) for t in live.values())
+        self.need = sum(t.numel() * t.element_size() for t in live.values())
+
+    def live(self) -> dict[str, torch.Tensor]:
+        return {key: local(holder[name]).detach() for key, holder, name in self.refs}
+
+    def fits(self, optimizer: torch.optim.Optimizer) -> bool:
+        return optimizer.state is self.state_of and len(optimizer.state) == self.n_state
+
+
 def snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes one snapshot of this rank's tensors takes (with the optimizer state as it is now;
     Adam's moments exist after its first step)."""
@@ -84,6 +126,7 @@ class _Slot:
     awaiting: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
     events: Events = field(default_factory=list)  # CUDA: the side-stream copies' events
+    nbytes: int = 0
 
 
 class MemoryTier:
@@ -123,6 +166,8 @@ class MemoryTier:
         self._need = 0  # bytes of the last snapshot
         self._spare_state = 0  # parameters with optimizer state when the spare was shaped
         self._on_cuda = False  # the tensors of the last snapshot: pinned ahead on CUDA only
+        self._plan: _Plan | None = None  # the copy plan, made once per shape
+        self._plan_need = 0
 
     # -- what the tiers facade asks -------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -137,7 +182,7 @@ class MemoryTier:
 
     @property
     def bytes_held(self) -> int:
-        return sum(_nbytes(s.buffers) for s in self.slots.values())
+        return sum(s.nbytes for s in self.slots.values())
 
     def capacity(self, per_snapshot: int) -> int:
         return self.budget_bytes // max(per_snapshot, 1)
@@ -149,9 +194,8 @@ class MemoryTier:
         waits for `complete` (its decided state) or `drop` before a rollback may use it."""
         t0 = time.perf_counter()
         self.before_mutation()
-        live = dict(_live_tensors(self.model, self.optimizer))
-        need = sum(t.numel() * t.element_size() for t in live.values())
-        self._on_cuda = any(t.is_cuda for t in live.values())
+        live = self._live()
+        need = self._plan_need
         if not self._make_room(step, need):
             return time.perf_counter() - t0
         buffers = self._buffers(live)
@@ -166,6 +210,7 @@ class MemoryTier:
             ],
             pins=set(pins),
             awaiting=awaiting,
+            nbytes=_nbytes(buffers),
         )
         self.slots[step] = slot
         self._copy(slot, live)
@@ -176,6 +221,24 @@ class MemoryTier:
         self.last_stall_s = time.perf_counter() - t0
         return self.last_stall_s
 
+    def _live(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors by key, through the copy plan (made again when it no longer
+        fits: the optimizer's state appeared or was replaced, or a shape changed)."""
+        plan = self._plan
+        if plan is not None and plan.fits(self.optimizer):
+            live = plan.live()
+            if tuple((t.shape, t.dtype) for t in live.values()) == plan.signature:
+                return live
+        plan = self._plan = _Plan(self.model, self.optimizer)
+        live = plan.live()
+        self._plan_need = plan.need
+        self._on_cuda = any(t.is_cuda for t in live.values())
+        return live
+
+    def invalidate(self) -> None:
+        """The live tensors may have been replaced (a restore that made new ones): plan anew."""
+        self._plan = None
+
     def ahead(self) -> None:
         """Between snapshots (each step that saves none): pin the next snapshot's block in a
         thread while training goes on, when no evicted one may serve it and the budget holds
@@ -184,7 +247,7 @@ class MemoryTier:
             self._spare = None  # made before the optimizer's state existed: of another shape
         ahead = self._on_cuda or self.spare_ahead  # else no spare is made: no walk of the tensors
         if ahead and self._spare is None and not self.free and self.slots and self._room():
-            self._prepare_spare(dict(_live_tensors(self.model, self.optimizer)))
+            self._prepare_spare(self._live())
 
     def _room(self) -> bool:
         """A spare fits in the budget beside what is held (bytes, not a count of full
@@ -201,7 +264,7 @@ class MemoryTier:
         self._spare = self._spare_pool.submit(HostBlock, like, pin)
         self._spare_state = len(self.optimizer.state)
 
-    def _take_spare(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    def _take_spare(self, live: dict[str, torch.Tensor]) -> _Buffers | None:
         """The block pinned ahead, if it fits `live` (it waits for the thread if still
         pinning)."""
         spare, self._spare = self._spare, None
@@ -247,17 +310,17 @@ class MemoryTier:
 
     def _buffers(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host buffers shaped like `live`: reused from an evicted snapshot when they match."""
+        plan = self._plan
+        assert plan is not None
         for i, bufs in enumerate(self.free):
-            if bufs.keys() == live.keys() and all(
-                bufs[k].shape == t.shape and bufs[k].dtype == t.dtype for k, t in live.items()
-            ):
+            if getattr(bufs, "signature", None) == (plan.keys, plan.signature):
                 return self.free.pop(i)
         self.free.clear()  # another shape (the optimizer state appeared): map afresh
         spare = self._take_spare(live)
-        if spare is not None:
-            return spare
-        block = HostBlock(live, pin=any(t.is_cuda for t in live.values()))
-        return _Buffers(block)
+        if spare is None:
+            spare = _Buffers(HostBlock(live, pin=any(t.is_cuda for t in live.values())))
+        spare.signature = (plan.keys, plan.signature)
+        return spare
 
     def _copy(self, slot: _Slot, live: dict[str, torch.Tensor]) -> None:
         pairs = [(slot.buffers[k], t) for k, t in live.items()]
@@ -358,6 +421,7 @@ class MemoryTier:
                         buf = slot.buffers[k]
                         device = _state_device(self.optimizer, p, name)
                         state[p][name] = torch.empty_like(buf, device=device)
+                        self._plan = None
         live = dict(_live_tensors(self.model, self.optimizer))
         if live.keys() != slot.buffers.keys():
             raise CheckpointError(f"host-memory snapshot of step {step} does not fit the model")
@@ -413,6 +477,7 @@ class _Buffers(dict[str, torch.Tensor]):
     def __init__(self, block: HostBlock) -> None:
         super().__init__(block.tensors)
         self.block = block
+        self.signature: tuple | None = None  # the copy plan's (keys, shapes and dtypes)
 
 
 def _landed(slot: _Slot) -> None:

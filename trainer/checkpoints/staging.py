@@ -12,7 +12,7 @@ import torch
 
 from spikewatch.trainer.checkpoints.pinned import Events, HostBlock, SideCopies
 
-__all__ = ["Live", "Queued", "Stager", "has_cuda", "stage_tensors", "to_host"]
+__all__ = ["Live", "NoTensors", "Queued", "Stager", "has_cuda", "stage_tensors", "to_host"]
 
 
 class Stager:
@@ -64,6 +64,12 @@ class Live(Stager):
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.detach()
+
+
+class NoTensors(Live):
+    """The weights and optimizer state are not wanted: a host-memory snapshot copies them from
+    the live tensors itself (memory.py), so the snapshot skips building their state dicts (a
+    walk of every module and state tensor on the loop thread)."""
 
 
 def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:

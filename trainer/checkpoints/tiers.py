@@ -23,7 +23,7 @@ import torch
 
 from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
-from spikewatch.trainer.checkpoints.staging import Live, Stager
+from spikewatch.trainer.checkpoints.staging import NoTensors, Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World, local
 
@@ -136,7 +136,7 @@ class Tiers:
         stalls: dict[str, float] = {}
         if self.memory is not None and (tiers is None or MEMORY in tiers):
             pins = self.pins.get(step, set())
-            stalls[MEMORY] = self.memory.save(step, build(Live()), pins, awaiting)
+            stalls[MEMORY] = self.memory.save(step, build(NoTensors()), pins, awaiting)
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
         if self.disk.enabled and (tiers is None or DISK in tiers):

@@ -22,7 +22,7 @@ import torch
 
 from spikewatch.observatory.findings import findings, skipped
 from spikewatch.trainer.checkpoints.format import Snapshot
-from spikewatch.trainer.checkpoints.staging import Stager, to_host
+from spikewatch.trainer.checkpoints.staging import NoTensors, Stager, to_host
 from spikewatch.trainer.core.actions import Rollback
 from spikewatch.trainer.core.attribution import Measure, attribute
 from spikewatch.trainer.core.callbacks import Callback
@@ -280,6 +280,8 @@ class Checkpointed:
             if sched is not None:
                 own["scheduler"] = sched
             torch_files = {f"rng.rank{self.world.rank}.pt": own}
+        elif isinstance(stage, NoTensors):  # host memory copies the live tensors itself
+            torch_files = {"rng.pt": rng_tensors}
         else:
             torch_files = {
                 **split_optimizer(to_host(self.optimizer.state_dict(), stage, "optimizer")),
