@@ -501,7 +501,9 @@ _HEAVIER = {"state": EVENTS[1:], "memory": EVENTS[2:], "disk": EVENTS[3:], "deci
 def summarise(rows: list[StepRow], skip: int = 2) -> dict[str, Any]:
     """Per step (mean, p99, max) and per event (the mean of steps with it, over plain steps)."""
     rows = [r for r in rows if r.step > skip]  # the first steps build what is built once
-    host = [r.host_ms for r in rows]
+    # every cadence (state steps, snapshots, disk checkpoints), not a rollback's decision: an
+    # event of its own, which a real run meets rarely and this short one once
+    host = [r.host_ms for r in rows if "decision" not in r.events]
     plain = [r.host_ms for r in rows if not r.events]
     base = statistics.median(plain) if plain else 0.0
     per_event = {}
@@ -517,6 +519,7 @@ def summarise(rows: list[StepRow], skip: int = 2) -> dict[str, Any]:
     snap = [r for r in rows if "memory" in r.events and "disk" not in r.events]
     waits_plain = [r.waits for r in rows if not r.events or r.events == {"state"}]
     parts: dict[str, float] = defaultdict(float)
+    rows = [r for r in rows if "decision" not in r.events]
     for r in rows:
         for k, v in r.parts.items():
             if k not in BARE_PARTS:
@@ -527,7 +530,8 @@ def summarise(rows: list[StepRow], skip: int = 2) -> dict[str, Any]:
         "host_ms_max": max(host),
         "host_ms_plain_step": base,
         "max_event_ms": max(
-            (r.host_ms for r in rows if r.events and "disk" not in r.events), default=base
+            (r.host_ms for r in rows if r.events and not r.events & {"disk", "decision"}),
+            default=base,
         ),
         "waits_per_step": statistics.mean(waits_plain) if waits_plain else 0.0,
         "waits_per_snapshot": statistics.mean(r.waits for r in snap) if snap else 0.0,

@@ -238,3 +238,32 @@ def test_probes_survive_a_deepcopy_free_resume(tmp_path) -> None:
     r = fit(tiny_config("checkpoint.interval=2"), run_dir=tmp_path, resume=True)
     assert M.layer("0/attn", "grad_norm") in r.metric_names
     assert copy.copy(r.steps) == 12
+
+
+def test_adam_sqrt_v_sums_take_fused_norms_a_chunk_at_a_time(monkeypatch) -> None:
+    """sum(sqrt(v)) per tensor as sqrt then the fused L1 norm, a few tensors at a time: the
+    same values as the order-1/2 norm (which launches one CUDA kernel per tensor), with no
+    order other than 1 dispatched and one norm call per chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from spikewatch.trainer.core import probes as P
+
+    g = torch.Generator().manual_seed(0)
+    vs = [torch.rand(s, generator=g) ** 4 * 1e-3 for s in [(100,), (33, 17), (5,), (700, 30)]]
+    want = P.norms(vs, torch.device("cpu"), 0.5).float().sqrt()
+
+    class Orders(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.orders: list[float] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.overloadpacket.__name__ == "_foreach_norm":
+                self.orders.append(float(args[1]) if len(args) > 1 else 2.0)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(P, "ROOT_CHUNK", 1000)  # chunks: [100, 561, 5], [21000]
+    with Orders() as mode:
+        got = P.root_sums(vs, torch.device("cpu"))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert mode.orders == [1.0, 1.0]
