@@ -159,6 +159,28 @@ def fused_max_on_meta(
     return torch.ops.spikewatch.fused_max_logits(q.detach(), k.detach(), causal, scale)
 
 
+def fused_heads_on_meta(
+    out: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """`attention.fused_heads_into` as it runs on a GPU: the check, then the mutating op."""
+    from spikewatch.trainer.model.kernels.max_logits import refusal
+
+    why = refusal(q, k, mask)
+    if why is not None and not why.startswith("it runs on CUDA"):
+        return None
+    if out is None:
+        out = torch.full((q.size(1),), float("-inf"), device=q.device, dtype=torch.float32)
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    torch.ops.spikewatch.fused_head_max_(out, q.detach(), k.detach(), causal, scale)
+    return out
+
+
 def _register_flops() -> None:
     from spikewatch.trainer.model.kernels import max_logits as _k  # noqa: F401  (the op)
 
@@ -168,13 +190,18 @@ def _register_flops() -> None:
         s = k_shape[2]
         return 2 * b * h * t * s * d  # the whole square (the causal half is skipped by blocks)
 
+    @register_flop_formula(torch.ops.spikewatch.fused_head_max_)
+    def _fused_heads_flops(out_shape_, q_shape, k_shape, *args, out_shape=None, **kw) -> int:  # noqa: ANN001
+        b, h, t, d = q_shape
+        return 2 * b * h * t * k_shape[2] * d
+
 
 _register_flops()
 
 
 # -- counting kernels, FLOPs and bytes ----------------------------------------------------------
 # spikewatch's ops launched through Triton's Python launcher (a fixed host cost each on a GPU)
-TRITON_FROM_PYTHON = {"fused_max_logits"}
+TRITON_FROM_PYTHON = {"fused_max_logits", "fused_head_max_"}
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach"}
 _FUSED_ORDS = (1, 2, math.inf, -math.inf)
 
@@ -363,9 +390,7 @@ class Harness:
         patch(HostTransfer, "start", start_)
         patch(HostTransfer, "fetch", fetch_)
         patch(attention, "fused_max", fused_max_on_meta)
-        import spikewatch.trainer.model.attn_max as am
-
-        patch(am, "fused_max", fused_max_on_meta)
+        patch(attention, "fused_heads_into", fused_heads_on_meta)
         tiers_save = Tiers.save
 
         def save_(tiers: Tiers, step: int, build: Any, which: Any = None, **kw: Any) -> Any:

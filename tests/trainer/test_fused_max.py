@@ -139,3 +139,60 @@ def test_rows_and_keys_past_the_end_do_not_count_when_every_logit_is_negative(ca
     got = fused_max_logits(q, k, causal=causal)
     assert (got < 0).all()
     torch.testing.assert_close(got, _reference(q, k, causal, 32**-0.5).float())
+
+
+@pytest.mark.parametrize(("heads_k", "causal"), [(4, True), (2, True), (1, False)])
+def test_head_maxima_go_straight_into_the_running_maximum(heads_k, causal) -> None:
+    """The probes' form: each call max's its (scaled) maxima over the batch into `out`, so a
+    layer's per-head maximum over a step's micro-batches is one launch each, no reduction."""
+    from spikewatch.trainer.model.kernels.max_logits import fused_head_max_
+
+    g = torch.Generator().manual_seed(11 + heads_k)
+    micro = [
+        (torch.randn(2, 4, 29, 32, generator=g), torch.randn(2, heads_k, 29, 32, generator=g))
+        for _ in range(2)
+    ]
+    micro[1] = (-micro[1][0].abs() - 0.1, micro[1][1].abs() + 0.1)  # every logit negative
+    out = torch.full((4,), float("-inf"))
+    for q, k in micro:
+        fused_head_max_(out, q, k, causal=causal, scale=0.3)
+    want = torch.stack([_reference(q, k, causal, 0.3).amax(0) for q, k in micro]).amax(0)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    only_negative = torch.full((4,), float("-inf"))
+    fused_head_max_(only_negative, *micro[1], causal=causal, scale=0.3)
+    assert (only_negative < 0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        fused_head_max_(torch.zeros(3), *micro[0])
+
+
+def test_a_recorded_layer_costs_two_kernels_a_micro_batch_at_most(monkeypatch) -> None:
+    """With the fused pass, a layer's record is the running maximum's allocation (once a step)
+    and the launch: no (B, H) result reduced, scaled and combined op by op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import spikewatch.trainer.model.attention as attention
+    from spikewatch.trainer.model import attn_max
+
+    monkeypatch.setattr(attention, "FUSED_OFF_GPU", True)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not func.is_view and func.namespace in ("aten", "spikewatch"):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 4, 24, 32, generator=g), torch.randn(2, 2, 24, 32, generator=g)
+    rec = attn_max.AttnMax()
+    rec.active = True
+    with Ops() as mode:
+        for _ in range(2):  # two micro-batches
+            rec.record_logits(0, q, k, n_rep=2)
+    assert mode.ops == ["full", "fused_head_max_", "fused_head_max_"]
+    taken = rec.take()
+    assert taken is not None
+    torch.testing.assert_close(taken[1][0], _reference(q, k, True, 32**-0.5).amax(0).float())

@@ -43,9 +43,14 @@ def compiled() -> list[dict]:
 
 def test_every_launch_compiles_for_sm80_and_sm90_within_shared_memory(compiled) -> None:
     assert {r["arch"] for r in compiled} == {80, 90}
-    # the attention's 3 kernels x 5 head dim / dtype cases, the max's 1 x 4 (it casts k to q's
-    # dtype: the mixed case is the fp32 one), each for 2 targets
-    assert len(compiled) == 38
+    # the attention's 3 kernels x 5 head dim / dtype cases, the max's 2 forms (per block, and
+    # per head by atomic max) x 4 (it casts k to q's dtype: the mixed case is the fp32 one),
+    # each for 2 targets
+    assert len(compiled) == 46
+    assert {r["constexprs"]["HEADS"] for r in compiled if r["kernel"] == "_max_kernel"} == {
+        True,
+        False,
+    }
     assert {r["kernel"] for r in compiled} >= {"_fwd_kernel", "_max_kernel"}
     failed = [
         (r["kernel"], r["arch"], r["constexprs"], r.get("error")) for r in compiled if not r["ok"]
@@ -74,5 +79,5 @@ def test_fp32_dots_are_ieee_not_tf32(compiled) -> None:
 def test_batch_times_heads_goes_on_the_grids_long_axis() -> None:
     """B * H = 70,000 programs do not fit the 65,535 of a grid's second axis."""
     grids = _run([[70000, 1, 16, 16, "bf16", "bf16", "bf16", True]], "--grids")
-    assert len(grids) == 4  # the attention's 3 launches and the max's
+    assert len(grids) == 5  # the attention's 3 launches and the max's 2 forms
     assert all(g["grid"][0] == 70000 and g["grid"][1] <= 65535 for g in grids)

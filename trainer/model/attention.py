@@ -151,6 +151,31 @@ def fused_max(
     return fused_max_logits(q, k, causal=causal, scale=scale)
 
 
+def fused_heads_into(
+    out: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """The fused pass's per-head maxima over the batch, max'd into `out` ((H,) fp32; None: a
+    new one at -inf) in one launch, where it takes the call (as `fused_max`); else None."""
+    if mask is not None or not (q.is_cuda or FUSED_OFF_GPU):
+        return None
+    from spikewatch.trainer.model.kernels.max_logits import (  # imports Triton
+        fused_head_max_,
+        refusal,
+    )
+
+    if refusal(q, k) is not None:
+        return None
+    if out is None:
+        out = torch.full((q.size(1),), float("-inf"), device=q.device, dtype=torch.float32)
+    return fused_head_max_(out, q, k, causal=causal, scale=scale)
+
+
 @torch.no_grad()
 def max_logits(
     q: torch.Tensor,

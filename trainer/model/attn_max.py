@@ -25,7 +25,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from spikewatch.trainer.model.attention import RECORD_CHUNK, fused_max, max_logits
+from spikewatch.trainer.model import attention
+from spikewatch.trainer.model.attention import RECORD_CHUNK, max_logits
 
 __all__ = ["AttnMax"]
 
@@ -93,7 +94,7 @@ class AttnMax:
             )
         elif self.active and torch.is_grad_enabled() and not _recomputing():
             # a probe: no autograd graph over its score blocks
-            self._keep(layer, _max_logits(q.detach(), k.detach(), mask, causal, scale, n_rep))
+            self._record_logits(layer, q.detach(), k.detach(), mask, causal, scale, n_rep)
 
     def sdpa(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
@@ -102,6 +103,28 @@ class AttnMax:
         (B, H, T, D)), recording the layer's per-head max logit on probed steps."""
         self.record_logits(layer, q, k, causal=causal)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def _record_logits(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+        scale: float | None,
+        n_rep: int,
+    ) -> None:
+        """The fused pass straight into the layer's running maxima where it takes the call
+        (one launch a layer and micro-batch), else the maxima computed and kept."""
+        if not self.active or _recomputing():
+            return
+        held = self._by_layer.get(layer)
+        if held is None or (held.dim() == 1 and held.dtype == torch.float32):
+            into = attention.fused_heads_into(held, q, k, causal=causal, mask=mask, scale=scale)
+            if into is not None:
+                self._by_layer[layer] = into
+                return
+        self._keep(layer, _max_logits(q, k, mask, causal, scale, n_rep))
 
     def _keep(self, layer: int, mx: torch.Tensor) -> None:
         if not self.active or _recomputing():
@@ -129,7 +152,7 @@ def _max_logits(
     scale: float | None,
     n_rep: int,
 ) -> torch.Tensor:
-    fused = fused_max(q, k, causal=causal, mask=mask, scale=scale)  # GPU: k's heads shared
+    fused = attention.fused_max(q, k, causal=causal, mask=mask, scale=scale)  # k's heads shared
     if fused is not None:
         return fused
     if n_rep > 1:  # grouped-query attention: each key head serves n_rep query heads
@@ -170,7 +193,7 @@ def _register() -> bool:
     ) -> None:
         rec = _RECORDERS.get(key)
         if rec is not None and rec.active and training:
-            rec._keep(layer, _max_logits(q, k, mask, causal, scale, n_rep))
+            rec._record_logits(layer, q, k, mask, causal, scale, n_rep)
 
     for op in (record_attn_max, record_max_logits):
         op.register_fake(lambda *args: None)

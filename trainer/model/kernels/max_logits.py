@@ -30,7 +30,7 @@ from spikewatch.trainer.model.kernels.eligibility import (
     interpreting,
 )
 
-__all__ = ["fused_max_logits", "refusal"]
+__all__ = ["fused_head_max_", "fused_max_logits", "refusal"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_GRID_Y = 65535
@@ -38,11 +38,11 @@ MAX_GRID_Y = 65535
 
 @triton.jit
 def _max_kernel(
-    Q, K, MAXB,
+    Q, K, MAXB, OUT, scale,
     T, S, H, n_rep, num_m_blocks,
     sqb, sqh, sqt, skb, skh, skt,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)  # B * H on the long axis
     pid_m = tl.program_id(1)
@@ -96,7 +96,10 @@ def _max_kernel(
             valid = valid & (offs_m[:, None] >= n[None, :])
         m2 = tl.maximum(m2, tl.where(valid, s, float("-inf")))
     m_i = tl.where(mask_m, tl.max(m2, 1), float("-inf"))
-    tl.store(MAXB + bh.to(tl.int64) * num_m_blocks + pid_m, tl.max(m_i, 0))
+    if HEADS:  # scaled, into the head's running maximum (over blocks, rows, micro-batches)
+        tl.atomic_max(OUT + h, tl.max(m_i, 0) * scale)
+    else:
+        tl.store(MAXB + bh.to(tl.int64) * num_m_blocks + pid_m, tl.max(m_i, 0))
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None) -> str | None:
@@ -135,8 +138,15 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(B, H) max of q k^T, unscaled."""
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """(B, H) max of q k^T, unscaled; with `out` ((H,) fp32), `out[h] = max(out[h], scale *
+    that max over the batch)` in the kernel itself (returns `out`)."""
     B, H, T, D = q.shape
     S = k.size(2)
     if k.dtype != q.dtype:  # one dtype for tl.dot: the queries' (the activations')
@@ -149,17 +159,24 @@ def _launch(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
     nm = triton.cdiv(T, bm)
     if nm > MAX_GRID_Y:
         raise ValueError(f"sequence too long for the fused max: {nm} blocks > {MAX_GRID_Y}")
-    maxb = torch.empty(B * H, max(nm, 1), device=q.device, dtype=torch.float32)
-    if T == 0 or S == 0:
-        return maxb.fill_(float("-inf")).view(B, H, -1).amax(-1)
+    heads = out is not None
+    if heads:
+        assert out is not None
+        if T == 0 or S == 0 or B == 0:
+            return out  # no score: nothing raises the maximum
+        maxb = out
+    else:
+        maxb = torch.empty(B * H, max(nm, 1), device=q.device, dtype=torch.float32)
+        if T == 0 or S == 0:
+            return maxb.fill_(float("-inf")).view(B, H, -1).amax(-1)
     _max_kernel[(B * H, nm)](
-        q, k, maxb, T, S, H, H // k.size(1), nm,
+        q, k, maxb, maxb, float(scale), T, S, H, H // k.size(1), nm,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=triton.next_power_of_2(D),
-        CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype),
+        CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype), HEADS=heads,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return maxb.view(B, H, nm).amax(-1)
+    return maxb if heads else maxb.view(B, H, nm).amax(-1)
 
 
 # One opaque call for torch.compile (no tracing into the launch); eager code the same.
@@ -186,3 +203,38 @@ def fused_max_logits(
     if scale <= 0:
         raise ValueError(f"the scale must be positive, got {scale}")
     return _fused(q.detach(), k.detach(), causal, scale)
+
+
+# The probes' form: one launch a layer, straight into the step's (H,) running maxima (no (B, H)
+# result to reduce, scale and combine with the layer's earlier micro-batches: 3-4 kernels less a
+# layer). A mutating op: torch.compile keeps it, in order, and knows what it writes.
+@torch.library.custom_op("spikewatch::fused_head_max_", mutates_args=("out",))
+def _fused_heads(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
+) -> None:
+    _launch(q, k, causal, out, scale)
+
+
+@_fused_heads.register_fake
+def _(out, q, k, causal, scale):  # noqa: ANN001, ANN202
+    return None
+
+
+@torch.no_grad()
+def fused_head_max_(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`out` ((H,) fp32 on q's device) becomes max(out, the (B, H) maxima of `fused_max_logits`
+    taken over the batch): a layer's per-head maximum over a step's micro-batches, in one launch
+    each. Returns `out`. Raises ValueError for a call `refusal` refuses."""
+    why = refusal(q, k)
+    if why is not None:
+        raise ValueError(f"the fused max logits cannot take this call: {why}")
+    if out.shape != (q.size(1),) or out.dtype != torch.float32 or out.device != q.device:
+        raise ValueError(f"out must be ({q.size(1)},) float32 on {q.device}, got {out.shape}")
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if scale <= 0:
+        raise ValueError(f"the scale must be positive, got {scale}")
+    _fused_heads(out, q.detach(), k.detach(), causal, scale)
+    return out
