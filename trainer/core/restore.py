@@ -324,7 +324,12 @@ class Checkpointed:
             self.optimizer.load_state_dict(join_optimizer(loaded))
         if self.scheduler is not None and "scheduler.pt" in loaded:
             self.scheduler.load_state_dict(loaded["scheduler.pt"])
-        if "rng.pt" in loaded:  # a framework's own checkpoints keep no RNG
+        # the RNGs: a resume takes them back (bitwise equal to the uninterrupted run); so does a
+        # rollback of a client that draws any batch again from its index (data "rewind"). With
+        # data flowing forward (the Watch), a rollback leaves them going: a loop that samples
+        # with the global RNG (nanoGPT's random windows) would otherwise draw again the very
+        # batches the rollback skips
+        if "rng.pt" in loaded and (resume or self.data_flow == "rewind"):
             set_rng_states(loaded["rng.pt"], state["rng"])
         if resume:
             last = loaded.get("meta", {}).get("loss")

@@ -1,0 +1,91 @@
+"""The Watch in loops we did not write, shaped like nanoGPT's train.py: a random-window sampler
+on torch's global RNG that ignores the batch index, the loop's own schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spikewatch import AdamW, Watch
+from spikewatch.corpus import text_corpus
+from spikewatch.trainer.core.actions import Action, Continue, Rollback
+from spikewatch.trainer.core.callbacks import Callback, StepState
+
+from .conftest import example
+
+
+class _RollbackAt(Callback):
+    def __init__(self, at: int, to: int) -> None:
+        self.at, self.to, self.done = at, to, False
+
+    def on_step(self, state: StepState) -> Action:
+        if state.step == self.at and not self.done:
+            self.done = True
+            return Rollback(to_step=self.to, reason="test")
+        return Continue()
+
+
+def _random_windows(data: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: offsets from torch's global RNG, whatever the step."""
+    ix = torch.randint(len(data) - t - 1, (rows,))
+    x = torch.stack([data[i : i + t] for i in ix]).long()
+    y = torch.stack([data[i + 1 : i + 1 + t] for i in ix]).long()
+    return x, y
+
+
+def test_a_rollback_does_not_draw_again_what_a_global_rng_sampler_drew(tmp_path) -> None:
+    """A rollback restores weights and optimizer, not the data's randomness: the windows a
+    random sampler drew for the discarded steps are not drawn again after it (before, the
+    restored RNG re-drew exactly the windows of the steps after the target)."""
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    train, _ = text_corpus()
+    settings = {"checkpoint": {"memory_interval": 10, "interval": None}}
+    watch = Watch(model, opt, run_dir=tmp_path, db="none", max_steps=40, settings=settings,
+                  callbacks=[_RollbackAt(25, 20)])  # fmt: skip
+    drawn: list[tuple[int, torch.Tensor]] = []
+    with watch:
+        while not watch.should_stop:
+            x, y = _random_windows(train, 4, 32)
+            drawn.append((watch.step_count, x))
+            watch.begin_step()
+            watch.step(model(x, y))
+    (rb,) = [i for i in watch.interventions if i["kind"] == "rollback"]
+    assert (rb["from_step"], rb["to_step"]) == (25, 20)
+    before = [x for s, x in drawn[:25] if s >= 20]  # drawn for steps 21..25, then discarded
+    after = [x for _, x in drawn[25:]]
+    assert len(before) == 5 and after
+    assert not any(torch.equal(a, b) for a in after for b in before)
+
+
+def _draws(run_dir: Any, steps: int, kill_at: int | None) -> list[torch.Tensor]:
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    train, _ = text_corpus()
+    settings = {"checkpoint": {"memory_interval": None, "interval": 10}}
+    watch = Watch(model, opt, run_dir=run_dir, db="none", max_steps=steps, settings=settings,
+                  resume="auto")  # fmt: skip
+    out = []
+    with watch:
+        while not watch.should_stop:
+            if kill_at is not None and watch.step_count == kill_at:
+                break
+            x, y = _random_windows(train, 4, 32)
+            out.append(x)
+            watch.begin_step()
+            watch.step(model(x, y))
+    return out
+
+
+def test_a_resume_after_a_kill_still_draws_what_the_uninterrupted_run_drew(tmp_path) -> None:
+    """A resume takes the RNGs back: the same random windows as the uninterrupted run."""
+    whole = _draws(tmp_path / "a", 30, None)
+    _draws(tmp_path / "b", 30, kill_at=20)  # stopped at 20, checkpoint at 20
+    again = _draws(tmp_path / "b", 30, None)
+    assert len(again) == 10
+    assert all(torch.equal(a, b) for a, b in zip(again, whole[20:], strict=True))
