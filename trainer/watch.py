@@ -65,7 +65,7 @@ from spikewatch.trainer.core.step_core import (
     StepCore,
 )
 from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
-from spikewatch.trainer.core.world import World
+from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.attn_max import AttnMax
 from spikewatch.trainer.watch_amp import Scaling
 from spikewatch.trainer.watch_open import (
@@ -492,13 +492,27 @@ class Watch(Replaying):
                 for cb in core.callbacks:
                     cb.on_fit_end(core.fit_state("failed" if status == "failed" else "stopped"))
             else:
-                core.finish(status or ("halted" if core.halted else "completed"))
+                core.finish(status or self._end_status())
         finally:
             if self.sink is not None:
                 self.sink.close(timeout=30)
             if not ended:
                 core.world.barrier()
         return self.summary()
+
+    def _end_status(self) -> str:
+        """How a run that did not fail ended: halted by the guard, stopped before its planned
+        steps (said), or completed."""
+        core = self._c
+        if core.halted:
+            return "halted"
+        planned = self.cfg.max_steps
+        if core.stop_requested or (planned is not None and core.step_count < planned):
+            if core.world.is_main:
+                say(log, f"run {core.run.run_id} stopped at step {core.step_count}"
+                    + (f" of {planned}" if planned is not None else ""))  # fmt: skip
+            return "stopped"
+        return "completed"
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, a run nobody closed (an exception ended the training, or the

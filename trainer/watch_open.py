@@ -6,6 +6,7 @@ framework's copy of the state, or a fresh start."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import weakref
 from collections.abc import Callable
@@ -22,9 +23,11 @@ from spikewatch.trainer.core.lifecycle import WATCH_RULES, check_resumable
 from spikewatch.trainer.core.probes import Probes, describe_model
 from spikewatch.trainer.core.recorder import Recorder
 from spikewatch.trainer.core.setup import open_core
-from spikewatch.trainer.core.state import RunState
+from spikewatch.trainer.core.state import RunState, ended
 from spikewatch.trainer.core.step_core import StepCore
-from spikewatch.trainer.core.world import attach_world
+from spikewatch.trainer.core.world import attach_world, say
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "UNCAUGHT",
@@ -49,11 +52,12 @@ def build_watch_core(watch: Any) -> StepCore:  # a Watch (trainer/watch.py impor
     if watch.resume_arg is True and watch.run_dir_arg is None:
         raise ValueError("resume needs the run directory (run_dir=...)")
     saved = watch.saved
-    run_id = str(saved["run_id"]) if saved is not None else None
-    if run_id is None:
-        given = watch.run_dir_arg
-        run_id = Path(given).name if given else world.agree(new_run_id(cfg.name))
+    # a fresh start is a new run, whatever its directory is called; a resume takes the id
+    # its checkpoint holds (and a framework's state, its own)
+    run_id = str(saved["run_id"]) if saved is not None else world.agree(new_run_id(cfg.name))
     run_dir = Path(watch.run_dir_arg) if watch.run_dir_arg else watch.run_root / run_id
+    if watch.resume_arg == "auto" and saved is None:
+        run_dir = _unfinished(run_dir, world, cfg.max_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     probes = Probes(model, optimizer, cfg.probes, world, layer_of=watch.layer_of)
     watch.model_info = dict(watch.model_info_arg or describe_model(model))
@@ -86,6 +90,29 @@ def build_watch_core(watch: Any) -> StepCore:  # a Watch (trainer/watch.py impor
         max_steps=cfg.max_steps,
         disk=watch.disk_arg,
     )
+
+
+def _unfinished(run_dir: Path, world: Any, max_steps: int | None) -> Path:
+    """`resume="auto"` resumes only a run that did not end: a directory whose run completed
+    its steps (or was halted by the guard) is left as it is and a new run starts beside it, in
+    the first free `<dir>-2`, `<dir>-3`, ...; said in one line. A run stopped early resumes,
+    and so does a completed one given more steps than it ended at (training on)."""
+    end = ended(run_dir)
+    status = None if end is None else end.get("status")
+    more = max_steps is not None and end is not None and int(end.get("step", 0)) < max_steps
+    if status not in ("completed", "halted") or (status == "completed" and more):
+        return run_dir
+    k = 2
+    while (run_dir.parent / f"{run_dir.name}-{k}").exists():
+        k += 1
+    fresh = run_dir.parent / f"{run_dir.name}-{k}"
+    if world.is_main:
+        say(
+            log,
+            f"run {end.get('run_id')} in {run_dir} ended ({end.get('status')}) at step "
+            f"{end.get('step')}: a new run starts in {fresh}",
+        )
+    return fresh
 
 
 def _guard(watch: Any, retained: Callable[[], list[int]]) -> SpikeGuard:

@@ -9,6 +9,7 @@ import torch
 
 from spikewatch import AdamW, Watch
 from spikewatch.corpus import text_corpus
+from spikewatch.observatory.store.sink import NullSink
 from spikewatch.trainer.core.actions import Action, Continue, Rollback
 from spikewatch.trainer.core.callbacks import Callback, StepState
 
@@ -89,3 +90,70 @@ def test_a_resume_after_a_kill_still_draws_what_the_uninterrupted_run_drew(tmp_p
     again = _draws(tmp_path / "b", 30, None)
     assert len(again) == 10
     assert all(torch.equal(a, b) for a, b in zip(again, whole[20:], strict=True))
+
+
+class _Kept(NullSink):
+    """A sink that keeps the events and statuses it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self.statuses: list[str] = []
+
+    def log_event(self, run_id: str, kind: str, **kw: Any) -> None:  # type: ignore[override]
+        self.events.append((kind, str(kw.get("message", ""))))
+        super().log_event(run_id, kind, **kw)
+
+    def set_status(self, run_id: str, status: str) -> None:
+        self.statuses.append(status)
+        super().set_status(run_id, status)
+
+
+def _run(run_dir: Any, steps: int, stop_at: int | None = None, sink: Any = None) -> Watch:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = AdamW(model.parameters(), lr=1e-3)
+    settings = {"checkpoint": {"memory_interval": None, "interval": 5}}
+    watch = Watch(model, opt, run_dir=run_dir, db="none", max_steps=steps, settings=settings,
+                  resume="auto", sink=sink)  # fmt: skip
+    with watch:
+        while not watch.should_stop and watch.step_count != stop_at:
+            watch.begin_step()
+            watch.step(model(torch.ones(2, 4)).square().mean())
+    return watch
+
+
+def test_a_fresh_start_is_a_new_run_whatever_its_directory_is_called(tmp_path) -> None:
+    """Runs are not named by their directory's last folder (nanoGPT's out_dir + "/spikewatch"
+    named every run "spikewatch", and a fault run merged into the clean run's record)."""
+    a = _run(tmp_path / "clean" / "spikewatch", 5)
+    b = _run(tmp_path / "fault" / "spikewatch", 5)
+    assert a.run_id != b.run_id and a.run_id.startswith("run-")
+
+
+def test_running_again_after_a_finished_run_starts_a_new_run_beside_it(tmp_path, capsys) -> None:
+    first = _run(tmp_path / "out", 10)
+    again = _run(tmp_path / "out", 10)
+    said = capsys.readouterr().err
+    assert again.run_dir == tmp_path / "out-2" and again.step_count == 10
+    assert again.run_id != first.run_id
+    assert f"run {first.run_id} in {tmp_path / 'out'} ended (completed) at step 10" in said
+    assert f"a new run starts in {tmp_path / 'out-2'}" in said
+
+
+def test_an_early_end_is_said_and_a_resume_is_said_and_logged(tmp_path, capsys) -> None:
+    sink = _Kept()
+    stopped = _run(tmp_path / "out", 20, stop_at=10, sink=sink)
+    assert sink.statuses == ["stopped"]
+    assert f"run {stopped.run_id} stopped at step 10 of 20" in capsys.readouterr().err
+    sink = _Kept()
+    resumed = _run(tmp_path / "out", 20, sink=sink)  # a stopped run resumes where it was
+    said = capsys.readouterr().err
+    assert resumed.run_id == stopped.run_id and resumed.step_count == 20
+    assert said.count("resumed run") == 1
+    assert f"resumed run {stopped.run_id} at step 10 from its disk checkpoint" in said
+    assert (
+        "note",
+        f"resumed at step 10 from {tmp_path / 'out' / 'checkpoints' / 'step00000010'}",
+    ) in sink.events
+    assert sink.statuses == ["completed"]

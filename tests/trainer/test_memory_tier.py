@@ -217,3 +217,37 @@ def test_a_warning_pins_the_newest_snapshot_of_each_tier(tmp_path) -> None:
     pins = core.checkpointer.pins
     assert {s for s, why in pins.items() if "attention logits growing" in why} == {10, 15}
     assert core.checkpointer.memory.slots[15].pins and core.checkpointer.disk.pins[10]
+
+
+def test_a_rollback_from_host_memory_restores_the_lr_schedule(tmp_path) -> None:
+    """A host-memory snapshot copies the weights and the optimizer's tensors itself, and keeps
+    the rest of the checkpoint: the LR scheduler comes back to the target step's."""
+    from spikewatch import Watch
+    from spikewatch.trainer.core.actions import Action, Continue, Rollback
+    from spikewatch.trainer.core.callbacks import Callback, StepState
+
+    class Once(Callback):
+        done = False
+
+        def on_step(self, state: StepState) -> Action:
+            if state.step == 17 and not self.done:
+                self.done = True
+                return Rollback(to_step=10, reason="test")
+            return Continue()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    settings = {"checkpoint": {"memory_interval": 5, "interval": None}}
+    watch = Watch(model, opt, sched, run_dir=tmp_path, db="none", settings=settings,
+                  callbacks=[Once()])  # fmt: skip
+    seen = {}
+    with watch:
+        for i in range(20):
+            watch.begin_step(i)
+            out = watch.step(model(torch.ones(2, 4)).square().mean())
+            if out == "rolled_back":
+                seen = {"step": watch.step_count, "last_epoch": sched.last_epoch}
+    (rb,) = watch.interventions
+    assert rb["tier"] == "memory" and seen == {"step": 10, "last_epoch": 10}

@@ -58,6 +58,7 @@ class FitState:
     max_steps: int
     config: Mapping[str, Any]
     status: str = "running"  # at the end: completed | stopped | halted
+    resumed_from: str | None = None  # the checkpoint this process resumed from, if it did
 
 
 class Callback:

@@ -66,6 +66,16 @@ class Recorder(Callback):
             self.sink.start_branch(state.run_id, **fork)
         if len(self.forks) < self.branch:  # a checkpoint from before forks were kept
             self.sink.know_branches(state.run_id, range(1, self.branch + 1))
+        if state.resumed_from is not None:  # in the logbook: where this process took over
+            self.sink.log_event(
+                state.run_id,
+                "note",
+                step=state.step,
+                branch=self.branch,
+                message=f"resumed at step {state.step} from {state.resumed_from}",
+                data=tagged({"kind": "resume", "from": state.resumed_from}),
+                source="trainer",
+            )
         url = getattr(self.sink, "url", None)
         if url is not None:
             say(log, f"run {state.run_id} is recorded in {redact(url)}; see it: {serve_hint(url)}")

@@ -30,6 +30,7 @@ from spikewatch.trainer.core.cause import NotAtHand, cause_of, device_of
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.decide import rescale
 from spikewatch.trainer.core.state import (
+    ENDED,
     RunState,
     callback_keys,
     join_optimizer,
@@ -37,6 +38,7 @@ from spikewatch.trainer.core.state import (
     set_rng_states,
     split_optimizer,
 )
+from spikewatch.trainer.core.world import say
 
 if TYPE_CHECKING:
     from spikewatch.trainer.checkpoints.tiers import Tiers
@@ -169,11 +171,15 @@ class Checkpointed:
         step, path = self.checkpointer.resume_point()
         changes = check(path)
         self.restore(self.checkpointer.read(path), resume=True)
-        if changes:
-            shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-            log.warning("resumed from %s with changed settings: %s", path, shown)
-        else:
-            log.info("resumed from %s", path)
+        self.run.resumed_from = str(path)
+        (self.run.run_dir / ENDED).unlink(missing_ok=True)  # it goes on: no longer ended
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        say(
+            log,
+            f"resumed run {self.run.run_id} at step {step} from its disk checkpoint {path}"
+            + (f", with changed settings: {shown}" if shown else "")
+            + "; steps after it are trained again",
+        )
         self.config_changes = changes
         return step
 
@@ -280,14 +286,12 @@ class Checkpointed:
             if sched is not None:
                 own["scheduler"] = sched
             torch_files = {f"rng.rank{self.world.rank}.pt": own}
-        elif isinstance(stage, NoTensors):  # host memory copies the live tensors itself
-            torch_files = {"rng.pt": rng_tensors}
         else:
-            torch_files = {
-                **split_optimizer(to_host(self.optimizer.state_dict(), stage, "optimizer")),
-                "model.pt": to_host(self.model.state_dict(), stage, "model"),
-                "rng.pt": rng_tensors,
-            }
+            torch_files = {"rng.pt": rng_tensors}
+            if not isinstance(stage, NoTensors):  # host memory copies the live tensors itself
+                torch_files["model.pt"] = to_host(self.model.state_dict(), stage, "model")
+                opt = to_host(self.optimizer.state_dict(), stage, "optimizer")
+                torch_files.update(split_optimizer(opt))
             if sched is not None:
                 torch_files["scheduler.pt"] = sched
         return Snapshot(

@@ -27,6 +27,8 @@ from spikewatch.trainer.core.data_state import DataState
 
 __all__ = [
     "DECIDED_KEYS",
+    "ENDED",
+    "ended",
     "RunState",
     "callback_keys",
     "join_optimizer",
@@ -39,6 +41,21 @@ __all__ = [
 # The parts of `trainer.json` a step's decision changes (read one step late, a host-memory
 # snapshot of a step still in flight gets them once the step is read): StepCore._settle_snapshot
 DECIDED_KEYS = ("lr_scale", "interventions", "halted", "same_step", "callbacks")
+
+
+ENDED = "ended.json"  # in the run directory: how and where a run ended (not a failure)
+
+
+def ended(run_dir: Path) -> dict[str, Any] | None:
+    """What `ended.json` says ({"run_id", "status", "step"}), or None (no end recorded: the run
+    is unfinished, or was killed)."""
+    import json
+
+    try:
+        out = json.loads((run_dir / ENDED).read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 @dataclass
@@ -58,6 +75,7 @@ class RunState:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     halted: str | None = None
     resumed_loss: float = math.nan  # the loss of the step a resume started from
+    resumed_from: str | None = None  # the checkpoint this process resumed from
 
 
 def rng_states() -> tuple[dict[str, Any], dict[str, Any]]:

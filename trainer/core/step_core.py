@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.strict_json import write_json
 from spikewatch.trainer.checkpoints.tiers import DISK, Tiers
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from spikewatch.trainer.core.attribution import Measure
@@ -57,7 +58,7 @@ from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, i
 from spikewatch.trainer.core.probes import Probes
 from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
 from spikewatch.trainer.core.same_step import SameStepGate, step_factor
-from spikewatch.trainer.core.state import DECIDED_KEYS, RunState
+from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
 from spikewatch.trainer.core.world import World
 from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer
@@ -577,6 +578,11 @@ class StepCore(Checkpointed):
                 self.save([DISK])
         finally:
             self.settle()
+        if self.world.is_main:  # a resume="auto" of this directory knows the run is over
+            write_json(
+                self.run.run_dir / ENDED,
+                {"run_id": self.run.run_id, "status": status, "step": self.step_count},
+            )
         for cb in self.callbacks:
             cb.on_fit_end(self.fit_state(status))
 
@@ -603,6 +609,7 @@ class StepCore(Checkpointed):
             max_steps=self.max_steps or 0,
             config=self.config(),
             status=status,
+            resumed_from=self.run.resumed_from,
         )
 
     def summary(self) -> dict[str, Any]:
