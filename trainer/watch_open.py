@@ -100,7 +100,7 @@ def _unfinished(run_dir: Path, world: Any, max_steps: int | None) -> Path:
     end = ended(run_dir)
     status = None if end is None else end.get("status")
     more = max_steps is not None and end is not None and int(end.get("step", 0)) < max_steps
-    if status not in ("completed", "halted") or (status == "completed" and more):
+    if end is None or status not in ("completed", "halted") or (status == "completed" and more):
         return run_dir
     k = 2
     while (run_dir.parent / f"{run_dir.name}-{k}").exists():
