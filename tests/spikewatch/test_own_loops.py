@@ -3,8 +3,10 @@ on torch's global RNG that ignores the batch index, the loop's own schedule."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 import torch
 
 from spikewatch import AdamW, Watch
@@ -131,27 +133,40 @@ def test_a_fresh_start_is_a_new_run_whatever_its_directory_is_called(tmp_path) -
     assert a.run_id != b.run_id and a.run_id.startswith("run-")
 
 
-def test_running_again_after_a_finished_run_starts_a_new_run_beside_it(tmp_path, capsys) -> None:
+@pytest.fixture
+def said(caplog, monkeypatch):  # noqa: ANN001, ANN201
+    """What spikewatch says at INFO, whatever an earlier test (the CLI's) set up for its logger."""
+    pkg = logging.getLogger("spikewatch")
+    monkeypatch.setattr(pkg, "propagate", True)
+    monkeypatch.setattr(pkg, "handlers", [])
+    caplog.set_level(logging.INFO, logger="spikewatch")
+    return caplog
+
+
+def test_running_again_after_a_finished_run_starts_a_new_run_beside_it(tmp_path, said) -> None:
+    caplog = said
     first = _run(tmp_path / "out", 10)
     again = _run(tmp_path / "out", 10)
-    said = capsys.readouterr().err
+    text = caplog.text
     assert again.run_dir == tmp_path / "out-2" and again.step_count == 10
     assert again.run_id != first.run_id
-    assert f"run {first.run_id} in {tmp_path / 'out'} ended (completed) at step 10" in said
-    assert f"a new run starts in {tmp_path / 'out-2'}" in said
+    assert f"run {first.run_id} in {tmp_path / 'out'} ended (completed) at step 10" in text
+    assert f"a new run starts in {tmp_path / 'out-2'}" in text
 
 
-def test_an_early_end_is_said_and_a_resume_is_said_and_logged(tmp_path, capsys) -> None:
+def test_an_early_end_is_said_and_a_resume_is_said_and_logged(tmp_path, said) -> None:
+    caplog = said
     sink = _Kept()
     stopped = _run(tmp_path / "out", 20, stop_at=10, sink=sink)
     assert sink.statuses == ["stopped"]
-    assert f"run {stopped.run_id} stopped at step 10 of 20" in capsys.readouterr().err
+    assert f"run {stopped.run_id} stopped at step 10 of 20" in caplog.text
+    caplog.clear()
     sink = _Kept()
     resumed = _run(tmp_path / "out", 20, sink=sink)  # a stopped run resumes where it was
-    said = capsys.readouterr().err
+    text = caplog.text
     assert resumed.run_id == stopped.run_id and resumed.step_count == 20
-    assert said.count("resumed run") == 1
-    assert f"resumed run {stopped.run_id} at step 10 from its disk checkpoint" in said
+    assert text.count("resumed run") == 1
+    assert f"resumed run {stopped.run_id} at step 10 from its disk checkpoint" in text
     assert (
         "note",
         f"resumed at step 10 from {tmp_path / 'out' / 'checkpoints' / 'step00000010'}",
