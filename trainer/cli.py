@@ -229,10 +229,66 @@ def cmd_logbook(args: argparse.Namespace) -> int:
 
     with session_factory(args.db or _default_db(args.run))() as session:
         try:
-            text = logbook(session, run_id=Path(args.run).name)
+            text = logbook(session, run_id=_run_id_of(args.run))
         except LookupError as e:
             raise ConfigError(str(e)) from None
     print(text, end="")  # noqa: T201 - the command's output
+    return 0
+
+
+def _run_id_of(run: str) -> str:
+    """A run id, or a run directory: the id its end record or newest checkpoint names (a run's
+    directory is not named after it), else the directory's name."""
+    path = Path(run)
+    if path.is_dir():
+        from spikewatch.trainer.checkpoints.format import list_checkpoints, read_meta
+        from spikewatch.trainer.core.state import ended
+
+        end = ended(path)
+        if end is not None and end.get("run_id"):
+            return str(end["run_id"])
+        found = list_checkpoints(path / "checkpoints")
+        if found:
+            meta = read_meta(found[max(found)])
+            if meta.get("run_id"):
+                return str(meta["run_id"])
+    return path.name
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from spikewatch.observatory.store.db import redact, resolve_url
+    from spikewatch.observatory.store.queries import list_runs, session_factory
+
+    url = resolve_url(args.db)
+    try:
+        with session_factory(url)() as session:
+            runs = list_runs(session, status=args.status, limit=args.limit)
+    except SQLAlchemyError as e:  # no such store, no tables, a server that refuses
+        first = str(getattr(e, "orig", None) or e).splitlines()[0]
+        print(f"spikewatch: cannot list the runs in {redact(url)}: {first}", file=sys.stderr)  # noqa: T201
+        return 2
+    if args.json:
+        rows = [
+            dict(run_id=r.run_id, name=r.name, status=r.status, steps=r.last_step,
+                 spikes=r.spikes, rollbacks=r.rollbacks, run_dir=r.run_dir,
+                 created_at=r.created_at.isoformat())
+            for r in runs
+        ]  # fmt: skip
+        print(json.dumps({"store": redact(url), "runs": rows}))  # noqa: T201
+        return 0
+    print(f"{len(runs)} run{'s' if len(runs) != 1 else ''} in {redact(url)}")  # noqa: T201
+    if runs:
+        head = ("run", "status", "steps", "spikes", "rollbacks", "run directory")
+        table = [head] + [
+            (r.run_id, r.status, "-" if r.last_step is None else str(r.last_step),
+             str(r.spikes), str(r.rollbacks), r.run_dir or "-")
+            for r in runs
+        ]  # fmt: skip
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for row in table:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())  # noqa: T201
     return 0
 
 
@@ -563,6 +619,12 @@ def _add_tools(sub: Any) -> None:
     scan.add_argument("--json", action="store_true", help="one JSON object on stdout")
     scan.set_defaults(func=cmd_scan)
 
+    runs = sub.add_parser("runs", help="the runs in the store: status, steps, spikes, rollbacks")
+    runs.add_argument("--db", default=None, help="store URL (default as for train)")
+    runs.add_argument("--status", default=None, help="only runs with this status")
+    runs.add_argument("--limit", type=int, default=200, help="newest N runs")
+    runs.add_argument("--json", action="store_true", help="one JSON object")
+    runs.set_defaults(func=cmd_runs)
     book = sub.add_parser("logbook", help="a run's dated logbook (Markdown)")
     book.add_argument("run", help="run id, or its run directory (runs/<id>)")
     book.add_argument("--db", default=None, help="store URL (default as for train)")

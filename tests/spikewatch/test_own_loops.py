@@ -172,3 +172,41 @@ def test_an_early_end_is_said_and_a_resume_is_said_and_logged(tmp_path, said) ->
         f"resumed at step 10 from {tmp_path / 'out' / 'checkpoints' / 'step00000010'}",
     ) in sink.events
     assert sink.statuses == ["completed"]
+
+
+def test_spikewatch_runs_lists_the_runs_and_logbook_takes_a_run_directory(tmp_path, capsys) -> None:
+    """`spikewatch runs`: name, status, steps, spikes, rollbacks, where; `spikewatch logbook
+    DIR` finds the run a directory holds (a directory is no longer named after its run)."""
+    import json
+
+    from spikewatch.trainer.cli import main
+
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    torch.manual_seed(0)
+    runs = []
+    for stop in (None, 4):
+        model = torch.nn.Linear(4, 1)
+        w = Watch(model, AdamW(model.parameters(), lr=1e-3), db=db, max_steps=8,
+                  run_dir=tmp_path / f"r{stop}", name="lin")  # fmt: skip
+        with w:
+            while not w.should_stop and w.step_count != stop:
+                w.begin_step()
+                w.step(model(torch.ones(2, 4)).square().mean())
+        runs.append(w)
+    capsys.readouterr()
+    assert main(["runs", "--db", db, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    got = {r["run_id"]: (r["status"], r["steps"], r["run_dir"]) for r in listed["runs"]}
+    assert got == {
+        runs[0].run_id: ("completed", 8, str(tmp_path / "rNone")),
+        runs[1].run_id: ("stopped", 4, str(tmp_path / "r4")),
+    }
+    assert main(["runs", "--db", db]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("2 runs in sqlite:///") and table[1].split()[:3] == [
+        "run",
+        "status",
+        "steps",
+    ]
+    assert main(["logbook", str(tmp_path / "r4"), "--db", db]) == 0
+    assert runs[1].run_id in capsys.readouterr().out
