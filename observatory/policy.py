@@ -272,20 +272,38 @@ class Policy:
         grow = 0 if state else len(recent)  # skipping more cannot help a spike of the state
         extra = round(cfg.skip_extra * cfg.skip_growth**grow)
         skip = (batch_of[first], last + 1 + extra)
-        lr_scale = cfg.lr_decay if recent else 1.0
+        why = self._lr_cut_why(recent)
+        lr_scale = cfg.lr_decay if why else 1.0
         self.rollback_steps.append(verdict.step)
-        if recent:
+        if why:
             self.lr_cuts.append(verdict.step)
+            info["lr_cut"] = why
         info.update(to_step=to_step, skip_ranges=[list(skip)], lr_scale=lr_scale)
         return Plan(
             "rollback",
             f"{what} at step {verdict.step}, onset {onset}: back to step {to_step}"
-            + (f" (before the warning at step {start})" if start < onset else ""),
+            + (f" (before the warning at step {start})" if start < onset else "")
+            + (f"; the LR x{lr_scale:g} from now on: {why}" if why else ""),
             to_step=to_step,
             skip_ranges=(skip,),
             lr_scale=lr_scale,
             info=info,
         )
+
+    def _lr_cut_why(self, recent: list[int]) -> str:
+        """Why a repeat cuts the LR ("" when it does not): the response follows the cause.
+        A spike that came back after a rollback whose replay found it in the model's state
+        (or that could not tell, `unknown`) is the LR's to cure; after rollbacks whose spikes
+        were the data's (`data_x_state`: the same batches make it again), a device's or
+        transient, the skip is the cure and the LR stays."""
+        if not recent:
+            return ""
+        causes = [self.causes.get(s) or "unknown" for s in recent]
+        if "state" in causes:
+            return "it came back after a rollback whose replay found it in the model's state"
+        if all(c == "unknown" for c in causes):
+            return "it came back and its cause is not known"
+        return ""
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -177,14 +177,27 @@ def test_the_causes_travel_with_the_state() -> None:
     assert fresh.plan(_spike(240, 238), checkpoints=ck, batch_of=BATCH_OF).action == "halt"
 
 
-def test_an_lr_cut_for_a_spike_of_the_state_is_kept() -> None:
-    """Giving the LR back brought Adam's own spikes straight back (docs/spikes.md): a cut made
-    for a spike of the optimizer state stays; one made for a data spike is given back."""
+def test_an_lr_cut_follows_the_cause() -> None:
+    """The response follows the cause. A repeat after a spike of the optimizer state cuts the
+    LR, and the cut stays (giving it back brought Adam's own spikes straight back:
+    docs/spikes.md); a repeat whose cause is not known cuts it, given back after calm steps;
+    a repeat after spikes of the data (the same batches make it again), of a device, or
+    transient, cuts nothing: the skip is the cure (nanoGPT's 40 bad batches lost ~530 steps at
+    half the LR to a data spike's cut)."""
     ck = list(range(0, 2000, 10))
-    for cause, given in (("state", 1.0), ("data_x_state", 2.0)):
+    for cause, cuts, given in (
+        ("state", [250], 1.0),
+        (None, [250], 2.0),
+        ("data_x_state", [], 1.0),
+        ("transient", [], 1.0),
+        ("device", [], 1.0),
+    ):
         p = Policy(PolicyConfig(repeat_window=100))
+        plans = []
         for step in (200, 250):
-            p.plan(_spike(step, step - 2), checkpoints=ck, batch_of=BATCH_OF)
+            plans.append(p.plan(_spike(step, step - 2), checkpoints=ck, batch_of=BATCH_OF))
             p.caused(cause)
-        assert p.lr_cuts == [250]
-        assert p.recover(400) == given
+        assert p.lr_cuts == cuts, cause
+        assert [q.lr_scale for q in plans] == [1.0, 0.5 if cuts else 1.0], cause
+        assert ("the LR x0.5 from now on" in plans[1].reason) == bool(cuts), plans[1].reason
+        assert p.recover(400) == given, cause
