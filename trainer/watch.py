@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 import torch
 
-from spikewatch.observatory.store.sink import BaseSink
+from spikewatch.observatory import metric_names as M
+from spikewatch.observatory.store.sink import BaseSink, DbSink, open_run_sink
 from spikewatch.observatory.strict_json import write_json
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import WatchSettings
@@ -173,7 +174,13 @@ class Watch(Replaying):
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        self.close("failed" if kind is not None and kind is not KeyboardInterrupt else None)
+        if kind is None:
+            self.close()
+            return
+        try:  # the loop's own exception is what the user must see: never mask it
+            self.close("failed" if kind is not KeyboardInterrupt else None)
+        except Exception as e:
+            log.error("closing the run after the loop's %s failed too: %s", kind.__name__, e)
 
     @property
     def _c(self) -> StepCore:
@@ -301,10 +308,28 @@ class Watch(Replaying):
         return outcome
 
     def log_eval(self, val_loss: float) -> None:
-        """A validation loss of the current step (shown on the run page, kept in the summary)."""
+        """A validation loss of the current step (shown on the run page, kept in the summary),
+        during training or after it (the final evaluation, after the `with` block: the run is
+        over, its record still takes it)."""
         core = self._c
-        core.start()
-        core.record_eval(float(val_loss))
+        if not self._closed:
+            core.start()
+            core.record_eval(float(val_loss))
+            return
+        core.run.val_losses.append((core.step_count, float(val_loss)))  # the summary's
+        recorder = next((c for c in core.callbacks if isinstance(c, Recorder)), None)
+        if recorder is None or self.sink is None:  # another rank, or no store
+            return
+        late = (
+            open_run_sink(core.run.run_dir, self.db) if isinstance(self.sink, DbSink) else self.sink
+        )
+        try:
+            late.know_run(core.run.run_id, range(recorder.branch + 1))  # not started anew
+            late.log_metrics(core.run.run_id, recorder.branch, core.step_count,
+                             {M.VAL_LOSS: float(val_loss)})  # fmt: skip
+        finally:
+            if late is not self.sink:
+                late.close(timeout=30)
 
     # -- the step, in phases (frameworks call these from their hooks) ----------------------
     def begin_step(self, index: int | None = None) -> None:
@@ -488,6 +513,7 @@ class Watch(Replaying):
         ended = status in ("failed", "abandoned")  # the others may be gone: no collective
         try:
             if ended:
+                core.start(anchor=False)  # failed before its first step: recorded all the same
                 core.settle()
                 for cb in core.callbacks:
                     cb.on_fit_end(core.fit_state("failed" if status == "failed" else "stopped"))

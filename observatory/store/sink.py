@@ -128,6 +128,13 @@ class BaseSink:
         known.add(branch)
         self._put(Record("branch", run_id, data))
 
+    def know_run(self, run_id: str, branches: Iterable[int]) -> None:
+        """A run the store holds already, with these branches (a record that comes after the
+        run was closed, such as a final evaluation): accept records for it without writing the
+        run or its branches again (its status stays)."""
+        check_run_key(run_id)
+        self._branches.setdefault(run_id, set()).update(check_branch(b) for b in branches)
+
     def know_branches(self, run_id: str, branches: Iterable[int]) -> None:
         """Branches the store holds already (a resumed run whose forks are not known): accept
         records for them without writing the branches again."""

@@ -210,3 +210,37 @@ def test_spikewatch_runs_lists_the_runs_and_logbook_takes_a_run_directory(tmp_pa
     ]
     assert main(["logbook", str(tmp_path / "r4"), "--db", db]) == 0
     assert runs[1].run_id in capsys.readouterr().out
+
+
+def test_the_final_evaluation_after_the_block_is_recorded(tmp_path) -> None:
+    """An accelerate loop evaluates after training: `log_eval` after the `with` block raised
+    "sink is closed" and the script crashed before saving its model."""
+    from sqlalchemy import create_engine, text
+
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    model = torch.nn.Linear(4, 1)
+    with Watch(model, AdamW(model.parameters(), lr=1e-3), db=db, max_steps=5,
+               run_dir=tmp_path / "run") as watch:  # fmt: skip
+        while not watch.should_stop:
+            watch.begin_step()
+            watch.step(model(torch.ones(2, 4)).square().mean())
+    watch.log_eval(1.25)
+    assert watch.summary()["final_val_loss"] == 1.25
+    engine = create_engine(db)
+    with engine.connect() as conn:
+        names = conn.execute(text("SELECT name FROM metric_names")).scalars().all()
+    engine.dispose()
+    assert "val/loss" in names
+
+
+def test_an_exception_before_the_first_step_surfaces_as_itself_and_fails_the_run(
+    tmp_path,
+) -> None:
+    """The loop's own error (here a DataLoader given where `batches` wants a function) is what
+    the user sees, not the Watch's exit's "run id must be a printable str" on top of it."""
+    sink = _Kept()
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="the loop's own"):
+        with Watch(model, AdamW(model.parameters(), lr=1e-3), run_dir=tmp_path, sink=sink):
+            raise ValueError("the loop's own")
+    assert sink.statuses == ["failed"]

@@ -216,9 +216,10 @@ class StepCore(Checkpointed):
         return self.run.data.take()
 
     # -- start ----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, anchor: bool = True) -> None:
         """Once, before the first step: callbacks hear of the run (and of a resume's changed
-        settings), and the step-0 anchor is saved so that an early spike can roll back."""
+        settings), and the step-0 anchor is saved so that an early spike can roll back (not
+        with `anchor=False`: a run that failed before its first step)."""
         if self._started:
             return
         self._started = True
@@ -228,8 +229,10 @@ class StepCore(Checkpointed):
             for cb in self.callbacks:
                 cb.on_config_change(self.step_count, self.config_changes)
             self.config_changes = {}
-        if self.checkpointer.enabled and self.checkpointer.latest() is None:
+        if anchor and self.checkpointer.enabled and self.checkpointer.latest() is None:
             self.save()
+        if not anchor:
+            return
         self._froze = _freeze_set_up()
         self._t0 = self._last_step_end = time.perf_counter()
 
