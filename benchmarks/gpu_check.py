@@ -53,6 +53,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -282,6 +283,7 @@ def mfu_check(smoke: bool) -> dict:
         watch = runs["watched"]["watch"]
         host_path = watch.core.host_path
         _switch(watch, "memory_tier")
+        per_event = _per_event(runs, one, 30 if smoke else 110)
         host = _host_split(runs["watched"], one, 4 if smoke else 20)
         _profile(runs, one, 2 if smoke else 6)
         watch.close()
@@ -300,12 +302,96 @@ def mfu_check(smoke: bool) -> dict:
         "breakdown_cost_over_none": {v: step[v] / off - 1 for v in variants},
         "compile_s": compile_s,
         "watch_host_path": host_path,
+        "per_event": per_event,
         "watch_host_split_ms": host,
         "nan_free": all(math.isfinite(t) for ts in times.values() for t in ts),
     }
 
 
 OUT_DIR: Path | None = None  # where the profiles go (main sets it)
+
+
+def _per_event(runs: dict, one: Callable[[dict], None], steps: int) -> dict:
+    """Each step of the bare run and of the watched one (every default on) timed alone: its
+    device time between CUDA events at the step's boundaries and its host time on the loop
+    thread. The watched steps are sorted by what happened in them (a state step, a host-memory
+    snapshot, a disk checkpoint, nothing), and each kind is given over the bare step's: the
+    cost of each event where it happens, not cumulative variants over blocks that the 10- and
+    25-step cadences do not line up with. Beside each, benchmarks/host_cost.py's prediction
+    when OUT_DIR holds its JSON line (host_cost.json)."""
+    from spikewatch.trainer.checkpoints.tiers import Tiers
+
+    core = runs["watched"]["watch"].core
+    saved: list[str] = []
+    tiers_save = Tiers.save
+
+    def save(tiers, step, build, which=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = tiers_save(tiers, step, build, which, **kw)
+        saved.extend(out)
+        return out
+
+    def mark() -> Any:
+        if not CUDA:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    rows: dict[str, list[tuple[Any, Any, float, str]]] = {"none": [], "watched": []}
+    Tiers.save = save  # type: ignore[method-assign]
+    try:
+        for name in ("none", "watched"):
+            run = runs[name]
+            _sync()
+            for _ in range(steps):
+                state = name == "watched" and core.probes.state_active(core.step_count + 1)
+                saved.clear()
+                start, t0 = mark(), time.perf_counter()
+                one(run)
+                host = time.perf_counter() - t0
+                kind = (
+                    "disk" if "disk" in saved else "memory" if saved else "state" if state else ""
+                )
+                rows[name].append((start, mark(), host, kind or "plain"))
+            _sync()
+    finally:
+        Tiers.save = tiers_save  # type: ignore[method-assign]
+
+    def ms(start: Any, end: Any, host: float) -> tuple[float, float]:
+        return (start.elapsed_time(end) if CUDA else 1e3 * host), 1e3 * host
+
+    bare = [ms(a, b, h) for a, b, h, _ in rows["none"][2:]]
+    base_dev = statistics.median(d for d, _ in bare)
+    base_host = statistics.median(h for _, h in bare)
+    out: dict[str, Any] = {"steps": steps, "bare_device_ms": base_dev, "bare_host_ms": base_host}
+    watched = rows["watched"][2:]
+    total = 0.0
+    for kind in ("plain", "state", "memory", "disk"):
+        got = [ms(a, b, h) for a, b, h, k in watched if k == kind]
+        if not got:
+            continue
+        dev = statistics.mean(d for d, _ in got)
+        out[kind] = {
+            "steps": len(got),
+            "device_ms": dev,
+            "host_ms": statistics.mean(h for _, h in got),
+            "over_bare_ms": dev - base_dev,
+        }
+        total += len(got) * (dev - base_dev)
+    out["amortised_over_bare_ms"] = total / max(len(watched), 1)
+    out["with_over_without_throughput"] = base_dev / (base_dev + out["amortised_over_bare_ms"])
+    predicted = (OUT_DIR / "host_cost.json") if OUT_DIR is not None else None
+    if predicted is not None and predicted.is_file():
+        lines = predicted.read_text().strip().splitlines()
+        pred = json.loads(lines[-1])
+        out["predicted"] = {
+            "h200_ratio": pred.get("predicted_h200_ratio"),
+            "meta_host_ms_per_step": pred.get("host_ms_per_step"),
+            "meta_host_ms_by_event": {
+                k: v.get("host_ms") for k, v in pred.get("events", {}).items()
+            },
+        }
+    return out
 
 
 def _host_split(run: dict, one: Callable[[dict], None], steps: int) -> dict:
@@ -363,6 +449,8 @@ def _profile(runs: dict, one: Callable[[dict], None], steps: int) -> None:
             for _ in range(steps):
                 one(run)
             _sync()
+        if OUT_DIR is not None and CUDA:  # the trace kept: host and device timelines
+            prof.export_chrome_trace(str(OUT_DIR / f"trace_{name}.json"))
         table = prof.key_averages()
         text = [f"{steps} steps, {name}"]
         for key in (["self_cuda_time_total"] if CUDA else []) + ["self_cpu_time_total"]:
