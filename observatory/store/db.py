@@ -164,12 +164,29 @@ def _sqlite_pragmas(engine: Engine, *, writer: bool, busy_ms: int) -> None:
 
 def upgrade(url: str | None = None, *, revision: str = "head") -> str:
     """Run Alembic migrations up to `revision`; return the resolved URL (for the caller's log)."""
-    from alembic import command
-
     url = resolve_url(url)
-    with _migration_lock(url):
-        command.upgrade(alembic_config(url), revision)
+    with _alembic_below_info():  # its import logs too (a line per plugin)
+        from alembic import command
+
+        with _migration_lock(url):
+            command.upgrade(alembic_config(url), revision)
     return url
+
+
+@contextlib.contextmanager
+def _alembic_below_info() -> Iterator[None]:
+    """Alembic says each migration at INFO (~15 lines for a new store): in a user's log at INFO
+    they would drown spikewatch's own start line. They go out at WARNING and above, unless the
+    program set alembic's level itself (or spikewatch's logger is at DEBUG: `-v`)."""
+    alembic = logging.getLogger("alembic")
+    if alembic.level != logging.NOTSET or log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    alembic.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        alembic.setLevel(logging.NOTSET)
 
 
 @contextlib.contextmanager
