@@ -249,6 +249,9 @@ def test_an_exception_before_the_first_step_surfaces_as_itself_and_fails_the_run
 def test_at_the_users_info_spikewatch_starts_in_its_own_lines(tmp_path, caplog) -> None:
     """A user's log at INFO: a new store's migrations (Alembic's ~15 lines) stay below it."""
     caplog.set_level(logging.INFO)
+    alembic = logging.getLogger("alembic")
+    before = alembic.level
+    alembic.setLevel(logging.NOTSET)  # as a program that never set it (an earlier test may have)
     model = torch.nn.Linear(4, 1)
     watch = Watch(model, AdamW(model.parameters(), lr=1e-3), run_dir=tmp_path / "run",
                   db=f"sqlite:///{tmp_path / 'new.db'}", max_steps=2)  # fmt: skip
@@ -256,5 +259,8 @@ def test_at_the_users_info_spikewatch_starts_in_its_own_lines(tmp_path, caplog) 
         while not watch.should_stop:
             watch.begin_step()
             watch.step(model(torch.ones(2, 4)).square().mean())
-    assert not [r for r in caplog.records if r.name.startswith("alembic")]
-    assert logging.getLogger("alembic").level == logging.NOTSET  # the user's to set, as it was
+    try:
+        assert not [r for r in caplog.records if r.name.startswith("alembic")]
+        assert alembic.level == logging.NOTSET  # the user's to set, as it was
+    finally:
+        alembic.setLevel(before)

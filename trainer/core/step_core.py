@@ -32,7 +32,6 @@ that was drawn before the rollback decided it is refused when it comes (`SKIPPED
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -84,20 +83,6 @@ SKIPPED_BATCH = "skipped_batch"
 _STOP = "_stop"  # rides the step's transfer under torchrun; never a metric
 _FACTOR = "_factor"  # the step factor the device applied (1 applied, 0 refused); never a metric
 _OVERFLOW = "_overflow"  # > 0: the GradScaler found inf/nan gradients; never a metric
-
-
-def _freeze_set_up() -> bool:
-    """What exists once training starts (the modules torch imported, the model, the store)
-    lives as long as the run: moved out of the garbage collector's reach (`gc.freeze`, after a
-    collection so that no garbage is kept), so that the full collections that the loop's
-    allocations trigger walk only what was made since, and their pauses do not grow with the
-    set-up's size (a few hundred thousand objects: ~0.1 s a full collection). Not if the
-    program froze its own already. True when it froze; `settle` unfreezes at the run's end."""
-    if gc.get_freeze_count():
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 @dataclass(frozen=True)
@@ -165,7 +150,6 @@ class StepCore(Checkpointed):
     _action: Action = field(default_factory=Continue)
     _last_step_end: float | None = None
     _started: bool = False
-    _froze: bool = False  # the set-up was frozen at start (gc.freeze), until the run ends
     _t0: float = field(default_factory=time.perf_counter)
     _steps_timed: int = 0
 
@@ -231,9 +215,6 @@ class StepCore(Checkpointed):
             self.config_changes = {}
         if anchor and self.checkpointer.enabled and self.checkpointer.latest() is None:
             self.save()
-        if not anchor:
-            return
-        self._froze = _freeze_set_up()
         self._t0 = self._last_step_end = time.perf_counter()
 
     # -- the step -----------------------------------------------------------------------------
@@ -597,9 +578,6 @@ class StepCore(Checkpointed):
         finally:
             self.checkpointer.wait()
             self.checkpointer.report(self.callbacks)
-            if self._froze:  # the run is over: what it held may be collected again
-                gc.unfreeze()
-                self._froze = False
 
     def status(self) -> str:
         return "halted" if self.halted else "stopped" if self.stop_requested else "completed"
