@@ -92,7 +92,7 @@ def bench_enqueue(url: str, spool: Path, seconds: float = 3.0) -> tuple[list[flo
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         time.sleep(0.002)  # the training step's compute (releases the GIL)
-        busy = sink._q.qsize() > 0  # noqa: SLF001 - the benchmark checks the writer is busy
+        busy = sink.queued > 0  # the benchmark checks the writer is busy
         a = time.perf_counter()
         sink.log_metrics("bench-enqueue", 0, step, payload[step % 4000])
         if busy:

@@ -155,7 +155,7 @@ def ingest(url: str, spool: Path, sim: Simulation) -> tuple[float, int, int]:
     assert sink.flush(60)
     t0 = time.perf_counter()
     for step in range(sim.steps):
-        while sink._q.qsize() > 512:  # noqa: SLF001 - hold the producer a little ahead
+        while sink.queued > 512:  # hold the producer a little ahead
             time.sleep(0.001)
         sink.log_metrics(RUN, 0, step, sim.values(f32, f64, step))
     assert sink.flush(3600), "ingest did not finish"

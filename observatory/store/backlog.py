@@ -164,6 +164,11 @@ class Backlog:
                 gone, self._held = self._held[:n], self._held[n:]
                 self._held_values -= sum(r.size for r in gone)
 
+    @property
+    def queued(self) -> int:
+        """Records waiting in memory for the writer."""
+        return self._records
+
     def pending(self) -> bool:
         """Older records wait (spool or memory): new batches go after them."""
         with self._order:

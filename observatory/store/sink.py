@@ -307,6 +307,11 @@ class DbSink(BaseSink):
 
     # -- caller side ----------------------------------------------------------------------
 
+    @property
+    def queued(self) -> int:
+        """Records waiting in memory for the writer thread (benchmarks pace themselves by it)."""
+        return self._backlog.queued
+
     def _put(self, rec: Record) -> None:
         if self._closed:
             raise RuntimeError("sink is closed")
