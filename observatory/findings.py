@@ -60,15 +60,18 @@ def skipped(data: Mapping[str, Any]) -> str:
     the logbook, the run page, alerts): the named samples when only they were left out (their
     batches' other rows train), else the whole batches (issue 45: a sample skip read "skipping
     batches [199, 213)" in some reports and "[]" in others)."""
+    passed = int(data.get("passed_over") or 0)  # the Watch: the loop's data flowed on
+    also = f"; {passed} clean batch{'es' if passed != 1 else ''} before the onset not fed again"
+    also = also if passed else ""
     n = int(data.get("skipped_samples") or 0)
     if n:
         kept = ", ".join(f"[{a}, {b})" for a, b in data.get("batches_kept") or [])
         plural = "s" if n != 1 else ""
-        return f"skipping {n} named sample{plural} of batches {kept} (the other rows train)"
+        return f"skipping {n} named sample{plural} of batches {kept} (the other rows train){also}"
     ranges = data.get("skip_ranges") or []
     if ranges:
-        return "skipping batches " + ", ".join(f"[{a}, {b})" for a, b in ranges)
-    return "skipping nothing"
+        return "skipping batches " + ", ".join(f"[{a}, {b})" for a, b in ranges) + also
+    return "skipping nothing" + also
 
 
 def suspect_devices(events: Iterable[Mapping[str, Any]]) -> dict[int, int]:

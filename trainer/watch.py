@@ -33,9 +33,9 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -69,6 +69,7 @@ from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
 from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.attn_max import AttnMax
 from spikewatch.trainer.watch_amp import Scaling
+from spikewatch.trainer.watch_loader import LoaderStream, as_stream, batch_bytes
 from spikewatch.trainer.watch_open import (
     UNCAUGHT,
     build_watch_core,
@@ -242,14 +243,23 @@ class Watch(Replaying):
     # -- the user's loop ------------------------------------------------------------------
     def batches(
         self,
-        batch_at: Callable[[int], Any],
+        source: Iterable[Any] | Callable[[int], Any],
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         decode: Callable[[list[int]], str] | None = None,
         *,
         shard: bool = True,
+        hold: int | None = None,
+        epochs: int | None = None,
     ) -> Iterator[Any]:
-        """`batch_at(index)` for each global batch index from the data position on, skipping
-        the skip ranges, until `max_steps` updates (or a halt). Under torchrun each rank gets
+        """The step's batches, until `max_steps` updates (or a halt), from either
+        - the loop's own loader (`for batch in watch.batches(train_dataloader)`): any iterable of
+          batches, each rank's own (a DistributedSampler's share), pass after pass with the
+          loader's reshuffle (`epochs` passes at most; without `max_steps` one), its position
+          kept in the Watch's checkpoints (trainer/watch_loader.py). With `loss_fn` the last
+          `hold` batches (default: two memory-snapshot intervals and 16) are kept for a spike's
+          replay and row naming; or
+        - `batch_at(index)` for each global batch index from the data position on, skipping
+        the skip ranges. Under torchrun each rank gets
         its consecutive share of the global batch `batch_at(index)` returns (rank k: rows
         [k * n, (k + 1) * n)); `shard=False`: `batch_at` returns this rank's own rows. With
         `loss_fn(batch) -> loss` the Watch can replay a spike's batches to tell its cause
@@ -258,11 +268,16 @@ class Watch(Replaying):
         `decode(tokens)` shows its text)."""
         core = self.open()
         world = core.world
+        if as_stream(source):
+            yield from self._stream(cast(Iterable[Any], source), loss_fn, decode, hold, epochs)
+            return
+        batch_at = whole = cast(Callable[[int], Any], source)
         if shard and world.distributed:  # the rank's share, in the replays and the naming too
-            whole = batch_at
 
-            def batch_at(index: int) -> Any:
+            def share(index: int) -> Any:
                 return rank_share(whole(index), world.rank, world.size)[0]
+
+            batch_at = share
 
         self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
         if loss_fn is not None:
@@ -272,19 +287,71 @@ class Watch(Replaying):
             self.attribute_with(batch_at, loss_fn, decode, drop=not core.world.distributed)
         while not self.should_stop:
             index = self.take_index()
-            batch = batch_at(index)
-            row0 = world.rank * rows_in(batch) if world.distributed else 0
-            left_out = core.run.data.blocked_rows(index) + self.blocklist.rows_of(
-                batch, index, row0
-            )
-            if left_out:
-                keep = [r for r in range(rows_in(batch)) if r not in left_out]
-                if not keep:
-                    continue  # every row of it was named: the next batch
-                batch = leave_out(batch, keep, index, self)
-            self.begin_step(index)
-            self._ntok = tokens_in(batch) * core.world.size  # each rank: its rows of the batch
-            yield batch
+            batch = self._fed(index, batch_at(index))
+            if batch is not None:
+                yield batch
+
+    def _fed(self, index: int, batch: Any) -> Any | None:
+        """Batch `index` as the step gets it (the rows named or blocklisted left out; None when
+        none is left), its step begun."""
+        core = self._c
+        world = core.world
+        row0 = world.rank * rows_in(batch) if world.distributed else 0
+        left_out = core.run.data.blocked_rows(index) + self.blocklist.rows_of(batch, index, row0)
+        if left_out:
+            keep = [r for r in range(rows_in(batch)) if r not in left_out]
+            if not keep:  # every row of it was named: the next batch
+                core.run.data.batch_index = max(core.run.data.batch_index, index + 1)
+                return None
+            batch = leave_out(batch, keep, index, self)
+        self.begin_step(index)
+        self._ntok = tokens_in(batch) * world.size  # each rank: its rows of the batch
+        return batch
+
+    def _stream(
+        self,
+        loader: Iterable[Any],
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+        decode: Callable[[list[int]], str] | None,
+        hold: int | None,
+        epochs: int | None,
+    ) -> Iterator[Any]:
+        """`batches(loader)`: the loop's own loader, drawn in order (trainer/watch_loader.py)."""
+        core = self._c
+        if hold is None:
+            memory = self.cfg.checkpoint.memory_interval or 0
+            hold = 2 * memory + 16 if loss_fn is not None else 0
+        if hold < 0:
+            raise ValueError(f"hold must be >= 0 batches, got {hold}")
+        if epochs is None and self.cfg.max_steps is None:
+            epochs = 1  # no planned end: one pass, as `for batch in loader` would
+        stream = LoaderStream(loader, core.run.data, hold=hold if loss_fn else 0, epochs=epochs)
+        stream.restore(core.run.stream_saved, core.run.data.batch_index)
+        core.run.stream_saved, core.run.stream = None, stream.state
+        if loss_fn is not None:
+            self._batch_at, self._loss_fn, self._decode = stream.batch_at, loss_fn, decode
+            self._classify(swap=True)  # each rank holds its own batches: a swap gathers them
+            self.attribute_with(stream.rows_at, loss_fn, decode,
+                                drop=not core.world.distributed)  # fmt: skip
+        said = False
+        try:
+            while not self.should_stop:
+                core.start()
+                core.save_if_due()  # the loader stands at the data position: a checkpoint agrees
+                got = stream.draw()
+                if got is None:
+                    return  # the loader ended
+                index, batch = got
+                if not said and stream.hold and core.world.is_main:
+                    said = True
+                    size = stream.hold * batch_bytes(batch)
+                    say(log, f"data: the loop's loader; the last {stream.hold} batches are held "
+                        f"for a spike's replay (~{size / 2**20:.1f} MB)")  # fmt: skip
+                batch = self._fed(index, batch)
+                if batch is not None:
+                    yield batch
+        finally:
+            core.run.stream = None
 
     def take_index(self) -> int:
         """The next global batch index outside the skip ranges (advances the data position)."""

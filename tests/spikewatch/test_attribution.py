@@ -32,6 +32,9 @@ def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) ->
     assert {(x["batch"], x["row"]) for x in lines if x["step"] == rollback["step"]} == spoilt
     # one story of what was skipped (issue 45): the record, its reason, the summary, the logbook
     story = f"skipping {len(named)} named samples of batches [{lo}, {hi}) (the other rows train)"
+    passed = rollback["passed_over"]  # the loop's data flowed on: counted, not fed again
+    assert passed == lo - rollback["to_step"] > 0  # batches [to_step, lo) were clean
+    story += f"; {passed} clean batches before the onset not fed again"
     assert rollback["skipped"] == story and rollback["reason"].endswith(", " + story)
     assert sorted(map(tuple, rollback["skipped_rows"])) == sorted(named)
     assert summary["skipped_batches"] == [] and summary["skipped_samples"] == sorted(

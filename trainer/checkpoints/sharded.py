@@ -190,6 +190,7 @@ class ShardedCheckpointer(Checkpointer):
         state = json.loads((path / "trainer.json").read_text())
         state["rng"] = rng.pop("json")
         scheduler = rng.pop("scheduler", None)  # a client's LR scheduler (the Watch's)
+        data = rng.pop("data", None)
         out = {
             "meta": ck.read_meta(path),
             "trainer.json": state,
@@ -199,4 +200,6 @@ class ShardedCheckpointer(Checkpointer):
         }
         if scheduler is not None:
             out["scheduler.pt"] = scheduler
+        if data is not None:  # the Watch's loader position, this rank's
+            out["data.pt"] = data
         return out

@@ -92,7 +92,9 @@ class Checkpointed:
         ck = self.checkpointer
         step, where, abandoned = ck.rollback_point(action.to_step)
         from_step, t0 = self.run.step, time.perf_counter()
-        self.restore(ck.read(where), resume=False)
+        loaded = ck.read(where)
+        restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
+        self.restore(loaded, resume=False)
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         spike = action.spike
@@ -138,11 +140,13 @@ class Checkpointed:
         )
         if named:
             record["skipped_rows"] = [[s["batch"], s["row"]] for s in named]
+        if self.data_flow == "forward":  # the data went on: what lay behind is not fed again
+            at = record["resumed_at_batch"] = self.run.data.batch_index
+            bad = {i for a, b in action.skip_ranges for i in range(a, b)}
+            record["passed_over"] = sum(1 for i in range(restored_at, at) if i not in bad)
         record["skipped"] = skipped(record)  # the one story every report tells
         if skips or named:
             record["reason"] = f"{record.get('reason') or action.reason}, {record['skipped']}"
-        if self.data_flow == "forward":
-            record["resumed_at_batch"] = self.run.data.batch_index
         found = findings(record)
         log.warning(
             "rolled back from step %d to step %d (%s tier, %.3fs), %s%s",
@@ -281,10 +285,15 @@ class Checkpointed:
         rng_tensors, rng_json = rng_states()
         run = self.run
         sched = None if self.scheduler is None else self.scheduler.state_dict()
+        # the loop's loader (the Watch's batches): its position, for a resume only (a rollback
+        # lets the data flow on), so host memory does without it
+        stream = None if run.stream is None or isinstance(stage, NoTensors) else run.stream()
         if self.world.distributed:  # weights and optimizer: sharded, by the checkpointer
             own = {**rng_tensors, "json": rng_json}
             if sched is not None:
                 own["scheduler"] = sched
+            if stream is not None:  # each rank's loader gives its own share
+                own["data"] = stream
             torch_files = {f"rng.rank{self.world.rank}.pt": own}
         else:
             torch_files = {"rng.pt": rng_tensors}
@@ -294,6 +303,8 @@ class Checkpointed:
                 torch_files.update(split_optimizer(opt))
             if sched is not None:
                 torch_files["scheduler.pt"] = sched
+            if stream is not None:
+                torch_files["data.pt"] = stream
         return Snapshot(
             step=run.step,
             torch_files=torch_files,
@@ -336,6 +347,7 @@ class Checkpointed:
         if "rng.pt" in loaded and (resume or self.data_flow == "rewind"):
             set_rng_states(loaded["rng.pt"], state["rng"])
         if resume:
+            self.run.stream_saved = loaded.get("data.pt")  # until the loop's loader is met
             last = loaded.get("meta", {}).get("loss")
             self.run.resumed_loss = math.nan if last is None else float(last)
         self.load_state_dict(state, resume=resume)

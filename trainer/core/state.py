@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,10 @@ class RunState:
     halted: str | None = None
     resumed_loss: float = math.nan  # the loss of the step a resume started from
     resumed_from: str | None = None  # the checkpoint this process resumed from
+    # the loop's loader as the Watch's batches (trainer/watch_loader.py): its position for a
+    # disk checkpoint's `data.pt`, and what a resume read of it until the loader is met
+    stream: Callable[[], dict[str, Any]] | None = None
+    stream_saved: dict[str, Any] | None = None
 
 
 def rng_states() -> tuple[dict[str, Any], dict[str, Any]]:
