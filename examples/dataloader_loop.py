@@ -6,12 +6,12 @@
 
 The default is a map-style dataset of the plays' windows in a shuffled DataLoader (no seeded
 generator: torch's global RNG shuffles each epoch, as in most scripts), epoch after epoch
-until `--steps`. `--stream` reads the windows in order from an `IterableDataset` instead (a
-stream with no length), and `--poison-at B --poison-len L` spoils the labels of the stream's
-batches B..B+L-1 (a corrupt stretch of a shard): the Watch refuses or rolls back, and the
-stream's poisoned batches are never fed again. Run it again with the same `--run-dir` after a
-kill and it resumes where the data was (the loader's own state where it has one, else
-fast-forwarded), saying which.
+until `--steps`. `--stream` reads the windows from an `IterableDataset` instead (a stream
+with no length, in a pre-shuffled shard's fixed order), and `--poison-at B --poison-len L`
+spoils the labels of the stream's batches B..B+L-1 (a corrupt stretch of a shard): the Watch
+refuses or rolls back, and the stream's poisoned batches are never fed again. Run it again
+with the same `--run-dir` after a kill and it resumes where the data was (the loader's own
+state where it has one, else fast-forwarded), saying which.
 
 The lines that differ from the loop without spikewatch are marked `# spikewatch`.
 """
@@ -58,16 +58,18 @@ class Windows(Dataset):
 
 
 class Stream(IterableDataset):
-    """The windows in order, as a stream: batches `poison` (a range of batch positions, with
-    `batch_size`) have their labels spoilt, as a corrupt stretch of a shard would."""
+    """The windows as a stream, in the fixed shuffled order a pre-shuffled shard has: the
+    stream's batches `poison` (a range of batch positions, with `batch_size`) have their labels
+    spoilt, as a corrupt stretch of a shard would."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, batch_size: int, poison: range) -> None:
         self.windows, self.batch_size, self.poison = Windows(data, seq_len), batch_size, poison
+        self.order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(7))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        for i in range(len(self.windows)):
+        for k, i in enumerate(self.order.tolist()):
             x, y, _ = self.windows[i]
-            if i // self.batch_size in self.poison:
+            if k // self.batch_size in self.poison:
                 y = shift_labels(y)
             yield x, y, i
 
@@ -85,7 +87,7 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args: argparse.Namespace
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--stream", action="store_true", help="an IterableDataset, read in order")
+    p.add_argument("--stream", action="store_true", help="an IterableDataset (a shuffled shard)")
     p.add_argument("--poison-at", type=int, default=None, help="first poisoned stream batch")
     p.add_argument("--poison-len", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8)

@@ -158,6 +158,7 @@ class Watch(Replaying):
         self._batch_at: Callable[[int], Any] | None = None
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
+        self._accumulate = 1
         self.amp = Scaling(optimizer, scaler)  # fp16's GradScaler (trainer/watch_amp.py)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class Watch(Replaying):
         shard: bool = True,
         hold: int | None = None,
         epochs: int | None = None,
+        accumulate: int = 1,
     ) -> Iterator[Any]:
         """The step's batches, until `max_steps` updates (or a halt), from either
         - the loop's own loader (`for batch in watch.batches(train_dataloader)`): any iterable of
@@ -257,7 +259,10 @@ class Watch(Replaying):
           loader's reshuffle (`epochs` passes at most; without `max_steps` one), its position
           kept in the Watch's checkpoints (trainer/watch_loader.py). With `loss_fn` the last
           `hold` batches (default: two memory-snapshot intervals and 16) are kept for a spike's
-          replay and row naming; or
+          replay and row naming. `accumulate=k`: the loop takes one micro-batch an iteration
+          and steps every k-th (its own counter, or accelerate's `accumulate`): the micro-batches
+          are yielded one by one, k to a step (fewer at a pass's end, where accelerate steps
+          too), each loss given to `observe_loss`; the step's loss is their mean; or
         - `batch_at(index)` for each global batch index from the data position on, skipping
         the skip ranges. Under torchrun each rank gets
         its consecutive share of the global batch `batch_at(index)` returns (rank k: rows
@@ -269,8 +274,11 @@ class Watch(Replaying):
         core = self.open()
         world = core.world
         if as_stream(source):
-            yield from self._stream(cast(Iterable[Any], source), loss_fn, decode, hold, epochs)
+            yield from self._stream(cast(Iterable[Any], source), loss_fn, decode, hold, epochs,
+                                    accumulate)  # fmt: skip
             return
+        if accumulate != 1:
+            raise ValueError("accumulate is for a loader; batch_at(index) gives a whole step")
         batch_at = whole = cast(Callable[[int], Any], source)
         if shard and world.distributed:  # the rank's share, in the replays and the naming too
 
@@ -315,9 +323,15 @@ class Watch(Replaying):
         decode: Callable[[list[int]], str] | None,
         hold: int | None,
         epochs: int | None,
+        accumulate: int,
     ) -> Iterator[Any]:
         """`batches(loader)`: the loop's own loader, drawn in order (trainer/watch_loader.py)."""
         core = self._c
+        if accumulate > 1 and self.cfg.blocklist:
+            raise ValueError(
+                "a blocklist leaves rows out of whole batches: with accumulate > 1, leave them "
+                "out in the loader (its sampler) instead"
+            )
         if hold is None:
             memory = self.cfg.checkpoint.memory_interval or 0
             hold = 2 * memory + 16 if loss_fn is not None else 0
@@ -325,14 +339,18 @@ class Watch(Replaying):
             raise ValueError(f"hold must be >= 0 batches, got {hold}")
         if epochs is None and self.cfg.max_steps is None:
             epochs = 1  # no planned end: one pass, as `for batch in loader` would
-        stream = LoaderStream(loader, core.run.data, hold=hold if loss_fn else 0, epochs=epochs)
+        stream = LoaderStream(loader, core.run.data, hold=hold if loss_fn else 0,
+                              epochs=epochs, group=accumulate)  # fmt: skip
         stream.restore(core.run.stream_saved, core.run.data.batch_index)
         core.run.stream_saved, core.run.stream = None, stream.state
         if loss_fn is not None:
             self._batch_at, self._loss_fn, self._decode = stream.batch_at, loss_fn, decode
-            self._classify(swap=True)  # each rank holds its own batches: a swap gathers them
-            self.attribute_with(stream.rows_at, loss_fn, decode,
-                                drop=not core.world.distributed)  # fmt: skip
+            self._accumulate = accumulate
+            # each rank holds its own batches: a swap gathers them (one batch a step)
+            self._classify(swap=accumulate == 1)
+            # rows named are left out of one-batch steps in one process; else whole batches go
+            drop = not core.world.distributed and accumulate == 1
+            self.attribute_with(stream.rows_at, loss_fn, decode, drop=drop)
         said = False
         try:
             while not self.should_stop:
@@ -347,6 +365,11 @@ class Watch(Replaying):
                     size = stream.hold * batch_bytes(batch)
                     say(log, f"data: the loop's loader; the last {stream.hold} batches are held "
                         f"for a spike's replay (~{size / 2**20:.1f} MB)")  # fmt: skip
+                if accumulate > 1:  # the step's micro-batches, one an iteration
+                    self.begin_step(index)
+                    self._ntok = sum(tokens_in(part) for part in batch) * core.world.size
+                    yield from batch
+                    continue
                 batch = self._fed(index, batch)
                 if batch is not None:
                     yield batch
@@ -402,11 +425,16 @@ class Watch(Replaying):
     def begin_step(self, index: int | None = None) -> None:
         """Before the step's first forward: `index` is the batch's global index (a framework's
         own data position); the checkpoint due for the previous step is saved first."""
+        self._begin(index)
+        self._loss_sum, self._loss_n, self._loss_share = None, 0, None
+
+    def _begin(self, index: int | None) -> None:
+        """The step begun, the losses observed so far kept (the gate begins a step the loop
+        did not: its micro-batches' losses are the step's)."""
         core = self._c
         core.start()
         core.save_if_due()
         core.begin_step(core.index if index is None else index)
-        self._loss_sum, self._loss_n, self._loss_share = None, 0, None
         self.grad_norm = None
         self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True
@@ -431,7 +459,7 @@ class Watch(Replaying):
         factor, if the optimizer takes one, is set on it already)."""
         core = self._c
         if not self._began:
-            self.begin_step(core.take_index())
+            self._begin(core.take_index())
         self._began = False
         if core.refuse_skipped():  # drawn before the rollback that skips it
             self.attn.take()
@@ -493,7 +521,11 @@ class Watch(Replaying):
         and the scheduler follows the Watch's steps."""
         inner = self._inner_step = optimizer.step
 
+        state = getattr(optimizer, "gradient_state", None)  # accelerate's accumulation
+
         def gated_step(closure: Callable[[], Any] | None = None) -> Any:
+            if state is not None and not state.sync_gradients:
+                return inner(closure)  # a micro-batch that only accumulates: no update
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -536,6 +568,7 @@ class Watch(Replaying):
             raise RuntimeError(
                 "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"
             )
+        self._loss_sum, self._loss_n, self._loss_share = None, 0, None  # taken: the next step's
         taken = self.attn.take()
         self.attn.active = False  # until the next step: evaluations and replays record nothing
         layers, values = taken if taken is not None else (None, None)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from spikewatch.trainer.core.attribution import MicroBatches
 from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.world import say
@@ -84,12 +85,26 @@ class LoaderStream:
     """Batches drawn in order from `loader`, each with its global index (see the module)."""
 
     def __init__(
-        self, loader: Iterable[Any], data: DataState, *, hold: int, epochs: int | None
+        self,
+        loader: Iterable[Any],
+        data: DataState,
+        *,
+        hold: int,
+        epochs: int | None,
+        group: int = 1,
     ) -> None:
+        """`group`: micro-batches a step (gradient accumulation); a step's batch is then their
+        `MicroBatches`, and a pass's end closes its last step (accelerate syncs there too)."""
+        if group < 1:
+            raise ValueError(f"accumulate must be >= 1 micro-batches a step, got {group}")
         self.loader, self.data, self.hold, self.epochs = loader, data, hold, epochs
+        self.group = group
+        self._empty = False  # a pass gave nothing: no more will come
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         )
+        if getattr(loader, "use_stateful_dataloader", None) is False:
+            self.stateful = False  # accelerate's loader has the methods, not the state
         self.once = isinstance(loader, Iterator)  # a generator: one pass, no going back
         self.epoch = -1
         self.epoch_start = 0  # the global index of the current pass's first batch
@@ -117,7 +132,12 @@ class LoaderStream:
         if self.epoch_rng is not None:
             out["epoch_rng"] = self.epoch_rng
         if self.stateful:
-            out["loader"] = self.loader.state_dict()  # type: ignore[attr-defined]
+            try:
+                out["loader"] = self.loader.state_dict()  # type: ignore[attr-defined]
+            except Exception as e:  # its methods without a state: the position will do
+                self.stateful = False
+                log.warning("data: the loader's state_dict() failed (%s: %s); a resume will "
+                            "fast-forward it instead", type(e).__name__, e)  # fmt: skip
         return out
 
     def restore(self, saved: dict[str, Any] | None, position: int) -> None:
@@ -161,26 +181,33 @@ class LoaderStream:
                 f"{position} (the loader keeps no state_dict: they were drawn again)")  # fmt: skip
 
     # -- drawing ------------------------------------------------------------------------------
+    def _more(self) -> bool:
+        """Whether another pass may begin."""
+        if self._empty or (self.once and self.epoch >= 0):
+            return False
+        return self.epochs is None or self.epoch + 1 < self.epochs
+
     def _next(self) -> Any | None:
-        """The next batch of the stream (a new pass when one ends), or None at its end."""
-        while True:
+        """The next step's batch of the stream (a new pass when one ends; `group` micro-batches
+        as `MicroBatches`, fewer at a pass's end), or None at its end."""
+        parts: list[Any] = []
+        while len(parts) < self.group:
             if self._it is None:
-                if self.once and self.epoch >= 0:
-                    return None
-                if self.epochs is not None and self.epoch + 1 >= self.epochs:
-                    return None
+                if parts or not self._more():  # a pass's end closes its last step
+                    break
                 self._begin_pass(self.epoch + 1)
             assert self._it is not None
             try:
-                batch = next(self._it)
+                parts.append(next(self._it))
             except StopIteration:
                 self._it = None
-                if self._given == 0:  # an empty pass: no more will come
-                    return None
+                self._empty = self._given == 0
                 continue
             self._given += 1
-            self.drawn += 1
-            return batch
+        if not parts:
+            return None
+        self.drawn += 1
+        return parts[0] if self.group == 1 else MicroBatches(parts)
 
     def draw(self) -> tuple[int, Any] | None:
         """(index, batch) of the next batch outside the skip ranges (those are drawn and

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spikewatch.trainer.checkpoints.staging import to_host
-from spikewatch.trainer.core.attribution import RowStat, measure_rows, moved
+from spikewatch.trainer.core.attribution import MicroBatches, RowStat, measure_rows, moved
 from spikewatch.trainer.core.transfer import StepTensors
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class Replaying:
     _decode: Callable[[list[int]], str] | None
     _run_step: Callable[[int], None] | None
     _row_backward: bool
+    _accumulate: int  # micro-batches a step of `batches(loader, accumulate=k)`, whose
+    # backward the loop divides by k (accelerate's does)
     _inner_step: Callable[..., Any] | None
     _loss_sum: torch.Tensor | None
     _loss_n: int
@@ -90,9 +92,13 @@ class Replaying:
                 self._run_step(index)
             else:
                 assert self._batch_at is not None and self._loss_fn is not None
-                loss = self._loss_fn(self._batch_at(index))
-                loss.backward()  # unscaled under fp16 too: a replay leaves the GradScaler alone
-                self.observe_loss(loss)
+                batch = self._batch_at(index)  # a step's micro-batches, or its batch
+                parts = batch if isinstance(batch, MicroBatches) else [batch]
+                for part in parts:
+                    loss = self._loss_fn(part)
+                    # unscaled under fp16 too: a replay leaves the GradScaler alone
+                    (loss / self._accumulate if self._accumulate > 1 else loss).backward()
+                    self.observe_loss(loss)
         t = self._tensors(scaled=False)
         self._lr_scale = self._c.run.lr_scale
         # the optimizer's own step (not accelerate's, which would step the scaler)

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from spikewatch import AdamW, Watch
+from spikewatch.corpus import text_corpus
 from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.watch_loader import LoaderStream
@@ -169,7 +170,8 @@ def test_a_poisoned_stretch_of_a_stream_is_fed_once_and_never_again(tmp_path, ca
     ids = [i for f in fed for i in f]
     assert len(ids) == len(set(ids))  # nothing fed twice
     (rollback,) = [i for i in hit["interventions"] if i["kind"] == "rollback"]
-    poisoned = set(range(120 * 8, 130 * 8))
+    order = example("dataloader_loop").Stream(text_corpus()[0], 64, 8, range(0)).order
+    poisoned = set(order[120 * 8 : 130 * 8].tolist())  # the stream's positions 960..1039
     at = [k for k, f in enumerate(fed) if set(f) & poisoned]
     assert at and max(at) < rollback["from_step"]  # fed before the detection only
     lo, hi = rollback["skip_ranges"][0]

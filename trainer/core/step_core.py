@@ -60,7 +60,7 @@ from spikewatch.trainer.core.same_step import SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
 from spikewatch.trainer.core.world import World
-from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer
+from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer, optimizer_name
 
 __all__ = [
     "APPLIED",
@@ -167,7 +167,7 @@ class StepCore(Checkpointed):
             self._stepper.unsettled_allowed = 1  # type: ignore[union-attr]
         if self.host_path:
             why = (
-                f"{type(self.optimizer).__name__} takes no step factor (spikewatch's AdamW and "
+                f"{optimizer_name(self.optimizer)} takes no step factor (spikewatch's AdamW and "
                 "torch's AdamW(fused=True) do)"
                 if self._stepper is None
                 else f"callbacks {', '.join(before)} decide before the update (pre_update)"

@@ -194,6 +194,18 @@ def factor_optimizer(optimizer: Any) -> StepFactor | None:
     return None
 
 
+def optimizer_name(optimizer: Any) -> str:
+    """The optimizer's class, and the one inside a framework's wrapper where there is one
+    ('AdamW (inside AcceleratedOptimizer)'): what a user built, not what wraps it."""
+    name, inner = type(optimizer).__name__, optimizer
+    for _ in range(4):
+        nested = getattr(inner, "optimizer", None)
+        if not isinstance(nested, torch.optim.Optimizer) or nested is inner:
+            break
+        inner = nested
+    return name if inner is optimizer else f"{type(inner).__name__} (inside {name})"
+
+
 def masked_grads(params: Sequence[torch.Tensor], factor: torch.Tensor | None) -> list[torch.Tensor]:
     """The gradients (local shards) of `params`; zeroed in place where the step is refused,
     so that a non-finite gradient cannot reach the moments (0 * nan is nan)."""
