@@ -177,8 +177,9 @@ class LoaderStream:
                 break
             skipped += 1
         if not self.once:
-            say(log, f"data: fast-forwarded past {skipped} batches of epoch {epoch} to batch "
-                f"{position} (the loader keeps no state_dict: they were drawn again)")  # fmt: skip
+            what = f"{skipped} batches" if self.group == 1 else f"{skipped} steps' micro-batches"
+            say(log, f"data: fast-forwarded past {what} of epoch {epoch} to batch {position} "
+                "(the loader keeps no state_dict: they were drawn again)")  # fmt: skip
 
     # -- drawing ------------------------------------------------------------------------------
     def _more(self) -> bool:

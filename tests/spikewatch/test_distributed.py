@@ -286,3 +286,37 @@ def test_a_rank_that_raises_ends_the_job(tmp_path) -> None:
     assert time.monotonic() - t0 < LAUNCH_TIMEOUT_S
     with Session(make_engine(db)) as session:
         assert len(store.list_runs(session)) == 1  # one run per job, even one that failed
+
+
+def _accelerate(out: Path, *, crash_at: int = 0) -> int:
+    pytest.importorskip("accelerate", reason="the hf extra is not installed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CRASH_AT": str(crash_at)}
+    script = str(REPO / "tests" / "spikewatch" / "accelerate_script.py")
+    done = subprocess.run([*cmd, script, str(out), "120"], env=env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    if done.returncode and not crash_at and TEARDOWN_ABORT in done.stdout + done.stderr:
+        pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
+    assert crash_at or done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.returncode
+
+
+def test_an_accelerate_loop_on_two_processes_decides_alike_and_resumes_in_order(tmp_path) -> None:
+    """tests/spikewatch/accelerate_script.py: a poisoned stretch of accelerate's dispatched
+    stream rolls both ranks back at the same step, one run in the store; killed at step 70 and
+    launched again, each rank feeds from the checkpoint at 50 what the uninterrupted job fed."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    _accelerate(whole)
+    ranks = [json.loads(Path(f"{whole}.rank{r}.json").read_text()) for r in (0, 1)]
+    keys = ("kind", "step", "from_step", "to_step", "skip_ranges", "lr_scale")
+    decided = [[tuple(str(i.get(k)) for k in keys) for i in r["interventions"]] for r in ranks]
+    assert decided[0] == decided[1] and [d[0] for d in decided[0]] == ["rollback"]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 120
+    with Session(make_engine(f"sqlite:///{whole}.db")) as session:
+        assert len(store.list_runs(session)) == 1
+    assert _accelerate(killed, crash_at=70) != 0
+    _accelerate(killed)
+    for r in (0, 1):
+        resumed = json.loads(Path(f"{killed}.rank{r}.json").read_text())
+        assert resumed["steps"] == 120 and len(resumed["fed"]) == 140  # steps 51..120
+        assert resumed["fed"] == ranks[r]["fed"][-140:]
