@@ -481,6 +481,15 @@ class Detector:
             "last_step": self.last_step,
         }
 
+    def restore_series(self, d: dict[str, Any]) -> None:
+        """The loss and gradient-norm windows (and the recent scores) of a saved state, this
+        detector's settings kept: a rollback's restore (its `rewind` follows)."""
+        self.loss = _Robust(self.cfg.window, self.cfg.level_window)
+        self.loss.clear(list(d["loss"]), d.get("loss_steps"))
+        self.grad = _Robust(self.cfg.window, self.cfg.level_window)
+        self.grad.clear(list(d["grad"]), d.get("grad_steps"))
+        self.recent = deque(((int(s), float(z)) for s, z in d["recent"]), maxlen=32)
+
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.cfg = DetectorConfig.model_validate(d["cfg"])
         self.loss = _Robust(self.cfg.window, self.cfg.level_window)

@@ -61,7 +61,9 @@ def skipped(data: Mapping[str, Any]) -> str:
     batches' other rows train), else the whole batches (issue 45: a sample skip read "skipping
     batches [199, 213)" in some reports and "[]" in others)."""
     passed = int(data.get("passed_over") or 0)  # the Watch: the loop's data flowed on
-    also = f"; {passed} clean batch{'es' if passed != 1 else ''} before the onset not fed again"
+    also = (
+        f"; {passed} clean batch{'es' if passed != 1 else ''} since the restored step passed over"
+    )
     also = also if passed else ""
     n = int(data.get("skipped_samples") or 0)
     if n:

@@ -344,13 +344,13 @@ class Watch(Replaying):
         stream.restore(core.run.stream_saved, core.run.data.batch_index)
         core.run.stream_saved, core.run.stream = None, stream.state
         if loss_fn is not None:
-            self._batch_at, self._loss_fn, self._decode = stream.batch_at, loss_fn, decode
             self._accumulate = accumulate
+            # whole batches are skipped: a skip range reaches past the data position, and the
+            # batches there, not drawn yet, cannot be measured for their rows (they would be
+            # fed but for their named rows); the rows the rollback names are still recorded
+            self.attribute_with(stream.batch_at, loss_fn, decode, drop=False)
             # each rank holds its own batches: a swap gathers them (one batch a step)
             self._classify(swap=accumulate == 1)
-            # rows named are left out of one-batch steps in one process; else whole batches go
-            drop = not core.world.distributed and accumulate == 1
-            self.attribute_with(stream.rows_at, loss_fn, decode, drop=drop)
         said = False
         try:
             while not self.should_stop:
@@ -424,7 +424,8 @@ class Watch(Replaying):
     # -- the step, in phases (frameworks call these from their hooks) ----------------------
     def begin_step(self, index: int | None = None) -> None:
         """Before the step's first forward: `index` is the batch's global index (a framework's
-        own data position); the checkpoint due for the previous step is saved first."""
+        own data position; None: the Watch's next one); the checkpoint due for the previous
+        step is saved first."""
         self._begin(index)
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
 
@@ -434,7 +435,9 @@ class Watch(Replaying):
         core = self._c
         core.start()
         core.save_if_due()
-        core.begin_step(core.index if index is None else index)
+        # no index: the next data position (the step before's index again put every step of
+        # such a loop on one batch index, and a skip range over it refused the rest of the run)
+        core.begin_step(core.take_index() if index is None else index)
         self.grad_norm = None
         self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True

@@ -236,7 +236,3 @@ class LoaderStream:
                 f": watch.batches(loader, hold=...))"
             )
         return self.held[index]
-
-    def rows_at(self, index: int) -> Any:
-        """A held batch for naming its rows, or None (not at hand)."""
-        return self.held.get(index)

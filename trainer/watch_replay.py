@@ -19,6 +19,7 @@ import torch
 
 from spikewatch.trainer.checkpoints.staging import to_host
 from spikewatch.trainer.core.attribution import MicroBatches, RowStat, measure_rows, moved
+from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.transfer import StepTensors
 
 if TYPE_CHECKING:
@@ -149,9 +150,13 @@ class Replaying:
         """For the attribution of a spike (the core's): this rank's rows of batch `index`."""
         assert self._batch_at is not None and self._loss_fn is not None
         core = self._c
+        try:
+            fed = self._batch_at(index)
+        except NotAtHand:  # a loader's batch no longer held: its rows are not measured
+            fed = None
         return measure_rows(
             index,
-            self._batch_at(index),
+            fed,
             self._loss_fn,
             core.probes.params if self._row_backward else None,
             core.world.rank,

@@ -34,7 +34,7 @@ def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) ->
     story = f"skipping {len(named)} named samples of batches [{lo}, {hi}) (the other rows train)"
     passed = rollback["passed_over"]  # the loop's data flowed on: counted, not fed again
     assert passed == lo - rollback["to_step"] > 0  # batches [to_step, lo) were clean
-    story += f"; {passed} clean batches before the onset not fed again"
+    story += f"; {passed} clean batches since the restored step passed over"
     assert rollback["skipped"] == story and rollback["reason"].endswith(", " + story)
     assert sorted(map(tuple, rollback["skipped_rows"])) == sorted(named)
     assert summary["skipped_batches"] == [] and summary["skipped_samples"] == sorted(

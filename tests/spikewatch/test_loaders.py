@@ -153,32 +153,55 @@ def test_held_batches_are_bounded_and_an_older_one_is_not_at_hand() -> None:
     assert list(stream.held) == [6, 7, 8, 9] and stream.batch_at(9) == 9
     with pytest.raises(NotAtHand, match="batch 5 is no longer held"):
         stream.batch_at(5)
-    assert stream.rows_at(5) is None
 
 
-def test_a_poisoned_stretch_of_a_stream_is_fed_once_and_never_again(tmp_path, caplog) -> None:
-    """examples/dataloader_loop.py --stream: an IterableDataset whose batches 120..129 have
-    spoilt labels. The spike rolls back; no window is fed twice, no poisoned batch after the
-    rollback, the clean batches passed over are counted in the rollback's line, and the run
-    ends as well as the clean one."""
-    args = ("--stream", "--steps", "200", "--db", "none")
-    clean = run_example("dataloader_loop", tmp_path / "clean", *args, "--fed", "fed.txt")
+def _poisoned(fed_file: Any, first: int, n: int) -> list[int]:
+    """The fed list's positions (iterations) that fed a window of the stream's batches
+    first..first+n-1 (the example's Stream, 8 windows of 64 a batch)."""
+    order = example("dataloader_loop").Stream(text_corpus()[0], 64, 8, range(0)).order
+    spoilt = set(order[first * 8 : (first + n) * 8].tolist())
+    fed = [set(map(int, line.split())) for line in fed_file.open()]
+    return [k for k, f in enumerate(fed) if f & spoilt]
+
+
+def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> None:
+    """examples/dataloader_loop.py --stream: an IterableDataset whose batches 120..129 (then
+    120..159) have spoilt labels. 10: one rollback; no window fed twice, no poisoned batch after
+    the rollback, the clean batches passed over counted in the rollback's line. 40: the stretch
+    outlasts the first skip, so the guard rolls back again (a control replay reaching past the
+    held batches says so and goes on); none after the last. Both end as well as the clean run."""
+    args = ("--stream", "--steps", "300", "--db", "none", "--fed", "fed.txt")
+    clean = run_example("dataloader_loop", tmp_path / "clean", *args)
     with caplog.at_level(logging.WARNING, logger="spikewatch"):
-        hit = run_example("dataloader_loop", tmp_path / "hit", *args, "--fed", "fed.txt",
+        hit = run_example("dataloader_loop", tmp_path / "hit", *args,
                           "--poison-at", "120", "--poison-len", "10")  # fmt: skip
     fed = [list(map(int, line.split())) for line in (tmp_path / "hit/fed.txt").open()]
     ids = [i for f in fed for i in f]
     assert len(ids) == len(set(ids))  # nothing fed twice
     (rollback,) = [i for i in hit["interventions"] if i["kind"] == "rollback"]
-    order = example("dataloader_loop").Stream(text_corpus()[0], 64, 8, range(0)).order
-    poisoned = set(order[120 * 8 : 130 * 8].tolist())  # the stream's positions 960..1039
-    at = [k for k, f in enumerate(fed) if set(f) & poisoned]
+    at = _poisoned(tmp_path / "hit/fed.txt", 120, 10)
     assert at and max(at) < rollback["from_step"]  # fed before the detection only
     lo, hi = rollback["skip_ranges"][0]
     assert lo <= 120 and hi >= 130
     assert rollback["passed_over"] == lo - rollback["to_step"] > 0  # batch i was step i + 1's
-    story = f"{rollback['passed_over']} clean batches before the onset not fed again"
+    story = f"{rollback['passed_over']} clean batches since the restored step passed over"
     assert story in rollback["skipped"] and story in caplog.text
-    assert hit["steps"] == clean["steps"] == 200
+    assert hit["steps"] == clean["steps"] == 300
     assert hit["final_val_loss"] <= clean["final_val_loss"] + 0.01, (hit, clean)
-    assert hit["val_losses"][-1]["step"] == 200  # the final evaluation, after the block
+    assert hit["val_losses"][-1]["step"] == 300  # the final evaluation, after the block
+
+    long = run_example("dataloader_loop", tmp_path / "long", *args,
+                       "--poison-at", "120", "--poison-len", "40")  # fmt: skip
+    rollbacks = [i for i in long["interventions"] if i["kind"] == "rollback"]
+    assert len(rollbacks) >= 2 and long["steps"] == 300
+    assert all(r["skip_ranges"] for r in rollbacks)  # whole batches: the rest are not drawn yet
+    # armed right after each rollback: the stretch's next batches are seen on their first steps
+    # (after the second, as a new level the policy accepts: they came back where each skip ended)
+    for r in rollbacks:
+        seen = [
+            v for v in long["verdicts"] if v["kind"] == "spike" and v["onset_step"] > r["to_step"]
+        ]
+        assert seen and min(v["onset_step"] for v in seen) <= r["to_step"] + 3, long["verdicts"]
+    fed = [i for line in (tmp_path / "long/fed.txt").open() for i in line.split()]
+    assert len(fed) == len(set(fed))
+    assert long["final_val_loss"] <= clean["final_val_loss"] + 0.01, (long, clean)

@@ -264,3 +264,34 @@ def test_at_the_users_info_spikewatch_starts_in_its_own_lines(tmp_path, caplog) 
         assert alembic.level == logging.NOTSET  # the user's to set, as it was
     finally:
         alembic.setLevel(before)
+
+
+def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_path) -> None:
+    """A rollback further back than the detector's window used to leave it with too few
+    points to judge (blind for its first steps, and taking them into its level): now its
+    statistics are the restored checkpoint's. Bad data right after the rollback is detected
+    as it would be anywhere else."""
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=3e-3)
+    train, _ = text_corpus()
+    settings = {"checkpoint": {"memory_interval": 10, "interval": None},
+                "guard": {"same_step": {"enabled": False}}}  # fmt: skip
+    forced = _RollbackAt(150, 80)  # the window (64 points) then holds steps 87..150
+    watch = Watch(model, opt, run_dir=tmp_path, db="none", max_steps=170, settings=settings,
+                  callbacks=[forced])  # fmt: skip
+    spoil = 4  # the first batches after it
+    with watch:
+        while not watch.should_stop:
+            x, y = _random_windows(train, 8, 32)
+            if forced.done and spoil:
+                y, spoil = (y + 1) % 256, spoil - 1  # spoilt labels
+            watch.begin_step()
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    to = [i["to_step"] for i in watch.interventions if i["kind"] == "rollback"][0]
+    assert to <= 80
+    spikes = [v for v in watch.guard.verdicts if v["kind"] == "spike" and v["onset_step"] > to]
+    assert spikes and spikes[0]["onset_step"] <= to + 2, watch.guard.verdicts

@@ -91,6 +91,12 @@ class Callback:
         """After the loop restored the checkpoint of `step` (the run continues from there);
         `record` is the intervention as stored in the run's summary."""
 
+    def on_restore(self, step: int, saved: Mapping[str, Any]) -> None:
+        """A rollback is restoring the checkpoint of `step`; `saved` is this callback's
+        `state_dict()` in it (empty when it holds none). Take back what belongs to the restored
+        state (statistics of the steps it has seen), keep what the run has learned since (a
+        rollback keeps the live state otherwise). `on_rollback` follows."""
+
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         """A checkpoint of `step` was handed to the writer (written, or being written)."""
 

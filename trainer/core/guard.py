@@ -239,6 +239,15 @@ class SpikeGuard(Callback):
         kind = v.kind if v.kind in ("spike", "nonfinite") else "note"
         self._notes.append(Note(v.step, kind, v.message, data))
 
+    def on_restore(self, step: int, saved: Mapping[str, Any]) -> None:
+        """The detector's statistics as the restored checkpoint had them: the run's window of
+        losses and gradient norms up to `step`. Rewinding the live window instead kept only
+        its points up to `step`, fewer than it needs to judge when the rollback reached back
+        far (the guard was blind for the first steps after it, and took the bad ones into its
+        level). What the run learned since (the policy, the baseline restarts) stays."""
+        if "detector" in saved:
+            self.detector.restore_series(saved["detector"])
+
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
         if record.get("kind") == "rollback":

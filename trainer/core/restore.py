@@ -374,6 +374,9 @@ class Checkpointed:
                 if key in saved:
                     cb.load_state_dict(saved[key])
         else:
+            saved = state.get("callbacks") or {}
+            for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
+                cb.on_restore(run.step, saved.get(key) or {})
             if self.data_flow == "rewind":
                 ranges = sorted(set(restored.skip_ranges) | set(run.data.skip_ranges))
                 run.data = DataState(
