@@ -159,6 +159,7 @@ class Watch(Replaying):
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
         self._accumulate = 1
+        self._counter_told = False
         self.amp = Scaling(optimizer, scaler)  # fp16's GradScaler (trainer/watch_amp.py)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -492,7 +493,13 @@ class Watch(Replaying):
 
     def conclude(self) -> str:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
-        return self._c.conclude()
+        outcome = self._c.conclude()
+        if outcome == ROLLED_BACK and not self._counter_told and self._c.world.is_main:
+            self._counter_told = True  # once a run: the loop's own counter now disagrees
+            say(log, f"the run's step is now {self._c.step_count} (rolled back): a loop that "
+                "counts its own steps (its LR schedule, evaluations, checkpoint names, its end) "
+                "takes them from watch.step_count")  # fmt: skip
+        return outcome
 
     def drain(self) -> str:
         """Read the step in flight now (on a GPU a step is read one step late) and act on it:

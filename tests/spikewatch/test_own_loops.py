@@ -266,7 +266,7 @@ def test_at_the_users_info_spikewatch_starts_in_its_own_lines(tmp_path, caplog) 
         alembic.setLevel(before)
 
 
-def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_path) -> None:
+def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_path, said) -> None:
     """A rollback further back than the detector's window used to leave it with too few
     points to judge (blind for its first steps, and taking them into its level): now its
     statistics are the restored checkpoint's. Bad data right after the rollback is detected
@@ -295,3 +295,8 @@ def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_pat
     assert to <= 80
     spikes = [v for v in watch.guard.verdicts if v["kind"] == "spike" and v["onset_step"] > to]
     assert spikes and spikes[0]["onset_step"] <= to + 2, watch.guard.verdicts
+    # the loop's own counter is told once, at the first rollback, where the step now is
+    told = [r.message for r in said.records if "takes them from watch.step_count" in r.message]
+    assert told == [f"the run's step is now {to} (rolled back): a loop that counts its own steps "
+                    "(its LR schedule, evaluations, checkpoint names, its end) takes them from "
+                    "watch.step_count"]  # fmt: skip
