@@ -30,6 +30,7 @@ __all__ = [
     "store_url",
     "MIGRATIONS_DIR",
     "DatabaseURLError",
+    "StoreUnreachable",
     "make_engine",
     "redact",
     "resolve_url",
@@ -60,6 +61,12 @@ PG_CONNECT_TIMEOUT_S = 10
 
 class DatabaseURLError(ValueError):
     """A database URL that spikewatch cannot use (says which and why)."""
+
+
+class StoreUnreachable(DatabaseURLError):
+    """The store at a URL cannot be opened: the server is down, the role or database does not
+    exist, the file cannot be written. One line, in every command and in the Watch (it was a
+    134-line traceback from inside the Alembic environment)."""
 
 
 def store_url(url: str | None = None) -> str:
@@ -167,10 +174,21 @@ def upgrade(url: str | None = None, *, revision: str = "head") -> str:
     url = resolve_url(url)
     with _alembic_below_info():  # its import logs too (a line per plugin)
         from alembic import command
+        from sqlalchemy.exc import DBAPIError
 
-        with _migration_lock(url):
-            command.upgrade(alembic_config(url), revision)
+        try:
+            with _migration_lock(url):
+                command.upgrade(alembic_config(url), revision)
+        except DBAPIError as e:
+            raise StoreUnreachable(unreachable(url, e)) from None
     return url
+
+
+def unreachable(url: str, error: BaseException) -> str:
+    """One line for a store that cannot be opened: where, and the driver's own first line."""
+    cause = getattr(error, "orig", None) or error
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return f"cannot open the store at {redact(url)}: {first}"
 
 
 @contextlib.contextmanager

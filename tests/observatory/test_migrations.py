@@ -97,9 +97,34 @@ def test_bad_urls_are_refused_with_a_reason(
     assert message in capsys.readouterr().err
 
 
-def test_unreachable_postgresql_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["db", "upgrade", "--db", "postgresql://postgres@127.0.0.1:9/x"]) == 2
-    assert "cannot use postgresql+psycopg://postgres@127.0.0.1:9/x" in capsys.readouterr().err
+@pytest.mark.parametrize("command", [["db", "upgrade"], ["serve"], ["watch", "LOG"], ["runs"]])
+def test_an_unreachable_store_is_one_line_in_every_command(
+    command: list[str], capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    """A refused port: one line naming the store and the driver's reason, exit 2 (it was a
+    134-line traceback from inside the Alembic environment in serve and watch)."""
+    log = tmp_path / "loss.csv"
+    log.write_text("step,loss\n1,2.0\n")
+    args = [str(log) if a == "LOG" else a for a in command]
+    assert main([*args, "--db", "postgresql://postgres@127.0.0.1:9/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "cannot " in err[0] and "postgresql+psycopg://postgres@127.0.0.1:9/x" in err[0]
+    assert "refused" in err[0] or "failed" in err[0], err
+
+
+def test_an_unreachable_store_stops_the_watch_with_that_line(tmp_path) -> None:
+    import torch
+
+    from spikewatch import AdamW, Watch
+
+    model = torch.nn.Linear(2, 1)
+    watch = Watch(model, AdamW(model.parameters()), run_dir=tmp_path,
+                  db="postgresql://postgres@127.0.0.1:9/x")  # fmt: skip
+    with pytest.raises(db.StoreUnreachable, match=r"cannot open the store at postgresql\+psycopg://"
+                       r"postgres@127.0.0.1:9/x: connection failed") as caught:  # fmt: skip
+        watch.open()
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
 
 
 def test_plain_postgresql_scheme_uses_psycopg() -> None:
