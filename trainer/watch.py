@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -54,7 +55,7 @@ from spikewatch.trainer.core.blocklist import Blocklist
 from spikewatch.trainer.core.callbacks import Callback
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.guard import SpikeGuard
-from spikewatch.trainer.core.probes import module_layer_of
+from spikewatch.trainer.core.probes import inner_model, module_layer_of
 from spikewatch.trainer.core.recorder import Recorder
 from spikewatch.trainer.core.step_core import (
     APPLIED,
@@ -159,7 +160,7 @@ class Watch(Replaying):
         self._decode: Callable[[list[int]], str] | None = None
         self._row_backward = True
         self._accumulate = 1
-        self._counter_told = False
+        self._counter_told = self._attn_told = False
         self.amp = Scaling(optimizer, scaler)  # fp16's GradScaler (trainer/watch_amp.py)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -170,7 +171,33 @@ class Watch(Replaying):
             self.core = build_watch_core(self)
             watch_for_uncaught()
             atexit.register(close_at_exit, weakref.ref(self))
+            if self.framework == "loop" and self.cfg.probes.attn_max:
+                self._attach_attention()
+            self._arm_attention()
         return self.core
+
+    def _arm_attention(self) -> None:
+        """The next step's forwards record their attention maxima if it is probed: set here
+        (at open and after each step) for a loop that never calls `begin_step`, whose step
+        begins only at the gate, after its forwards (it recorded none). Evaluation under
+        `no_grad` and replays record nothing."""
+        core = self._c
+        self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
+
+    def _attach_attention(self) -> None:
+        """A Hugging Face model in the user's own loop records its per-head attention maxima
+        without being asked (they went missing, silently, unless the user found
+        `spikewatch.hf.attach_attention`)."""
+        if "transformers" not in sys.modules:  # no Hugging Face model here
+            return
+        for m in inner_model(self.model).modules():
+            if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
+                from spikewatch.hf import attach_attention
+
+                if attach_attention(m, self.attn) and self._c.world.is_main:
+                    say(log, f"per-head attention maxima: recorded in {type(m).__name__}'s "
+                        "attention (spikewatch's attention function stands in for it)")  # fmt: skip
+                return
 
     def __enter__(self) -> Watch:
         self.open()
@@ -494,6 +521,7 @@ class Watch(Replaying):
     def conclude(self) -> str:
         """After the optimizer step (or its refusal): record, then roll back or halt."""
         outcome = self._c.conclude()
+        self._arm_attention()
         if outcome == ROLLED_BACK and not self._counter_told and self._c.world.is_main:
             self._counter_told = True  # once a run: the loop's own counter now disagrees
             say(log, f"the run's step is now {self._c.step_count} (rolled back): a loop that "
@@ -579,8 +607,14 @@ class Watch(Replaying):
                 "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"
             )
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None  # taken: the next step's
+        recording = self.attn.active
         taken = self.attn.take()
         self.attn.active = False  # until the next step: evaluations and replays record nothing
+        if recording and taken is None and not self._attn_told and core.world.is_main:
+            self._attn_told = True  # once: a model whose attention spikewatch cannot see
+            say(log, "no per-head attention maxima: the model's attention does not record them "
+                "(call watch.attn.sdpa(layer, q, k, v) in it, or watch.attn.record(layer, "
+                "maxima); settings probes.attn_max=false says you do not want them)")  # fmt: skip
         layers, values = taken if taken is not None else (None, None)
         return StepTensors(
             loss=loss,

@@ -140,3 +140,39 @@ def test_a_model_that_cannot_be_covered_is_named(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="spikewatch"):
         assert hf.attach_attention(Plain(), AttnMax()) == 0
     assert "Plain" in caplog.text and "layer_idx" in caplog.text
+
+
+def test_a_hugging_face_model_in_a_plain_loop_records_its_maxima_unasked(tmp_path, caplog) -> None:
+    """The Watch in the user's own loop routes a transformers model's attention through its
+    recording function by itself (the maxima were silently missing without
+    `spikewatch.hf.attach_attention`); a model whose attention it cannot see is said, once."""
+    from spikewatch import Watch
+
+    config_name, model_name, kwargs = FAMILIES["llama"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(
+        getattr(transformers, config_name)(**kwargs, attn_implementation="sdpa")
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.INFO, logger="spikewatch"):
+        with Watch(model, opt, run_dir=tmp_path / "hf", db="none", max_steps=3) as watch:
+            for _ in range(3):
+                x = torch.randint(0, kwargs["vocab_size"], (2, 8))
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                watch.step(loss)
+    names = watch.summary()["metric_names"]
+    assert any(n.endswith("/attn_max") and "/head/" in n for n in names), names
+    assert "per-head attention maxima: recorded in LlamaForCausalLM's attention" in caplog.text
+    assert "no per-head attention maxima" not in caplog.text
+
+    caplog.clear()
+    lin = torch.nn.Linear(4, 1)
+    with caplog.at_level(logging.INFO, logger="spikewatch"):
+        with Watch(lin, torch.optim.SGD(lin.parameters(), lr=0.1), run_dir=tmp_path / "lin",
+                   db="none", max_steps=3) as watch:  # fmt: skip
+            for _ in range(3):
+                loss = lin(torch.ones(2, 4)).square().mean()
+                loss.backward()
+                watch.step(loss)
+    assert caplog.text.count("no per-head attention maxima") == 1
