@@ -192,7 +192,7 @@ class Watch(Replaying):
             return
         for m in inner_model(self.model).modules():
             if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
-                from spikewatch.hf import attach_attention
+                from spikewatch.hf_attention import attach_attention
 
                 if attach_attention(m, self.attn) and self._c.world.is_main:
                     say(log, f"per-head attention maxima: recorded in {type(m).__name__}'s "

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 
 from transformers import AttentionInterface  # noqa: E402
 
-from spikewatch import hf  # noqa: E402
+from spikewatch import hf, hf_attention  # noqa: E402
 from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
 
 TINY = dict(
@@ -76,7 +76,9 @@ def test_attention_maxima_equal_the_models_own_q_and_k(family: str) -> None:
         causal = bool(kw.get("is_causal", getattr(module, "is_causal", True)))
         scale = query.size(-1) ** -0.5 if scaling is None else scaling
         seen[module.layer_idx] = (query.detach(), key.detach(), scale, attention_mask, causal)
-        return hf._attention(module, query, key, value, attention_mask, dropout, scaling, **kw)
+        return hf_attention._attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kw
+        )
 
     AttentionInterface.register(hf.ATTN_IMPLEMENTATION, capture)
     try:
