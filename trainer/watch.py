@@ -70,7 +70,13 @@ from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
 from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.attn_max import AttnMax
 from spikewatch.trainer.watch_amp import Scaling
-from spikewatch.trainer.watch_loader import LoaderStream, as_stream, batch_bytes
+from spikewatch.trainer.watch_loader import (
+    LoaderStream,
+    as_stream,
+    batch_bytes,
+    stream_from_json,
+    stream_to_json,
+)
 from spikewatch.trainer.watch_open import (
     UNCAUGHT,
     build_watch_core,
@@ -640,12 +646,21 @@ class Watch(Replaying):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but tensors (core/state.py's `trainer.json` schema): counters, data
-        position, skips, records, callback states. Frameworks keep it in their own
-        checkpoints, so their resume resumes it."""
-        return self._c.state_dict()
+        position (with the loop's loader's, `batches(loader)`), skips, records, callback
+        states, in JSON types. Frameworks keep it in their own checkpoints
+        (`accelerator.register_for_checkpointing(watch)`), so their resume resumes it."""
+        core = self._c
+        out = core.state_dict()
+        if core.run.stream is not None:
+            out["data_stream"] = stream_to_json(core.run.stream())
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._c.load_state_dict(state)
+        """A `state_dict()` back (a framework's resume): the run continues from its step, the
+        loop's loader from its position when `batches(loader)` next meets it."""
+        core = self._c
+        core.load_state_dict(state)
+        core.run.stream_saved = stream_from_json(state.get("data_stream"))
 
     def close(self, status: str | None = None) -> dict[str, Any]:
         """Flush the last update statistics, save the final state, close the run in the store;

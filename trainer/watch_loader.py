@@ -25,6 +25,7 @@ count of batches drawn from it, across epochs: batch index i is the i-th batch t
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -37,7 +38,7 @@ from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.world import say
 
-__all__ = ["LoaderStream", "as_stream", "batch_bytes"]
+__all__ = ["LoaderStream", "as_stream", "batch_bytes", "stream_from_json", "stream_to_json"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,34 @@ def batch_bytes(batch: Any) -> int:
     if hasattr(batch, "values") and callable(batch.values):
         return sum(batch_bytes(b) for b in batch.values())
     return 0
+
+
+def stream_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """A stream's position (`LoaderStream.state`) in JSON types, for `Watch.state_dict()` (a
+    framework's own checkpoint): the RNG state as its bytes; a loader state that is not JSON
+    is left out (a resume then fast-forwards), said."""
+    out = {k: v for k, v in state.items() if k not in ("epoch_rng", "loader")}
+    if state.get("epoch_rng") is not None:
+        out["epoch_rng"] = state["epoch_rng"].tolist()
+    if "loader" in state:
+        try:
+            json.dumps(state["loader"])
+        except (TypeError, ValueError):
+            log.warning("data: the loader's state_dict() is not JSON; a resume from the "
+                        "Watch's state_dict() fast-forwards the loader instead")  # fmt: skip
+        else:
+            out["loader"] = state["loader"]
+    return out
+
+
+def stream_from_json(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`stream_to_json`'s inverse."""
+    if not state:
+        return None
+    out = dict(state)
+    if out.get("epoch_rng") is not None:
+        out["epoch_rng"] = torch.tensor(out["epoch_rng"], dtype=torch.uint8)
+    return out
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:

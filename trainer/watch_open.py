@@ -26,6 +26,7 @@ from spikewatch.trainer.core.setup import open_core
 from spikewatch.trainer.core.state import RunState, ended
 from spikewatch.trainer.core.step_core import StepCore
 from spikewatch.trainer.core.world import attach_world, say
+from spikewatch.trainer.watch_loader import stream_from_json
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,21 @@ def _resume(watch: Any, core: StepCore) -> bool:
     resume = watch.resume_arg
     if resume == "auto":
         resume = bool(ck_list(core.checkpointer.root))
+    given = None if watch.saved is None else int(watch.saved.get("step", 0))
+    if resume and given is not None:  # two saved states: the newer is where the run got to
+        own = max(ck_list(core.checkpointer.root), default=-1)
+        if own >= 0 and core.world.is_main:
+            newer = "its own checkpoint" if own >= given else "the state given"
+            say(log, f"two saved states: the Watch's own checkpoint at step {own} and the state "
+                f"given (state=) at step {given}; resuming from {newer}, the newer")  # fmt: skip
+        resume = own >= given
     if resume:
         config = watch.run_config()
         core.resume(lambda path: check_resumable(config, _saved_config(path), path, WATCH_RULES))
         return True
     if watch.saved is not None:
         core.load_state_dict(watch.saved)
+        core.run.stream_saved = stream_from_json(watch.saved.get("data_stream"))
         core.checkpointer.drop_after(core.step_count)  # the future of an abandoned timeline
         return True
     return False

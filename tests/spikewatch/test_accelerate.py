@@ -31,7 +31,8 @@ def _fresh() -> Any:
 
 
 def _loop(run_dir: Any, steps: int, *, watched: bool, crash_at: int | None = None,
-          poison: range = range(0), fused: bool = False) -> dict[str, Any]:  # fmt: skip
+          poison: range = range(0), fused: bool = False,
+          own: Any = None) -> dict[str, Any]:  # fmt: skip
     """The loop; what it fed (window ids per micro-batch), each micro-batch's loss, the end."""
     ex = example("dataloader_loop")
     train, _ = text_corpus()
@@ -49,11 +50,19 @@ def _loop(run_dir: Any, steps: int, *, watched: bool, crash_at: int | None = Non
     watch = None
     batches: Any = loader
     if watched:
-        settings = {"checkpoint": {"memory_interval": 10, "interval": 10, "async_save": False}}
+        # `own`: the loop keeps its own checkpoints there (accelerate's save_state every 10
+        # steps, the Watch's state among them) and the Watch keeps none on disk
+        disk = None if own is not None else 10
+        settings = {"checkpoint": {"memory_interval": 10, "interval": disk, "async_save": False}}
         watch = Watch(model, optimizer, scheduler, run_dir=run_dir, db="none", max_steps=steps,
                       resume="auto", settings=settings)  # fmt: skip
         watch.open()
         watch.route(optimizer, scheduler)
+        if own is not None:
+            accelerator.register_for_checkpointing(watch)
+            saved = sorted(own.glob("step*"), key=lambda p: int(p.name[4:]))
+            if saved:
+                accelerator.load_state(str(saved[-1]))
         batches = watch.batches(loader, accumulate=ACCUM, loss_fn=lambda b: model(b[0], b[1]))
         completed = watch.step_count
     try:
@@ -72,6 +81,8 @@ def _loop(run_dir: Any, steps: int, *, watched: bool, crash_at: int | None = Non
             losses.append(float(loss.detach()))
             if accelerator.sync_gradients:  # the loop's counter follows the Watch's
                 completed = completed + 1 if watch is None else watch.step_count
+                if own is not None and completed % 10 == 0:
+                    accelerator.save_state(str(own / f"step{completed}"))
                 if completed >= steps:
                     break
     except KeyboardInterrupt:
@@ -134,3 +145,20 @@ def test_the_host_path_line_names_the_optimizer_inside_accelerates(tmp_path, cap
 def test_a_fused_adamw_under_prepare_keeps_the_device_path(tmp_path) -> None:
     run = _loop(tmp_path / "a", 4, watched=True, fused=True)
     assert not run["watch"].core.host_path and run["watch"].step_count == 4
+
+
+def test_the_loops_own_checkpoints_carry_the_watch_and_its_data_position(tmp_path) -> None:
+    """`accelerator.register_for_checkpointing(watch)` and the Watch's disk tier off: a kill at
+    step 25 and `accelerator.load_state` of the loop's own checkpoint at step 20 resume the
+    Watch (its step, its guard) and the loader's position with the weights, in the
+    uninterrupted order, bitwise."""
+    clean = _loop(tmp_path / "clean", 30, watched=True, own=tmp_path / "own-clean")
+    _loop(tmp_path / "run", 30, watched=True, own=tmp_path / "own", crash_at=25)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").glob("step*[1-9]*")
+    )  # the Watch wrote no checkpoint of its own past its anchor
+    resumed = _loop(tmp_path / "run", 30, watched=True, own=tmp_path / "own")
+    assert resumed["watch"].step_count == 30
+    assert resumed["fed"] == clean["fed"][40:]  # from the loop's checkpoint at step 20
+    for a, b in zip(clean["model"].parameters(), resumed["model"].parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -300,3 +300,21 @@ def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_pat
     assert told == [f"the run's step is now {to} (rolled back): a loop that counts its own steps "
                     "(its LR schedule, evaluations, checkpoint names, its end) takes them from "
                     "watch.step_count"]  # fmt: skip
+
+
+def test_two_saved_states_the_newer_wins_and_it_is_said(tmp_path, said) -> None:
+    """The Watch's own checkpoints in its directory and a framework's copy of its state
+    (`state=`): it resumes from the newer and says which and why."""
+    _run(tmp_path / "a", 30, stop_at=10)  # its own checkpoints, up to step 10
+    given = _run(tmp_path / "b", 30, stop_at=20).state_dict()  # a framework's, at step 20
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    watch = Watch(model, AdamW(model.parameters(), lr=1e-3), run_dir=tmp_path / "a", db="none",
+                  max_steps=30, resume="auto", state=given,
+                  settings={"checkpoint": {"memory_interval": None, "interval": 5}})  # fmt: skip
+    watch.open()
+    assert watch.step_count == 20
+    line = ("two saved states: the Watch's own checkpoint at step 10 and the state given "
+            "(state=) at step 20; resuming from the state given, the newer")  # fmt: skip
+    assert line in said.text
+    watch.close()
