@@ -167,6 +167,8 @@ class Watch(Replaying):
         self._row_backward = True
         self._accumulate = 1
         self._counter_told = self._attn_told = False
+        self._loader: LoaderStream | None = None  # the loop's loader, once `batches` has it
+        self._held_said = False
         self.amp = Scaling(optimizer, scaler)  # fp16's GradScaler (trainer/watch_amp.py)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -373,10 +375,7 @@ class Watch(Replaying):
             raise ValueError(f"hold must be >= 0 batches, got {hold}")
         if epochs is None and self.cfg.max_steps is None:
             epochs = 1  # no planned end: one pass, as `for batch in loader` would
-        stream = LoaderStream(loader, core.run.data, hold=hold if loss_fn else 0,
-                              epochs=epochs, group=accumulate)  # fmt: skip
-        stream.restore(core.run.stream_saved, core.run.data.batch_index)
-        core.run.stream_saved, core.run.stream = None, stream.state
+        stream = self._stream_of(loader, hold if loss_fn else 0, epochs, accumulate)
         if loss_fn is not None:
             self._accumulate = accumulate
             # whole batches are skipped: a skip range reaches past the data position, and the
@@ -385,30 +384,53 @@ class Watch(Replaying):
             self.attribute_with(stream.batch_at, loss_fn, decode, drop=False)
             # each rank holds its own batches: a swap gathers them (one batch a step)
             self._classify(swap=accumulate == 1)
-        said = False
-        try:
-            while not self.should_stop:
-                core.start()
-                core.save_if_due()  # the loader stands at the data position: a checkpoint agrees
-                got = stream.draw()
-                if got is None:
-                    return  # the loader ended
-                index, batch = got
-                if not said and stream.hold and core.world.is_main:
-                    said = True
-                    size = stream.hold * batch_bytes(batch)
-                    say(log, f"data: the loop's loader; the last {stream.hold} batches are held "
-                        f"for a spike's replay (~{size / 2**20:.1f} MB)")  # fmt: skip
-                if accumulate > 1:  # the step's micro-batches, one an iteration
-                    self.begin_step(index)
-                    self._ntok = sum(tokens_in(part) for part in batch) * core.world.size
-                    yield from batch
-                    continue
-                batch = self._fed(index, batch)
-                if batch is not None:
-                    yield batch
-        finally:
-            core.run.stream = None
+        while not self.should_stop:
+            core.start()
+            core.save_if_due()  # the loader stands at the data position: a checkpoint agrees
+            got = stream.draw()
+            if got is None:
+                return  # the loader ended
+            index, batch = got
+            if not self._held_said and stream.hold and core.world.is_main:
+                self._held_said = True
+                size = stream.hold * batch_bytes(batch)
+                say(log, f"data: the loop's loader; the last {stream.hold} batches are held "
+                    f"for a spike's replay (~{size / 2**20:.1f} MB)")  # fmt: skip
+            if accumulate > 1:  # the step's micro-batches, one an iteration
+                self.begin_step(index)
+                self._ntok = sum(tokens_in(part) for part in batch) * core.world.size
+                yield from batch
+                continue
+            batch = self._fed(index, batch)
+            if batch is not None:
+                yield batch
+
+    def _stream_of(
+        self, loader: Iterable[Any], hold: int, epochs: int | None, accumulate: int
+    ) -> LoaderStream:
+        """The stream this call draws from. The loop's epoch loop (`for epoch ...: for batch in
+        watch.batches(loader)`) calls again each epoch: the same loader goes on where it
+        stands (its next pass, `epochs` more of them), a new loader object (one made each
+        epoch) starts its first pass at the data position; only the first call after a resume
+        takes the saved position (the loader's state, or a fast-forward)."""
+        core = self._c
+        old = self._loader
+        if old is not None and old.loader is loader and old.group == accumulate:
+            old.hold = hold
+            if old.between_passes() and epochs is not None:
+                old.epochs = old.epoch + 1 + epochs  # this call's passes, from the next on
+            return old
+        stream = LoaderStream(loader, core.run.data, hold=hold, epochs=epochs, group=accumulate)
+        if old is None:  # the first call: a resume's saved position, if any
+            stream.restore(core.run.stream_saved, core.run.data.batch_index)
+        else:  # another loader object: its passes continue the run's index and epoch count
+            stream.drawn, stream.epoch = core.run.data.batch_index, old.epoch
+            stream.epoch_start = stream.drawn
+            if epochs is not None:
+                stream.epochs = stream.epoch + 1 + epochs
+        core.run.stream_saved, core.run.stream = None, stream.state
+        self._loader = stream
+        return stream
 
     def take_index(self) -> int:
         """The next global batch index outside the skip ranges (advances the data position)."""

@@ -211,6 +211,10 @@ class LoaderStream:
                 "(the loader keeps no state_dict: they were drawn again)")  # fmt: skip
 
     # -- drawing ------------------------------------------------------------------------------
+    def between_passes(self) -> bool:
+        """No pass under way (before the first, or the last one ended)."""
+        return self._it is None
+
     def _more(self) -> bool:
         """Whether another pass may begin."""
         if self._empty or (self.once and self.epoch >= 0):

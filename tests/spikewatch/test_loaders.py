@@ -205,3 +205,30 @@ def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> No
     fed = [i for line in (tmp_path / "long/fed.txt").open() for i in line.split()]
     assert len(fed) == len(set(fed))
     assert long["final_val_loss"] <= clean["final_val_loss"] + 0.01, (long, clean)
+
+
+@pytest.mark.parametrize("new_loader_each_epoch", [False, True])
+def test_the_loops_own_epoch_loop_calls_batches_each_epoch(tmp_path, new_loader_each_epoch) -> None:
+    """`for epoch ...: for batch in watch.batches(loader)` (no max_steps: one pass a call): each
+    call is the loader's next pass, in its own order for that epoch, the index going on (a
+    second call used to fast-forward a new stream through the first pass and feed nothing)."""
+
+    def loader_of() -> DataLoader:
+        sampler = DistributedSampler(_windows(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        return DataLoader(_windows(), batch_size=4, sampler=sampler)
+
+    model, opt = _model()
+    loader = loader_of()
+    fed: list[list[int]] = []
+    with Watch(model, opt, run_dir=tmp_path, db="none") as watch:
+        for _ in range(3):
+            loader = loader_of() if new_loader_each_epoch else loader
+            for x, y, ids in watch.batches(loader):
+                fed.append(ids.tolist())
+                watch.step(model(x, y))
+    expected = []
+    reference = loader_of()
+    for epoch in range(3):
+        reference.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        expected += [ids.tolist() for _, _, ids in reference]
+    assert fed == expected and watch.step_count == 36 and watch.index == 35
