@@ -162,3 +162,17 @@ def test_the_loops_own_checkpoints_carry_the_watch_and_its_data_position(tmp_pat
     assert resumed["fed"] == clean["fed"][40:]  # from the loop's checkpoint at step 20
     for a, b in zip(clean["model"].parameters(), resumed["model"].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_loader_loop_benchmark_runs_small() -> None:
+    """benchmarks/loader_loop.py's smoke run (the figure is the benchmark's, not a test's)."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("loader_loop", REPO / "benchmarks/loader_loop.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--smoke"])
+    assert out["ratio"] > 0 and out["bare_ms"] > 0 and out["watched_ms"] > 0
