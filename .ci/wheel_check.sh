@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A user's install: build the wheel, install it with its extras into a fresh venv outside the
-# checkout, and run the three examples and `spikewatch db upgrade` from another directory.
+# checkout, and run the four examples and `spikewatch db upgrade` from another directory.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-python3}"
@@ -39,7 +39,7 @@ assert any(i['kind'] == 'rollback' for i in s['interventions']), s['intervention
   || { tail -30 demo.log; echo "wheel check: the demo rolled nothing back" >&2; exit 1; }
 "$sw" db upgrade --db "sqlite:///$work/user/upgraded.db"
 small=(--d-model 32 --seq-len 32 --batch-size 8 --steps 40 --db "sqlite:///$work/user/runs.db")
-for ex in plain_loop hf_trainer lightning_module; do
+for ex in plain_loop hf_trainer lightning_module dataloader_loop; do
   "$work/venv/bin/python" "$ex.py" "${small[@]}" --summary-json "$ex.json" >"$ex.log" 2>&1 \
     || { tail -30 "$ex.log"; exit 1; }
   grep -q '"steps": 40' "$ex.json" || { echo "$ex: no summary"; exit 1; }
@@ -59,4 +59,4 @@ grep -q '"goodput"' simulate.json || { echo "wheel check: simulate printed no go
 # the defaults: 780 lanes, shared with a forked child (goodput/parallel.py), from the wheel
 "$sw" simulate --json > defaults.json
 grep -q '"goodput": 0.94' defaults.json || { echo "wheel check: simulate's defaults" >&2; exit 1; }
-echo "wheel check: $(basename "$wheel") installs spikewatch only; beside a user's trainer.py, web.py and observatory.py the demo rolled back and 3 examples ran (and the plain loop compiled), db upgrade, simulate --from-run and its defaults worked"
+echo "wheel check: $(basename "$wheel") installs spikewatch only; beside a user's trainer.py, web.py and observatory.py the demo rolled back and 4 examples ran (and the plain loop compiled), db upgrade, simulate --from-run and its defaults worked"
