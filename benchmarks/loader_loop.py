@@ -60,6 +60,7 @@ def one_round(args: argparse.Namespace, watched: bool, tmp: Path) -> float:
         watch = Watch(model, optimizer, scheduler, run_dir=tmp / f"run{time.monotonic_ns()}",
                       db="none", max_steps=steps)  # fmt: skip
         watch.open()
+        model.use_recorder(watch.attn)  # the per-head maxima, as the example records them
         watch.route(optimizer, scheduler)
         batches = watch.batches(loader, accumulate=2, loss_fn=lambda b: model(b[0], b[1]))
     stamps: list[float] = []
