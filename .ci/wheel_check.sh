@@ -50,7 +50,7 @@ done
 grep -q '"steps": 40' compiled.json || { echo "compiled plain loop: no summary"; exit 1; }
 runs="$("$work/venv/bin/python" -c "
 import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select count(*) from runs').fetchone()[0])")"
-[ "$runs" = 3 ] || { echo "wheel check: $runs runs in the store, expected 3" >&2; exit 1; }
+[ "$runs" = 4 ] || { echo "wheel check: $runs runs in the store, expected 4" >&2; exit 1; }
 run_key="$("$work/venv/bin/python" -c "
 import sqlite3; print(sqlite3.connect('$work/user/runs.db').execute('select key from runs').fetchone()[0])")"
 "$sw" simulate --days 5 --seeds 3 --json --step-time 6s --from-run "$run_key" --db "sqlite:///$work/user/runs.db" \
