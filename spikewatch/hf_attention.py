@@ -18,7 +18,7 @@ import torch
 
 from spikewatch.trainer.model.attn_max import AttnMax
 
-__all__ = ["ATTN_IMPLEMENTATION", "attach_attention", "register_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "attach_attention", "attach_within", "register_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,16 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
             name,
         )
     return len(modules)
+
+
+def attach_within(module: torch.nn.Module, rec: AttnMax) -> tuple[str, int] | None:
+    """`attach_attention` on the Hugging Face model inside `module` (a LightningModule's, or the
+    user's own model under DDP): (its class, the attention modules that will record), or None
+    when there is none."""
+    for m in module.modules():
+        if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
+            return type(m).__name__, attach_attention(m, rec)
+    return None
 
 
 def _is_self_attention(m: torch.nn.Module) -> bool:

@@ -176,14 +176,9 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
             )
 
     def _attach_attention(self, pl_module: Any) -> None:
-        try:
-            from spikewatch.hf import attach_attention
-        except ImportError:
-            return
-        for m in pl_module.modules():
-            if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
-                attach_attention(m, self._w.attn)
-                return
+        from spikewatch.hf_attention import attach_within
+
+        attach_within(pl_module, self._w.attn)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()

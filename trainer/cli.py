@@ -258,7 +258,7 @@ def _run_id_of(run: str) -> str:
 def cmd_runs(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from spikewatch.observatory.store.db import redact, resolve_url
+    from spikewatch.observatory.store.db import redact, resolve_url, unreachable
     from spikewatch.observatory.store.queries import list_runs, session_factory
 
     url = resolve_url(args.db)
@@ -266,8 +266,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         with session_factory(url)() as session:
             runs = list_runs(session, status=args.status, limit=args.limit)
     except SQLAlchemyError as e:  # no such store, no tables, a server that refuses
-        first = str(getattr(e, "orig", None) or e).splitlines()[0]
-        print(f"spikewatch: cannot list the runs in {redact(url)}: {first}", file=sys.stderr)  # noqa: T201
+        print(f"spikewatch: {unreachable(url, e, 'list the runs in')}", file=sys.stderr)  # noqa: T201
         return 2
     if args.json:
         rows = [
@@ -445,21 +444,10 @@ def _start_dashboard(db: str, host: str, port: int):
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import OperationalError
-
-    from spikewatch.observatory.store.db import DatabaseURLError, redact, resolve_url, upgrade
+    from spikewatch.observatory.store.db import redact, upgrade
     from spikewatch.observatory.store.drain import drain_spools
 
-    try:
-        url = upgrade(args.db)
-    except (DatabaseURLError, OperationalError) as e:
-        where = (
-            ""
-            if isinstance(e, DatabaseURLError)
-            else f"cannot use {redact(resolve_url(args.db))}: "
-        )
-        print(f"spikewatch: {where}{str(e).splitlines()[0]}", file=sys.stderr)  # noqa: T201
-        return 2
+    url = upgrade(args.db)  # a bad URL or an unreachable store: one line, exit 2 (main)
     log.info("database %s is at the newest schema", redact(url))
     drain_spools(url)  # what runs left in their spools while the database was away
     return 0

@@ -198,14 +198,12 @@ class Watch(Replaying):
         `spikewatch.hf.attach_attention`)."""
         if "transformers" not in sys.modules:  # no Hugging Face model here
             return
-        for m in inner_model(self.model).modules():
-            if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
-                from spikewatch.hf_attention import attach_attention
+        from spikewatch.hf_attention import attach_within
 
-                if attach_attention(m, self.attn) and self._c.world.is_main:
-                    say(log, f"per-head attention maxima: recorded in {type(m).__name__}'s "
-                        "attention (spikewatch's attention function stands in for it)")  # fmt: skip
-                return
+        found = attach_within(inner_model(self.model), self.attn)
+        if found is not None and found[1] and self._c.world.is_main:
+            say(log, f"per-head attention maxima: recorded in {found[0]}'s attention "
+                "(spikewatch's attention function stands in for it)")  # fmt: skip
 
     def __enter__(self) -> Watch:
         self.open()
@@ -335,9 +333,9 @@ class Watch(Replaying):
             if batch is not None:
                 yield batch
 
-    def _fed(self, index: int, batch: Any) -> Any | None:
+    def _fed(self, index: int, batch: Any, *, saved: bool = False) -> Any | None:
         """Batch `index` as the step gets it (the rows named or blocklisted left out; None when
-        none is left), its step begun."""
+        none is left), its step begun (`saved`: the due checkpoint was saved already)."""
         core = self._c
         world = core.world
         row0 = world.rank * rows_in(batch) if world.distributed else 0
@@ -348,7 +346,7 @@ class Watch(Replaying):
                 core.run.data.batch_index = max(core.run.data.batch_index, index + 1)
                 return None
             batch = leave_out(batch, keep, index, self)
-        self.begin_step(index)
+        self._start(index, save=not saved)
         self._ntok = tokens_in(batch) * world.size  # each rank: its rows of the batch
         return batch
 
@@ -397,11 +395,11 @@ class Watch(Replaying):
                 say(log, f"data: the loop's loader; the last {stream.hold} batches are held "
                     f"for a spike's replay (~{size / 2**20:.1f} MB)")  # fmt: skip
             if accumulate > 1:  # the step's micro-batches, one an iteration
-                self.begin_step(index)
+                self._start(index, save=False)
                 self._ntok = sum(tokens_in(part) for part in batch) * core.world.size
                 yield from batch
                 continue
-            batch = self._fed(index, batch)
+            batch = self._fed(index, batch, saved=True)
             if batch is not None:
                 yield batch
 
@@ -482,15 +480,21 @@ class Watch(Replaying):
         """Before the step's first forward: `index` is the batch's global index (a framework's
         own data position; None: the Watch's next one); the checkpoint due for the previous
         step is saved first."""
-        self._begin(index)
+        self._start(index)
+
+    def _start(self, index: int | None, *, save: bool = True) -> None:
+        """`begin_step`; `save=False` where the due checkpoint was saved just before (the
+        loader's stream saves before it draws, where the loader stands at the position)."""
+        self._begin(index, save=save)
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
 
-    def _begin(self, index: int | None) -> None:
+    def _begin(self, index: int | None, *, save: bool = True) -> None:
         """The step begun, the losses observed so far kept (the gate begins a step the loop
         did not: its micro-batches' losses are the step's)."""
         core = self._c
         core.start()
-        core.save_if_due()
+        if save:
+            core.save_if_due()
         # no index: the next data position (the step before's index again put every step of
         # such a loop on one batch index, and a skip range over it refused the rest of the run)
         core.begin_step(core.take_index() if index is None else index)

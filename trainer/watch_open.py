@@ -26,6 +26,7 @@ from spikewatch.trainer.core.setup import open_core
 from spikewatch.trainer.core.state import RunState, ended
 from spikewatch.trainer.core.step_core import StepCore
 from spikewatch.trainer.core.world import attach_world, say
+from spikewatch.trainer.model.optim.factor import inner_optimizer
 from spikewatch.trainer.watch_loader import stream_from_json
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's class and peak LR, for the logbook (a scheduler may have moved `lr`)."""
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     lr = group.get("initial_lr", group.get("lr"))
-    inner = getattr(optimizer, "optimizer", None)  # accelerate's / Lightning's wrapper
-    name = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
+    name = type(inner_optimizer(optimizer)).__name__  # inside accelerate's / Lightning's
     return {"name": name, "lr": float(lr) if isinstance(lr, (int, float)) else None}
 
 

@@ -184,11 +184,12 @@ def upgrade(url: str | None = None, *, revision: str = "head") -> str:
     return url
 
 
-def unreachable(url: str, error: BaseException) -> str:
-    """One line for a store that cannot be opened: where, and the driver's own first line."""
+def unreachable(url: str, error: BaseException, doing: str = "open the store at") -> str:
+    """One line for a store that cannot be used: what, where, and the driver's own first line
+    (SQLAlchemy's text wraps it in its own lines and a link)."""
     cause = getattr(error, "orig", None) or error
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    return f"cannot open the store at {redact(url)}: {first}"
+    return f"cannot {doing} {redact(url)}: {first}"
 
 
 @contextlib.contextmanager

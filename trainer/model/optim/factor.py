@@ -194,15 +194,22 @@ def factor_optimizer(optimizer: Any) -> StepFactor | None:
     return None
 
 
-def optimizer_name(optimizer: Any) -> str:
-    """The optimizer's class, and the one inside a framework's wrapper where there is one
-    ('AdamW (inside AcceleratedOptimizer)'): what a user built, not what wraps it."""
-    name, inner = type(optimizer).__name__, optimizer
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer the user built, inside a framework's wrappers (accelerate's and
+    Lightning's keep it as `.optimizer`)."""
+    inner = optimizer
     for _ in range(4):
         nested = getattr(inner, "optimizer", None)
         if not isinstance(nested, torch.optim.Optimizer) or nested is inner:
             break
         inner = nested
+    return inner
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The optimizer's class, and the one inside a framework's wrapper where there is one
+    ('AdamW (inside AcceleratedOptimizer)'): what a user built, not what wraps it."""
+    name, inner = type(optimizer).__name__, inner_optimizer(optimizer)
     return name if inner is optimizer else f"{type(inner).__name__} (inside {name})"
 
 
