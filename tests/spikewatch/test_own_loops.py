@@ -266,7 +266,10 @@ def test_at_the_users_info_spikewatch_starts_in_its_own_lines(tmp_path, caplog) 
         alembic.setLevel(before)
 
 
-def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_path, said) -> None:
+@pytest.mark.parametrize("read", ["same_step", "next_step"])  # next_step: a GPU's default
+def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(
+    tmp_path, said, read: str
+) -> None:
     """A rollback further back than the detector's window used to leave it with too few
     points to judge (blind for its first steps, and taking them into its level): now its
     statistics are the restored checkpoint's. Bad data right after the rollback is detected
@@ -277,7 +280,7 @@ def test_the_guard_is_armed_right_after_a_rollback_that_reached_far_back(tmp_pat
     opt = AdamW(model.parameters(), lr=3e-3)
     train, _ = text_corpus()
     settings = {"checkpoint": {"memory_interval": 10, "interval": None},
-                "guard": {"same_step": {"enabled": False}}}  # fmt: skip
+                "guard": {"same_step": {"enabled": False}}, "probes": {"read": read}}  # fmt: skip
     forced = _RollbackAt(150, 80)  # the window (64 points) then holds steps 87..150
     watch = Watch(model, opt, run_dir=tmp_path, db="none", max_steps=170, settings=settings,
                   callbacks=[forced])  # fmt: skip
