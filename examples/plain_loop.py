@@ -69,6 +69,9 @@ class GPT(nn.Module):
     def use_recorder(self, rec: AttnMax) -> None:
         for block in self.h:
             block.attn.rec = rec
+        # the maxima's shape: one (layers, heads) table on the device, written in place (in a
+        # compiled model from the graph itself, with no Python per layer)
+        rec.reserve(len(self.h), self.h[0].attn.n_head)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.size(1), device=x.device)

@@ -163,6 +163,10 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
     modules = [m for m in model.modules() if _is_self_attention(m)]
     for m in modules:
         m.__dict__["_spikewatch_attn"] = rec  # a plain attribute (nn.Module's setattr agrees)
+    heads = getattr(config, "num_attention_heads", None)
+    if modules and rec.reserved is None and isinstance(heads, int) and heads > 0:
+        # the maxima's (layers, heads) table: the fused pass writes each layer's row in place
+        rec.reserve(max(m.layer_idx for m in modules) + 1, heads)
     if not modules:
         log.warning(
             "%s: per-head attention maxima not recorded: no self-attention module with a "

@@ -181,6 +181,8 @@ class Watch(Replaying):
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
+            if self.cfg.probes.attn_max:  # the maxima's table (if reserved) on the model's device
+                self.attn.place(self.core.probes.device)
             self._arm_attention()
         return self.core
 
@@ -190,7 +192,7 @@ class Watch(Replaying):
         begins only at the gate, after its forwards (it recorded none). Evaluation under
         `no_grad` and replays record nothing."""
         core = self._c
-        self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
+        self.attn.arm(core.probes.wants_attn_max(core.step_count + 1))
 
     def _attach_attention(self) -> None:
         """A Hugging Face model in the user's own loop records its per-head attention maxima
@@ -499,6 +501,8 @@ class Watch(Replaying):
         # such a loop on one batch index, and a skip range over it refused the rest of the run)
         core.begin_step(core.take_index() if index is None else index)
         self.grad_norm = None
+        # (not cleared here: a loop that never calls begin_step begins its step at the gate,
+        # after its forwards recorded; the table was cleared when the step before ended)
         self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True
 

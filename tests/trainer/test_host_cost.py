@@ -33,3 +33,31 @@ def test_host_cost_smoke_run_counts_no_wait_at_a_step_or_a_snapshot(capsys) -> N
     assert out["events"]["memory"]["steps"] >= 1  # a snapshot was taken and counted
     assert out["triton_launches_per_step"] == 2  # the fused max pass, one a layer
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("{")
+
+
+def _host_cost():
+    spec = importlib.util.spec_from_file_location("host_cost", REPO / "benchmarks/host_cost.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["host_cost"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_disk_checkpoint_waits_once_and_the_maxima_go_into_the_table() -> None:
+    """A disk checkpoint drains the step in flight (its one wait, as the issue allows); the
+    waiting update statistics' copy is enqueued before that wait, so reading them after it
+    waits for nothing more (it was a second wait). The plain-loop GPT reserves its maxima's
+    table, so each layer's maxima are one launch into it: the form a compiled graph launches
+    from its own code."""
+    mod = _host_cost()
+    h = mod.Harness("smoke", 102, disk=True)
+    rows = h.run()
+    disk = [r for r in rows if "disk" in r.events and r.step > 1]  # (step 1: the first file)
+    assert [r.step for r in disk] == [100] and "state" in disk[0].events
+    assert disk[0].waits == 1, disk[0].waits
+    assert sum(r.waits for r in rows if "disk" not in r.events) == 0
+    counted = mod.Harness("smoke", 3, disk=False)
+    crows = counted.run(count_every=1)
+    assert [r.table for r in crows] == [2, 2, 2]  # two layers, one launch each into the table
+    assert [r.triton for r in crows] == [2, 2, 2]  # and no other Triton launch

@@ -15,6 +15,7 @@ import torch
 
 from spikewatch import AdamW, Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
+from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.builtin.loop import build_trainer
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import FaultConfig, load_config
@@ -52,7 +53,8 @@ class Trace:
             start(xfer)
 
         def traced_fetch(xfer):  # noqa: ANN001, ANN202
-            self.reads.append((now["step"], xfer.born, now["draining"]))
+            if M.LOSS in xfer.names:  # a step's transfer (not the update statistics' copy)
+                self.reads.append((now["step"], xfer.born, now["draining"]))
             return fetch(xfer)
 
         def traced_drain(core):  # noqa: ANN001, ANN202

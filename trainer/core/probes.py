@@ -32,6 +32,7 @@ import torch
 from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.config import ProbesConfig
 from spikewatch.trainer.core.norms import maxima, norms
+from spikewatch.trainer.core.transfer import HostTransfer
 from spikewatch.trainer.core.world import World, local
 
 __all__ = ["Probes", "describe_model", "layer_of", "module_layer_of", "unwrapped"]
@@ -226,6 +227,7 @@ class Probes:
         self._prev: list[torch.Tensor] | None = None
         self._tiny_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.pending: tuple[int, list[str], torch.Tensor] | None = None
+        self._early: tuple[int, HostTransfer] | None = None  # `start_pending`'s copy
 
     # -- which probes run ------------------------------------------------------------------
     def active(self, step: int) -> bool:
@@ -329,11 +331,25 @@ class Probes:
         out, self.pending = self.pending, None
         return out
 
+    def start_pending(self) -> None:
+        """Enqueue the waiting statistics' copy to the host now (no wait): before a drain, whose
+        one wait then covers it, so that `take_pending_metrics` after it waits for nothing."""
+        if self.pending is not None:
+            step, names, values = self.pending
+            xfer = HostTransfer()
+            xfer.add(names, values)
+            xfer.start()
+            self._early = (step, xfer)
+
     def take_pending_metrics(self) -> tuple[int, dict[str, float]] | None:
-        """The waiting statistics as host values, (step, {name: value}): one sync, for the
-        moments when they cannot ride the next step's transfer (a checkpoint, the end)."""
+        """The waiting statistics as host values, (step, {name: value}): one sync (none if
+        `start_pending` enqueued their copy before a drain), for the moments when they cannot
+        ride the next step's transfer (a checkpoint, the end)."""
+        early, self._early = self._early, None
         pending = self.take_pending()
         if pending is None:
             return None
         step, names, values = pending
+        if early is not None and early[0] == step:
+            return step, early[1].fetch()[0]
         return step, dict(zip(names, values.tolist(), strict=True))

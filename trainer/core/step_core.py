@@ -501,6 +501,7 @@ class StepCore(Checkpointed):
         ck = self.checkpointer
         due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
         if DISK in due and self._late is not None:  # a file holds only steps read and decided
+            self.probes.start_pending()  # their copy enqueued first: the drain's wait covers it
             self.drain()
             due = ck.due(self.step_count, self.seconds_per_step)
         if due and self._late is not None and self._awaiting is None:

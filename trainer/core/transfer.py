@@ -80,20 +80,29 @@ def attn_names(layers: tuple[int, ...], n_head: int) -> tuple[list[str], list[st
     return heads, [M.layer_attn_max(i) for i in layers]
 
 
+NOT_RECORDED = float("-inf")
+
+
 class HostTransfer:
     """Named device tensors gathered into one host copy (the loop's one sync per step)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.late: list[bool] = []
+        self.sparse: list[bool] = []  # -inf there means "not recorded": left out
         self.parts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
-    def add(self, names: list[str], values: torch.Tensor, late: bool = False) -> None:
+    def add(
+        self, names: list[str], values: torch.Tensor, late: bool = False, sparse: bool = False
+    ) -> None:
+        """`sparse`: maxima where -inf stands for nothing recorded (a layer of the attention
+        maxima's table that did not record this step): such values are left out at `fetch`."""
         if names:
             self.names += names
             self.late += [late] * len(names)
+            self.sparse += [sparse] * len(names)
             self.parts.append(values.detach().float().reshape(-1))
 
     def add_step(self, t: StepTensors) -> None:
@@ -109,8 +118,8 @@ class HostTransfer:
         if t.attn_max is not None:
             layers = t.attn_layers or tuple(range(t.attn_max.size(0)))
             heads, per_layer = attn_names(layers, t.attn_max.size(1))
-            self.add(heads, t.attn_max)
-            self.add(per_layer, t.attn_max.amax(dim=1))
+            self.add(heads, t.attn_max, sparse=True)
+            self.add(per_layer, t.attn_max.amax(dim=1), sparse=True)
         if t.rank_losses is not None:
             self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
         if t.loss_scale is not None:
@@ -138,6 +147,9 @@ class HostTransfer:
         values = self._host.tolist()
         now: dict[str, float] = {}
         late: dict[str, float] = {}
-        for name, is_late, v in zip(self.names, self.late, values, strict=True):
+        for name, is_late, sparse, v in zip(self.names, self.late, self.sparse, values,
+                                            strict=True):  # fmt: skip
+            if sparse and v == NOT_RECORDED:
+                continue
             (late if is_late else now)[name] = v
         return now, late

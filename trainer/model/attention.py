@@ -16,7 +16,14 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RECORD_CHUNK", "attention", "fused_max", "max_logits"]
+__all__ = [
+    "RECORD_CHUNK",
+    "attention",
+    "fused_max",
+    "fused_table_into",
+    "fused_table_refusal",
+    "max_logits",
+]
 
 Backend = str  # "sdpa" | "eager" | "chunked" | "triton"
 
@@ -174,6 +181,35 @@ def fused_heads_into(
     if out is None:
         out = torch.full((q.size(1),), float("-inf"), device=q.device, dtype=torch.float32)
     return fused_head_max_(out, q, k, causal=causal, scale=scale)
+
+
+def fused_table_refusal(
+    table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int
+) -> str | None:
+    """Why the fused pass cannot max a layer's per-head maxima into its row of the recorder's
+    (layers, heads) table (None: it can): CUDA (or the tests' interpreter), no mask, and
+    `kernels.max_logits.table_refusal`."""
+    if not (q.is_cuda or FUSED_OFF_GPU):
+        return f"the fused pass runs on CUDA, not on {q.device.type}"
+    from spikewatch.trainer.model.kernels.max_logits import table_refusal  # imports Triton
+
+    return table_refusal(table, q, k, layer)
+
+
+def fused_table_into(
+    table: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layer: int,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`table[layer]` max'd with the layer's per-head maxima over the batch, in one launch (for
+    a call `fused_table_refusal` took: not asked again)."""
+    from spikewatch.trainer.model.kernels.max_logits import head_max_table_  # imports Triton
+
+    return head_max_table_(table, q, k, layer, causal=causal, scale=scale, check=False)
 
 
 @torch.no_grad()

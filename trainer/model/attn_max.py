@@ -56,8 +56,62 @@ class AttnMax:
     def __init__(self) -> None:
         self.active = False  # set per step: only probed steps pay for the maxima
         self._by_layer: dict[int, torch.Tensor] = {}
+        # the step's (layers, heads) maxima on the model's device, -inf until recorded, once its
+        # shape is known (`reserve`): one tensor for the whole run, written in place
+        self.table: torch.Tensor | None = None
+        self._shape: tuple[int, int] | None = None
+        self._wrote = False  # the table holds a value since it was last cleared
+        self._device: torch.device | None = None  # the model's, once the Watch opens
         self.key = next(_KEYS)  # how the compiled graph's operators find this recorder
         _RECORDERS[self.key] = self
+
+    # -- the table ---------------------------------------------------------------------------
+    def reserve(self, layers: int, heads: int, device: torch.device | str | None = None) -> None:
+        """The shape of the step's maxima: `layers` attention layers (indices 0..layers-1) of
+        `heads` query heads. Then each layer's maxima go into one (layers, heads) table that
+        lives as long as the recorder: on a GPU the fused pass writes its row in place, and in
+        a compiled model from the graph itself (no Python per layer a step; a captured CUDA
+        graph keeps it). Call it before the first forward (the Watch places the table on the
+        model's device when it opens; `device` places it now). Without it the maxima are
+        recorded layer by layer through Python, as before."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"layers must be a positive int, got {layers!r}")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"heads must be a positive int, got {heads!r}")
+        self._shape = (layers, heads)
+        if device is not None or self._device is not None:
+            self.place(device if device is not None else self._device)  # type: ignore[arg-type]
+
+    @property
+    def reserved(self) -> tuple[int, int] | None:
+        return self._shape
+
+    def place(self, device: torch.device | str) -> None:
+        """The table (if reserved, or once it is) on `device`, at -inf: once, before the first
+        forward."""
+        dev = self._device = torch.device(device)
+        if self._shape is None:
+            return
+        table = self.table
+        if table is not None and table.device == dev and tuple(table.shape) == self._shape:
+            return
+        table = torch.full(self._shape, float("-inf"), dtype=torch.float32, device=dev)
+        if dev.type == "cuda":  # a captured CUDA graph writes it in place, never a copy
+            torch._dynamo.mark_static_address(table)
+        self.table, self._wrote = table, False
+
+    def arm(self, active: bool) -> None:
+        """Whether the next step's forwards record; a probed step's begin with the table
+        cleared (of what evaluations with grad on, replays, or a compiled graph's forwards on
+        unprobed steps wrote since the last step's maxima were taken): one fill."""
+        self.active = active
+        if active and self._wrote and self.table is not None:
+            self.table.fill_(float("-inf"))
+            self._wrote = False
+
+    def _row_fits(self, layer: int, mx: torch.Tensor) -> bool:
+        t = self.table
+        return t is not None and 0 <= layer < t.size(0) and mx.size(-1) == t.size(1)
 
     def record(self, layer: int, mx: torch.Tensor) -> None:
         """mx: (B, H) or (H,) max scaled logits of one forward of layer `layer` (kept on probed
@@ -81,6 +135,15 @@ class AttnMax:
         """The maxima of q k^T (q: (B, H, T, D); k: (B, H / n_rep, S, D), grouped-query keys
         repeated here) on probed training steps, computed only then."""
         if COMPILE_SAFE and torch.compiler.is_compiling():
+            if (
+                self.table is not None
+                and mask is None
+                and torch.is_grad_enabled()
+                and attention.fused_table_refusal(self.table, q, k, layer) is None
+            ):  # in the graph: the kernel writes the layer's row (every training forward)
+                attention.fused_table_into(self.table, q, k, layer, causal=causal, scale=scale)
+                self._wrote = True
+                return
             torch.ops.spikewatch.record_max_logits(
                 q.detach(),
                 k.detach(),
@@ -118,6 +181,15 @@ class AttnMax:
         (one launch a layer and micro-batch), else the maxima computed and kept."""
         if not self.active or _recomputing():
             return
+        table = self.table
+        if (
+            table is not None
+            and mask is None
+            and attention.fused_table_refusal(table, q, k, layer) is None
+        ):  # one launch straight into the layer's row: no operator, no allocation
+            attention.fused_table_into(table, q, k, layer, causal=causal, scale=scale)
+            self._wrote = True
+            return
         held = self._by_layer.get(layer)
         if held is None or (held.dim() == 1 and held.dtype == torch.float32):
             into = attention.fused_heads_into(held, q, k, causal=causal, mask=mask, scale=scale)
@@ -131,17 +203,39 @@ class AttnMax:
             return
         mx = mx.detach().float()
         mx = mx.amax(dim=0) if mx.dim() == 2 else mx  # (H,)
+        if self._row_fits(layer, mx) and mx.device == self.table.device:  # type: ignore[union-attr]
+            row = self.table[layer]  # type: ignore[index]
+            torch.maximum(row, mx, out=row)
+            self._wrote = True
+            return
         old = self._by_layer.get(layer)
         self._by_layer[layer] = mx if old is None else torch.maximum(old, mx)
 
     def take(self) -> tuple[tuple[int, ...], torch.Tensor] | None:
-        """(the recorded layers, their (L, H) maxima) of the step, then forget them."""
-        if not self._by_layer:
+        """(the layers, their (L, H) maxima) of the step, then forget them; None when the step
+        was not probed or nothing recorded. From the table, every row is given: a layer that
+        recorded nothing is -inf there (the host transfer leaves such values out). The table
+        is cleared when the next probed step is armed (`arm`)."""
+        by_layer, self._by_layer = self._by_layer, {}
+        if not self.active:
             return None
-        layers = tuple(sorted(self._by_layer))
-        values = torch.stack([self._by_layer[i] for i in layers])  # (L, H)
-        self._by_layer = {}
-        return layers, values
+        table = self.table
+        if table is not None and self._wrote:
+            rows, heads = table.shape
+            layers, values = tuple(range(rows)), table.clone()
+            beside = [i for i in sorted(by_layer) if by_layer[i].shape == (heads,)]
+            for i in beside:  # recorded beside the table (past its rows, or another device)
+                if i < rows:
+                    values[i] = torch.maximum(values[i], by_layer[i].to(values.device))
+            more = [i for i in beside if i >= rows]
+            if more:
+                values = torch.cat([values, torch.stack([by_layer[i] for i in more]).to(values)])
+                layers += tuple(more)
+            return layers, values
+        if not by_layer:
+            return None
+        layers = tuple(sorted(by_layer))
+        return layers, torch.stack([by_layer[i] for i in layers])  # (L, H)
 
 
 def _max_logits(

@@ -18,10 +18,12 @@ top-left aligned, as SDPA's `is_causal`: query i sees keys j <= i. Which calls i
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from spikewatch.trainer.model.kernels.eligibility import (
     DTYPES,
@@ -30,7 +32,7 @@ from spikewatch.trainer.model.kernels.eligibility import (
     interpreting,
 )
 
-__all__ = ["fused_head_max_", "fused_max_logits", "refusal"]
+__all__ = ["fused_head_max_", "fused_max_logits", "head_max_table_", "refusal"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_GRID_Y = 65535
@@ -39,7 +41,7 @@ MAX_GRID_Y = 65535
 @triton.jit
 def _max_kernel(
     Q, K, MAXB, OUT, scale,
-    T, S, H, n_rep, num_m_blocks,
+    T, S, H, n_rep, num_m_blocks, row,
     sqb, sqh, sqt, skb, skh, skt,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HEADS: tl.constexpr,
@@ -97,7 +99,7 @@ def _max_kernel(
         m2 = tl.maximum(m2, tl.where(valid, s, float("-inf")))
     m_i = tl.where(mask_m, tl.max(m2, 1), float("-inf"))
     if HEADS:  # scaled, into the head's running maximum (over blocks, rows, micro-batches)
-        tl.atomic_max(OUT + h, tl.max(m_i, 0) * scale)
+        tl.atomic_max(OUT + row + h, tl.max(m_i, 0) * scale)
     else:
         tl.store(MAXB + bh.to(tl.int64) * num_m_blocks + pid_m, tl.max(m_i, 0))
 
@@ -144,9 +146,12 @@ def _launch(
     causal: bool,
     out: torch.Tensor | None = None,
     scale: float = 1.0,
+    row: int = 0,
+    kernel: Any = None,
 ) -> torch.Tensor:
-    """(B, H) max of q k^T, unscaled; with `out` ((H,) fp32), `out[h] = max(out[h], scale *
-    that max over the batch)` in the kernel itself (returns `out`)."""
+    """(B, H) max of q k^T, unscaled; with `out` (contiguous fp32), `out[row + h] =
+    max(out[row + h], scale * that max over the batch)` in the kernel itself (returns `out`).
+    `kernel`: the kernel as launched (`wrap_triton`'s inside a `triton_op`)."""
     B, H, T, D = q.shape
     S = k.size(2)
     if k.dtype != q.dtype:  # one dtype for tl.dot: the queries' (the activations')
@@ -169,8 +174,9 @@ def _launch(
         maxb = torch.empty(B * H, max(nm, 1), device=q.device, dtype=torch.float32)
         if T == 0 or S == 0:
             return maxb.fill_(float("-inf")).view(B, H, -1).amax(-1)
-    _max_kernel[(B * H, nm)](
-        q, k, maxb, maxb, float(scale), T, S, H, H // k.size(1), nm,
+    kernel = _max_kernel if kernel is None else kernel
+    kernel[(B * H, nm)](
+        q, k, maxb, maxb, float(scale), T, S, H, H // k.size(1), nm, row,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=triton.next_power_of_2(D),
         CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype), HEADS=heads,
@@ -238,3 +244,54 @@ def fused_head_max_(
         raise ValueError(f"the scale must be positive, got {scale}")
     _fused_heads(out, q.detach(), k.detach(), causal, scale)
     return out
+
+
+# The recorder's form (trainer/model/attn_max.py): a layer's per-head maxima max'd into its row
+# of the step's (layers, heads) table, a tensor that lives as long as the recorder. A
+# `triton_op`: inside a compiled model Inductor launches the kernel from its own generated code,
+# in the graph, with no Python of spikewatch's per layer (the opaque custom ops above run the
+# launch's Python at the graph's run time), and a captured CUDA graph (mode="reduce-overhead")
+# keeps it (the table has a fixed address). Eager code launches the kernel directly.
+@triton_op("spikewatch::head_max_table_", mutates_args={"table"})
+def _table_op(
+    table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int, causal: bool, scale: float
+) -> None:
+    _launch(q, k, causal, table, scale, row=layer * q.size(1), kernel=wrap_triton(_max_kernel))
+
+
+def table_refusal(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int) -> str | None:
+    """Why `head_max_table_` cannot take this call (None: it can)."""
+    why = refusal(q, k)
+    if why is not None:
+        return why
+    if table.dim() != 2 or table.dtype != torch.float32 or not table.is_contiguous():
+        return f"the table must be a contiguous (layers, heads) float32, got {table.shape}"
+    if table.device != q.device:
+        return f"the table is on {table.device}, q on {q.device}"
+    if table.size(1) != q.size(1):
+        return f"the table holds {table.size(1)} heads, q has {q.size(1)}"
+    if not 0 <= layer < table.size(0):
+        return f"layer {layer} is outside the table's {table.size(0)} rows"
+    return None
+
+
+@torch.no_grad()
+def head_max_table_(
+    table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int, *, causal: bool = True,
+    scale: float | None = None, check: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """`table[layer]` becomes max(table[layer], the (B, H) maxima of `fused_max_logits` taken
+    over the batch), in one launch: eager code launches the kernel itself (no operator
+    dispatch); a compiled model puts the `triton_op` in its graph. Returns `table`. Raises
+    ValueError for a call `table_refusal` refuses (`check=False`: the caller asked it already)."""
+    why = table_refusal(table, q, k, layer) if check else None
+    if why is not None:
+        raise ValueError(f"the fused max logits cannot take this call: {why}")
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if scale <= 0:
+        raise ValueError(f"the scale must be positive, got {scale}")
+    if torch.compiler.is_compiling():
+        torch.ops.spikewatch.head_max_table_(table, q.detach(), k.detach(), layer, causal, scale)
+    else:
+        _launch(q.detach(), k.detach(), causal, table, scale, row=layer * q.size(1))
+    return table
