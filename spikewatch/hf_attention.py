@@ -166,7 +166,7 @@ def attach_attention(model: torch.nn.Module, rec: AttnMax) -> int:
     heads = getattr(config, "num_attention_heads", None)
     if modules and rec.reserved is None and isinstance(heads, int) and heads > 0:
         # the maxima's (layers, heads) table: the fused pass writes each layer's row in place
-        rec.reserve(max(m.layer_idx for m in modules) + 1, heads)
+        rec.reserve(max(int(cast(Any, m).layer_idx) for m in modules) + 1, heads)
     if not modules:
         log.warning(
             "%s: per-head attention maxima not recorded: no self-attention module with a "
