@@ -30,13 +30,18 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from spikewatch.trainer.model.kernels import adam_state as AS  # noqa: E402
 from spikewatch.trainer.model.kernels import attention as A  # noqa: E402
 from spikewatch.trainer.model.kernels import max_logits as MX  # noqa: E402
 
 SHARED_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory a block may use (opt-in)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-NAMES = {v: k for k, v in DTYPES.items()}
-KERNELS = {A: ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"), MX: ("_max_kernel",)}
+NAMES = {v: k for k, v in DTYPES.items()} | {torch.int64: "i64"}  # the Adam pass's tables
+KERNELS = {
+    A: ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
+    MX: ("_max_kernel",),
+    AS: ("_adam_state_kernel",),
+}
 
 
 class _Recorder:
@@ -67,6 +72,12 @@ def launches(cases: list[list[Any]]) -> list[dict[str, Any]]:
         MX.fused_max_logits(q, k[:, : H // 2 or 1], causal=causal)
         heads = torch.full((H,), float("-inf"))  # the probes' form: atomic max into (H,)
         MX.fused_head_max_(heads, q, k[:, : H // 2 or 1], causal=causal)
+    # the probes' one-pass Adam state statistics (one launch over every tensor)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    AS.AdamState(list(model.parameters()), opt)(1e-16)
     return seen
 
 

@@ -34,6 +34,7 @@ from spikewatch.trainer.config import ProbesConfig
 from spikewatch.trainer.core.norms import maxima, norms
 from spikewatch.trainer.core.transfer import HostTransfer
 from spikewatch.trainer.core.world import World, local
+from spikewatch.trainer.model.optim.factor import inner_optimizer
 
 __all__ = ["Probes", "describe_model", "layer_of", "module_layer_of", "unwrapped"]
 
@@ -171,6 +172,10 @@ def _tiny_counts(vs: list[torch.Tensor], device: torch.device, index: dict) -> t
     return torch.zeros(len(vs), device=device).index_add_(0, owner, below)
 
 
+# The one-pass state statistics (trainer/model/kernels/adam_state.py) run on CUDA; tests set
+# this to run them through Triton's interpreter on a CPU.
+ONE_PASS_OFF_GPU = False
+
 ROOT_CHUNK = 1 << 24  # elements of sqrt(v) held at once (64 MB in fp32)
 
 
@@ -228,6 +233,8 @@ class Probes:
         self._tiny_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.pending: tuple[int, list[str], torch.Tensor] | None = None
         self._early: tuple[int, HostTransfer] | None = None  # `start_pending`'s copy
+        self._one_pass: Any = None  # kernels.adam_state.AdamState, once it can take the state
+        self._one_pass_step: int | None = None  # the state step it takes (no parameter copy)
 
     # -- which probes run ------------------------------------------------------------------
     def active(self, step: int) -> bool:
@@ -254,6 +261,10 @@ class Probes:
         """On a state step only: the parameters before the update (for the update norms), a
         copy held until `after_update` and then given back, never for the whole run."""
         self._prev = None
+        self._one_pass_step = None
+        if self.state_active(step) and self._one_pass_ready():
+            self._one_pass_step = step  # after the update, from the optimizer's own arithmetic
+            return
         if self.state_active(step) and self.cfg.update_norms:
             live = [local(p).detach() for p in self.params]
             self._prev = [torch.empty_like(x) for x in live]
@@ -264,7 +275,11 @@ class Probes:
         """Compute the update and optimizer-state statistics of `step`; they wait on device
         for the next host transfer."""
         prev, self._prev = self._prev, None  # parameter-sized: not kept past this step
+        one_pass, self._one_pass_step = self._one_pass_step == step, None
         if not (self.state_active(step) and applied):
+            return
+        if one_pass:
+            self.pending = (step, *self._one_pass_stats())
             return
         names: list[str] = []
         parts: list[torch.Tensor] = []
@@ -287,6 +302,56 @@ class Probes:
             parts.append(v)
         if parts:
             self.pending = (step, names, torch.cat(parts))
+
+    # -- the one-pass form (trainer/model/kernels/adam_state.py) ------------------------------
+    def _one_pass_ready(self) -> bool:
+        """Whether this state step's statistics come from one kernel over p, m and v after the
+        update (torch's Adam / AdamW, fp32 state on a GPU, both kinds of statistics on): no
+        copy of the parameters, no chain of foreach ops. Else the op-by-op form."""
+        cfg = self.cfg
+        if not (cfg.update_norms and cfg.optimizer_state) or any(self.is_muon):
+            return False
+        if not (self.device.type == "cuda" or ONE_PASS_OFF_GPU):
+            return False
+        from spikewatch.trainer.model.kernels.adam_state import AdamState  # imports Triton
+
+        if self._one_pass is None:
+            optimizer = inner_optimizer(self.optimizer)
+            if AdamState.optimizer_refusal(optimizer) is not None:
+                self._one_pass = False
+                return False
+            self._one_pass = AdamState(self.params, optimizer, local)
+        return bool(self._one_pass) and self._one_pass.refusal() is None
+
+    def _one_pass_stats(self) -> tuple[list[str], torch.Tensor]:
+        """Today's statistics, in today's order, from the one pass's per-tensor sums."""
+        w = self.world
+        per = self._one_pass(V_TINY)
+        pn = w.sum_shards(self.groups.sum(per["p2"])).sqrt()
+        un = w.sum_shards(self.groups.sum(per["u2"])).sqrt()
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        for stat, v in ((M.STAT_PARAM_NORM, pn), (M.STAT_UPDATE_NORM, un),
+                        (M.STAT_UPDATE_RATIO, un / pn)):  # fmt: skip
+            names += [M.layer(layer, stat) for layer in self.layers]
+            parts.append(v)
+        g, shards = self.adam_groups, [local(p) for p in self.params]  # every one is Adam's here
+        if g.count is None:
+            g.count = w.sum_shards(g.sum(torch.tensor([float(x.numel()) for x in shards],
+                                                      device=self.device)))  # fmt: skip
+        m_norm = w.sum_shards(g.sum(per["m2"])).sqrt()
+        mean = w.sum_shards(g.sum(per["root_v"])) / g.count
+        vmax = w.max_shards(g.max(per["v_max"]).sqrt())
+        tiny = w.sum_shards(g.sum(per["tiny"])) / w.sum_shards(g.sample_count(shards))
+        for stat, val in (
+            (M.STAT_ADAM_M_NORM, m_norm),
+            (M.STAT_ADAM_SQRT_V_MEAN, mean),
+            (M.STAT_ADAM_SQRT_V_MAX, vmax),
+            (M.STAT_ADAM_V_TINY_FRAC, tiny),
+        ):
+            names += g.names(stat)
+            parts.append(val[g.index])
+        return names, torch.cat(parts)
 
     def _norm(self, g: _Groups, xs: list[torch.Tensor]) -> torch.Tensor:
         """Per-layer L2 norm: squares summed by layer (and over shards), then the root."""

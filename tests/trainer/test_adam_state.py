@@ -1,0 +1,117 @@
+"""The probes' state statistics in one pass (trainer/model/kernels/adam_state.py): from p, m and
+v after the update and torch's Adam / AdamW arithmetic, with no copy of the parameters; equal to
+the op-by-op statistics (a copy before the update, norms of the difference) within float
+tolerance. Run through Triton's interpreter (CUDA's form, on a CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from spikewatch import Watch
+from spikewatch.corpus import text_corpus, windows
+from spikewatch.trainer.core import probes as probes_mod
+from spikewatch.trainer.core.probes import Probes
+from spikewatch.trainer.model.kernels.adam_state import AdamState
+
+from ..spikewatch.conftest import example
+
+
+@pytest.mark.parametrize(("cls", "wd"), [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.01)])
+def test_the_one_pass_equals_a_copy_and_its_difference(cls, wd) -> None:
+    """Against statistics computed here from a copy of the parameters taken before the update
+    (what the op-by-op form does), in float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7))
+    opt = cls(model.parameters(), lr=3e-3, weight_decay=wd, betas=(0.9, 0.95))
+    opt.param_groups[0]["lr"] = 3e-3  # one group, its own learning rate
+    x = torch.randn(16, 40)
+    for _ in range(4):
+        before = [p.detach().double().clone() for p in model.parameters()]
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    one = AdamState(params, opt)
+    assert one.refusal() is None
+    got = one(1e-16)
+    state = [opt.state[p] for p in params]
+    want = {
+        "p2": [b.square().sum() for b in before],
+        "u2": [
+            (p.detach().double() - b).square().sum() for p, b in zip(params, before, strict=True)
+        ],
+        "m2": [s["exp_avg"].double().square().sum() for s in state],
+        "root_v": [s["exp_avg_sq"].double().sqrt().sum() for s in state],
+        "v_max": [s["exp_avg_sq"].double().max() for s in state],
+    }
+    for key, values in want.items():
+        torch.testing.assert_close(got[key].double(), torch.stack(values), rtol=2e-5, atol=0)
+    # the sampled count of v below the threshold: every (numel // 4096)-th entry, as the probes
+    threshold = float(state[0]["exp_avg_sq"].median())
+    counts = one(threshold)["tiny"]
+    sample = [s["exp_avg_sq"].view(-1)[:: max(1, s["exp_avg_sq"].numel() // 4096)] for s in state]
+    assert counts.tolist() == [float((x < threshold).sum()) for x in sample]
+
+
+def test_what_it_cannot_take_is_said() -> None:
+    model = torch.nn.Linear(4, 4)
+    assert "AdamW" not in (AdamState.optimizer_refusal(torch.optim.AdamW(model.parameters())) or "")
+    assert "SGD" in AdamState.optimizer_refusal(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "amsgrad" in AdamState.optimizer_refusal(
+        torch.optim.AdamW(model.parameters(), amsgrad=True)
+    )
+    fresh = AdamState(list(model.parameters()), torch.optim.AdamW(model.parameters()))
+    assert "without Adam's state" in fresh.refusal()
+
+
+def _watched(tmp, monkeypatch, one_pass: bool) -> tuple[list, Any]:
+    """The plain-loop GPT through the Watch for 20 steps (state steps every 10), each state
+    step's pending statistics kept."""
+    monkeypatch.setattr(probes_mod, "ONE_PASS_OFF_GPU", one_pass)
+    seen: list = []
+    take = Probes.take_pending
+
+    def keep(self):  # noqa: ANN001, ANN202
+        out = take(self)
+        if out is not None:
+            seen.append((out[0], out[1], out[2].clone()))
+        return out
+
+    monkeypatch.setattr(Probes, "take_pending", keep)
+    copies = []
+    before = Probes.before_update
+
+    def counted(self, step):  # noqa: ANN001, ANN202
+        before(self, step)
+        copies.append(self._prev is not None)
+
+    monkeypatch.setattr(Probes, "before_update", counted)
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    watch = Watch(model, opt, run_dir=tmp / f"one{one_pass}", db="none", max_steps=20)
+    model.use_recorder(watch.attn)
+    train, _ = text_corpus()
+    with watch:
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    monkeypatch.undo()
+    return seen, copies
+
+
+def test_the_watch_reports_the_same_statistics_without_a_parameter_copy(
+    tmp_path, monkeypatch
+) -> None:
+    one, one_copies = _watched(tmp_path, monkeypatch, True)
+    ops, op_copies = _watched(tmp_path, monkeypatch, False)
+    assert [s for s, *_ in one] == [s for s, *_ in ops] == [10, 20]
+    assert not any(one_copies) and sum(op_copies) == 2  # the op-by-op form copies on its 2
+    for (_, names_a, a), (_, names_b, b) in zip(one, ops, strict=True):
+        assert names_a == names_b
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-12)

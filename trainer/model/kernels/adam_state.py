@@ -1,0 +1,217 @@
+"""Adam's state statistics of a state step in one pass: no parameter copy, no foreach chain.
+
+The probes' state step (trainer/core/probes.py) reports per layer ||p|| and ||update|| (the
+parameters before the update, and the update itself), ||m||, mean sqrt(v), max v and the
+fraction of v below 1e-16. Done op by op, that took a copy of every parameter before the update
+(345 MB at 124M), two norms and a subtract over the copy, a sqrt of v, and a `cat` of strided
+samples: ~3.8 GB moved and ~196 kernels on a GPU, about 37 ms of its state step on an H200.
+
+Here one kernel reads p (after the update), m and v once each (~1 GB at 124M) and, from torch's
+Adam / AdamW arithmetic, recovers the update and the parameters before it: with
+a = (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps) the Adam part of the step and
+d = lr * weight_decay for AdamW (0 for Adam, whose L2 decay is inside m),
+    p_after = p_before * (1 - d) - a,   so   p_before = (p_after + a) / (1 - d),
+    update = p_after - p_before = -d * p_before - a.
+That is the update the kernel applied before rounding; the difference of two fp32 tensors that
+the op-by-op path took is that plus each element's rounding (half an ulp of p), so the two agree
+to float tolerance where the update is not far below p's ulp (tests/trainer/test_adam_state.py).
+
+A grid of chunks over every tensor (their addresses in a table: one launch for the model); each
+chunk writes its partial sums and maximum, and a fixed matrix built once per shape reduces them
+per tensor, in a fixed order (no atomics: the same values every run). The v-below-1e-16 count is
+of the entries today's sample takes (every `max(1, numel // 4096)`-th), so the fraction is the
+same estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["AdamState", "COLUMNS"]
+
+# the partials' columns: sum of p_before^2, update^2, m^2, sqrt(v); max v; sampled v < 1e-16
+COLUMNS = ("p2", "u2", "m2", "root_v", "v_max", "tiny")
+CHUNK = 1 << 16  # elements a program reduces
+BLOCK = 1024  # elements a program loads at once (the interpreter too: numpy-vectorised)
+
+
+@triton.jit
+def _adam_state_kernel(
+    P, M, V, TENSOR, START, NUMEL, COEF, STRIDE, OUT, tiny,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    t = tl.load(TENSOR + c)
+    start = tl.load(START + c)
+    numel = tl.load(NUMEL + t)
+    end = tl.minimum(start + CHUNK, numel)
+    p_ptr = tl.load(P + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(M + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(V + t).to(tl.pointer_type(tl.float32))
+    step_size = tl.load(COEF + t * 4)  # lr / (1 - b1^t)
+    bc2s = tl.load(COEF + t * 4 + 1)  # sqrt(1 - b2^t)
+    eps = tl.load(COEF + t * 4 + 2)
+    decay = tl.load(COEF + t * 4 + 3)  # lr * weight_decay (AdamW), 0 (Adam)
+    stride = tl.load(STRIDE + t)
+    p2 = tl.zeros([BLOCK], tl.float32)
+    u2 = tl.zeros([BLOCK], tl.float32)
+    m2 = tl.zeros([BLOCK], tl.float32)
+    rv = tl.zeros([BLOCK], tl.float32)
+    vmax = tl.zeros([BLOCK], tl.float32)
+    few = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, CHUNK, BLOCK):
+        offs = start + s + tl.arange(0, BLOCK)
+        mask = offs < end
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        root = tl.sqrt(v)
+        a = step_size * m / (root / bc2s + eps)
+        before = (p + a) / (1.0 - decay)
+        update = -decay * before - a
+        p2 += before * before
+        u2 += update * update
+        m2 += m * m
+        rv += root
+        vmax = tl.maximum(vmax, v)
+        sampled = mask & ((offs % stride) == 0) & (v < tiny)
+        few += tl.where(sampled, 1.0, 0.0)
+    out = OUT + c * 6
+    tl.store(out, tl.sum(p2, 0))
+    tl.store(out + 1, tl.sum(u2, 0))
+    tl.store(out + 2, tl.sum(m2, 0))
+    tl.store(out + 3, tl.sum(rv, 0))
+    tl.store(out + 4, tl.max(vmax, 0))
+    tl.store(out + 5, tl.sum(few, 0))
+
+
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a wait (pinned, copied asynchronously on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class AdamState:
+    """The per-tensor statistics of torch's Adam / AdamW state after an applied update, in one
+    launch. Built once per (parameters, optimizer); `refusal` says why it cannot take them."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> None:
+        """`params`: the optimizer's parameters (its state's keys); `local`: a tensor's own
+        part on this rank (a DTensor's local shard)."""
+        self.params = params
+        self.optimizer = optimizer
+        self.local = local
+        self.decoupled = type(optimizer) is torch.optim.AdamW
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self._shape: tuple | None = None
+        self._plan: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def optimizer_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return f"{type(optimizer).__name__} is not torch's Adam or AdamW"
+        for g in optimizer.param_groups:
+            if g.get("amsgrad") or g.get("differentiable"):
+                return "amsgrad or differentiable Adam"
+            if torch.is_tensor(g["lr"]) and g["lr"].device.type != "cpu":
+                return "a learning rate held on the device (reading it would wait)"
+        return None
+
+    def refusal(self) -> str | None:
+        """Why the one pass cannot take the state as it is now (None: it can)."""
+        why = self.optimizer_refusal(self.optimizer)
+        if why is not None:
+            return why
+        state = self.optimizer.state
+        device = self.local(self.params[0]).device
+        for p in self.params:
+            s = state.get(p)
+            if not s or "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s:
+                return "a parameter without Adam's state yet"
+            for x in map(self.local, (p, s["exp_avg"], s["exp_avg_sq"])):
+                if x.dtype != torch.float32 or x.device != device or not x.is_contiguous():
+                    return "state that is not contiguous float32 on one device"
+        return None
+
+    def _plan_for(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        numel = [self.local(p).numel() for p in self.params]
+        shape = (tuple(numel), device)
+        if self._shape != shape:
+            tensor, start = [], []
+            for i, n in enumerate(numel):
+                for s in range(0, max(n, 1), CHUNK):
+                    tensor.append(i)
+                    start.append(s)
+            owner = torch.tensor(tensor)
+            onehot = torch.zeros(len(numel), len(tensor))
+            onehot[owner, torch.arange(len(tensor))] = 1.0
+            stride = [max(1, n // 4096) for n in numel]  # probes.TINY_SAMPLE's stride
+            index = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
+            group = [index[id(self._group_of[id(p)])] for p in self.params]
+            self._plan = (
+                owner.to(device),
+                torch.tensor(start, dtype=torch.int64, device=device),
+                torch.tensor(numel, dtype=torch.int64, device=device),
+                torch.tensor(stride, dtype=torch.int64, device=device),
+                onehot.to(device),  # (P, C): chunk partials summed per tensor
+                onehot.to(device) > 0,
+                torch.tensor(group, device=device),
+            )
+            self._shape = shape
+        return self._plan
+
+    @torch.no_grad()
+    def __call__(self, tiny: float) -> dict[str, torch.Tensor]:
+        """(P,) per tensor: p2, u2, m2, root_v (sums), v_max, tiny (the sampled count)."""
+        state = self.optimizer.state
+        local = self.local
+        ps = [local(p).detach() for p in self.params]
+        device = ps[0].device
+        owner, start, numel, stride, onehot, member, group = self._plan_for(device)
+        ms = [local(state[p]["exp_avg"]) for p in self.params]
+        vs = [local(state[p]["exp_avg_sq"]) for p in self.params]
+        groups = self.optimizer.param_groups
+        hyper = [  # per group: lr, b1, b2, eps, decoupled decay (no device value read)
+            [float(g["lr"]), *(float(b) for b in g["betas"]), float(g["eps"]),
+             float(g["weight_decay"]) if self.decoupled else 0.0]
+            for g in groups
+        ]  # fmt: skip
+        h = _host_to(hyper, torch.float32, device)[group]  # (P, 5)
+        steps = [state[p]["step"] for p in self.params]
+        if all(torch.is_tensor(x) and x.device == device for x in steps):  # fused: on device
+            t = torch.stack(steps).float()
+        else:
+            t = _host_to([float(x) for x in steps], torch.float32, device)
+        coefs = torch.stack(
+            [h[:, 0] / (1 - h[:, 1] ** t), (1 - h[:, 2] ** t).sqrt(), h[:, 3], h[:, 0] * h[:, 4]],
+            dim=1,
+        ).contiguous()  # (P, 4): step size, sqrt of the second bias correction, eps, decay
+        addresses = _host_to(
+            [[x.data_ptr() for x in xs] for xs in (ps, ms, vs)], torch.int64, device
+        )
+        partial = torch.empty(owner.numel(), 6, device=device, dtype=torch.float32)
+        _adam_state_kernel[(owner.numel(),)](
+            addresses[0], addresses[1], addresses[2], owner, start, numel, coefs, stride,
+            partial, float(tiny), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4, num_stages=1,
+        )  # fmt: skip
+        sums = onehot @ partial  # (P, 6), a fixed order
+        vmax = torch.where(member, partial[:, 4].unsqueeze(0), 0.0).amax(dim=1)
+        return {
+            "p2": sums[:, 0],
+            "u2": sums[:, 1],
+            "m2": sums[:, 2],
+            "root_v": sums[:, 3],
+            "v_max": vmax,
+            "tiny": sums[:, 5],
+        }
