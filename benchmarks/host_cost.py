@@ -503,6 +503,13 @@ class Harness:
             return wait(tier)
 
         patch(MemoryTier, "before_mutation", before_mutation)
+        init = MemoryTier.__init__
+
+        def init_(tier: MemoryTier, *args: Any, **kw: Any) -> None:
+            init(tier, *args, **kw)
+            tier.spare_ahead = True  # as on CUDA: the next snapshot's block pinned in a thread
+
+        patch(MemoryTier, "__init__", init_)
         try:
             with fused_adamw_on_meta():
                 yield
