@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from spikewatch.trainer.builtin.loop import build_trainer, fit
+from spikewatch.trainer.checkpoints.errors import CheckpointError
 from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.memory import MemoryTier, snapshot_bytes
 from spikewatch.trainer.checkpoints.tiers import MEMORY
@@ -251,3 +253,72 @@ def test_a_rollback_from_host_memory_restores_the_lr_schedule(tmp_path) -> None:
                 seen = {"step": watch.step_count, "last_epoch": sched.last_epoch}
     (rb,) = watch.interventions
     assert rb["tier"] == "memory" and seen == {"step": 10, "last_epoch": 10}
+
+
+def test_a_snapshot_that_fails_its_check_is_not_restored(tmp_path) -> None:
+    """A host-memory snapshot carries its block's sums, taken once it landed; a rollback checks
+    them before it restores. One byte of the step-30 snapshot changed in memory: the rollback to
+    30 falls back to the step-20 snapshot, says so in its record, and restores step 20's weights
+    exactly (compared with a copy taken here at step 20)."""
+    from spikewatch import Watch
+    from spikewatch.trainer.core.actions import Action, Continue, Rollback
+    from spikewatch.trainer.core.callbacks import Callback, StepState
+
+    class Corrupt(Callback):
+        core = None
+        at_20: list[torch.Tensor] = []
+
+        def post_step(self, state: StepState) -> None:
+            if state.step == 20:
+                self.at_20 = [p.detach().clone() for p in model.parameters()]
+
+        def on_step(self, state: StepState) -> Action:
+            if state.step == 34:
+                mem = self.core.checkpointer.memory
+                slot = mem.slots[30]
+                slot.sealed.wait()  # its sums are taken: now a byte changes under them
+                weight = slot.buffers["p/weight"]
+                weight.view(-1)[3] += 1.0
+                return Rollback(to_step=30, reason="test")
+            return Continue()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cb = Corrupt()
+    settings = {"checkpoint": {"memory_interval": 10, "interval": None}}
+    watch = Watch(model, opt, run_dir=tmp_path, db="none", settings=settings, callbacks=[cb])
+    cb.core = watch.open()
+    with watch:
+        for i in range(40):
+            watch.begin_step(i)
+            out = watch.step(model(torch.ones(2, 4) * (1 + i % 3)).square().mean())
+            if out == "rolled_back":
+                assert watch.step_count == 20
+                for p, q in zip(model.parameters(), cb.at_20, strict=True):
+                    assert torch.equal(p.detach(), q)
+    (rb,) = watch.interventions
+    assert rb["tier"] == "memory" and rb["to_step"] == 20
+    (fell,) = rb["restore_fallbacks"]
+    assert fell["step"] == 30 and "1 of" in fell["why"] and "changed" in fell["why"]
+
+
+def test_an_intact_snapshot_passes_its_check(tmp_path) -> None:
+    """The sums of a snapshot, taken again, are the ones taken when it landed; a changed word
+    anywhere in the block is found."""
+    from spikewatch.trainer.checkpoints.memory import block_sums
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 200)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 300)).sum().backward()
+    opt.step()
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 30)
+    tier.save(1, Snapshot(step=1, torch_files={}, json_files={"trainer.json": {}}, meta={}), set())
+    tier.before_mutation()
+    tier.verify(1)  # intact: no error
+    slot = tier.slots[1]
+    assert slot.checksum is not None and torch.equal(block_sums(slot.buffers), slot.checksum)
+    slot.buffers["o/0/exp_avg_sq"].view(-1)[-1] *= 2
+    with pytest.raises(CheckpointError, match="failed its check: 1 of"):
+        tier.verify(1)

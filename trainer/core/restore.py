@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from spikewatch.observatory.findings import findings, skipped
+from spikewatch.trainer.checkpoints.errors import CheckpointError
 from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.staging import NoTensors, Stager, to_host
+from spikewatch.trainer.checkpoints.tiers import MEMORY
 from spikewatch.trainer.core.actions import Rollback
 from spikewatch.trainer.core.attribution import Measure, attribute
 from spikewatch.trainer.core.callbacks import Callback
@@ -90,13 +92,34 @@ class Checkpointed:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip;
         the cause of a spike is told by replaying it first where the client can."""
         ck = self.checkpointer
-        step, where, abandoned = ck.rollback_point(action.to_step)
         from_step, t0 = self.run.step, time.perf_counter()
-        loaded = ck.read(where)
+        fallbacks: list[dict[str, Any]] = []
+        while True:  # a host-memory snapshot that fails its check: the next older target
+            step, where, abandoned = ck.rollback_point(action.to_step)
+            why = None
+            try:
+                loaded = ck.read(where)
+            except CheckpointError as e:
+                if not isinstance(where, int) or ck.memory is None:
+                    raise  # a disk checkpoint is verified when found: not intact means none
+                why = str(e)
+            # every rank alike: one rank's failed copy sends all to the next older target
+            if isinstance(where, int) and self.world.min_int(0 if why else 1) == 0:
+                why = why or f"another rank's host-memory snapshot of step {step} failed its check"
+                log.warning("%s: it is dropped, the rollback takes the next older target", why)
+                fallbacks.append({"step": step, "tier": MEMORY, "why": why})
+                assert ck.memory is not None
+                ck.memory.drop(step)
+                continue
+            break
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
         self.restore(loaded, resume=False)
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
+        if fallbacks:
+            record["restore_fallbacks"] = fallbacks
+        if ck.last_tier == MEMORY and ck.memory is not None:  # the snapshot's check, timed
+            record["check_s"] = ck.memory.last_check_s
         spike = action.spike
         if spike is not None and self.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
