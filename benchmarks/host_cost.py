@@ -279,7 +279,11 @@ _register_flops()
 # -- counting kernels, FLOPs and bytes ----------------------------------------------------------
 # spikewatch's ops launched through Triton's Python launcher (a fixed host cost each on a GPU)
 TRITON_FROM_PYTHON = {"fused_max_logits", "fused_head_max_", "head_max_table_"}
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach"}
+_NO_KERNEL = {
+    *("empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach"),
+    # the profiler's markers (an optimizer's step is wrapped in one): no device work
+    *("_record_function_enter_new", "_record_function_exit", "_record_function_enter"),
+}
 _FUSED_ORDS = (1, 2, math.inf, -math.inf)
 
 

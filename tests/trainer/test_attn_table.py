@@ -60,6 +60,9 @@ def test_each_layer_maxes_into_its_row_over_micro_batches(monkeypatch) -> None:
     assert M.layer_attn_max(0) in now and M.layer_attn_max(2) in now
     assert M.layer_attn_max(1) not in now and M.attn_max(1, 0) not in now
     assert now[M.attn_max(2, 3)] == pytest.approx(float(want2[3]), abs=1e-5)
+    # a layer's maximum over its heads, taken on the host from the heads' values
+    assert now[M.layer_attn_max(2)] == max(now[M.attn_max(2, h)] for h in range(4))
+    assert now[M.layer_attn_max(2)] == pytest.approx(float(want2.max()), abs=1e-5)
 
 
 def test_a_probed_step_begins_with_the_table_cleared(monkeypatch) -> None:

@@ -10,6 +10,7 @@ has been enqueued. Nothing between backward and the update makes the host wait.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,6 +91,9 @@ class HostTransfer:
         self.names: list[str] = []
         self.late: list[bool] = []
         self.sparse: list[bool] = []  # -inf there means "not recorded": left out
+        # per-layer maxima taken on the host from their heads' values at `fetch` (no device
+        # reduction, no extra values moved): (the layers' names, the first head's index, heads)
+        self._layer_max: list[tuple[list[str], int, int]] = []
         self.parts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
@@ -118,8 +122,8 @@ class HostTransfer:
         if t.attn_max is not None:
             layers = t.attn_layers or tuple(range(t.attn_max.size(0)))
             heads, per_layer = attn_names(layers, t.attn_max.size(1))
+            self._layer_max.append((per_layer, len(self.names), t.attn_max.size(1)))
             self.add(heads, t.attn_max, sparse=True)
-            self.add(per_layer, t.attn_max.amax(dim=1), sparse=True)
         if t.rank_losses is not None:
             self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
         if t.loss_scale is not None:
@@ -152,4 +156,9 @@ class HostTransfer:
             if sparse and v == NOT_RECORDED:
                 continue
             (late if is_late else now)[name] = v
+        for per_layer, first, n in self._layer_max:
+            for j, name in enumerate(per_layer):
+                row = [v for v in values[first + j * n : first + (j + 1) * n] if v != NOT_RECORDED]
+                if row:  # the layer's maximum over its heads (NaN if any head's is NaN)
+                    now[name] = math.nan if any(v != v for v in row) else max(row)
         return now, late

@@ -222,8 +222,11 @@ class AttnMax:
         table = self.table
         if table is not None and self._wrote:
             rows, heads = table.shape
-            layers, values = tuple(range(rows)), table.clone()
             beside = [i for i in sorted(by_layer) if by_layer[i].shape == (heads,)]
+            if not beside:  # the table itself: the step's transfer copies it (its `cat`, in
+                # the gate) before the next probed step clears it (`arm`, after the step)
+                return tuple(range(rows)), table
+            layers, values = tuple(range(rows)), table.clone()
             for i in beside:  # recorded beside the table (past its rows, or another device)
                 if i < rows:
                     values[i] = torch.maximum(values[i], by_layer[i].to(values.device))
