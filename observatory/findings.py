@@ -1,6 +1,7 @@
 """What a rollback found, in one phrase, the same wherever a verdict is told (the console, the
-logbook, an alert, the run page): the cause its replay found, the ranks whose own loss departed,
-and the samples the attribution named (issue 39: "ranks": [1] appeared only in the JSON)."""
+logbook, an alert, the run page): a learning-rate cut it made, the cause its replay found, the
+ranks whose own loss departed, and the samples the attribution named (issue 39: "ranks": [1]
+appeared only in the JSON; issue 58: an LR cut only in a table column and the LR chart)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
     """'cause: ...; ranks 1; 26 samples named: batch 200 rows 0,1; ...' ('' when nothing is
     known beyond the rollback itself)."""
     parts = []
+    cut = data.get("lr_scale")
+    if isinstance(cut, int | float) and 0 < cut < 1:  # said wherever the rollback is told
+        total = data.get("lr_scale_after")
+        overall = (
+            f" (x{total:g} of its schedule in all)"
+            if isinstance(total, int | float) and abs(total - cut) > 1e-12
+            else ""
+        )
+        why = data.get("lr_cut")
+        parts.append(f"the learning rate cut x{cut:g} from now on{overall}"
+                     + (f": {why}" if why else ""))  # fmt: skip
     cause = data.get("cause")
     if cause:
         parts.append(f"cause: {_CAUSES.get(str(cause), str(cause))}")

@@ -338,7 +338,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
             "run %s (%s): %d steps to step %s, %d spike(s)%s",
             r["run_id"], r["name"], r["steps"], r["last_step"], r["spikes"], onset,
         )  # fmt: skip
-    log.info("%d runs, %d values stored", len(follower.runs), follower.values)
+    n = len(follower.runs)
+    log.info("%d run%s, %d values stored", n, "" if n == 1 else "s", follower.values)
     return 0
 
 

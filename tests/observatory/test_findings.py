@@ -63,3 +63,17 @@ def test_a_rank_whose_spikes_keep_coming_without_a_data_cause_is_flagged(tmp_pat
     with TestClient(create_app(Settings(db_url=url))) as client:
         page = client.get("/runs/r").text
     assert "Suspect devices" in page and "rank 1 (2 spikes there without a data cause)" in page
+
+
+def test_an_lr_cut_is_said_wherever_the_rollback_is_told() -> None:
+    """A rollback that cuts the learning rate says so in its findings, so in the console line,
+    the logbook and the alert (it was only a table column and the LR chart)."""
+    cut = {**DATA, "lr_scale": 0.5, "lr_scale_after": 0.25, "lr_cut": "the spike came back"}
+    text = findings(cut)
+    assert text.startswith("the learning rate cut x0.5 from now on (x0.25 of its schedule in all)")
+    assert "the spike came back" in text
+    assert "learning rate" not in findings(DATA)  # no cut: nothing said
+    event = EventRow("u", 0, 203, "rollback", "trainer", "loss spike", cut, datetime.now(UTC))
+    assert "learning rate cut x0.5" in (_entry(event) or "")
+    body = alert_body("http://127.0.0.1:9/hook", {"run_id": "r", "kind": "rollback", "data": cut})
+    assert "learning rate cut x0.5" in body["text"]

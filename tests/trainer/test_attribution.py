@@ -159,3 +159,24 @@ def test_each_rank_takes_its_consecutive_share_of_a_global_batch() -> None:
     assert rank_share((x, x), 0, 1)[0][0] is x  # one process: the batch itself
     with pytest.raises(ValueError, match="6 rows does not divide among 4 ranks.*shard=False"):
         rank_share(batch, 0, 4)
+
+
+def test_the_shrunk_batch_line_speaks_of_compiling_only_for_a_compiled_model(caplog) -> None:
+    """'a compiled model compiles once more' was said for models never compiled."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from spikewatch.trainer.core.attribution import leave_out
+
+    batch = (torch.zeros(4, 3), torch.zeros(4, 3))
+    plain = SimpleNamespace(model=torch.nn.Linear(3, 3))
+    compiled = SimpleNamespace(model=torch.compile(torch.nn.Linear(3, 3)))
+    with caplog.at_level(logging.WARNING):
+        leave_out(batch, [0, 2], 7, plain)
+        leave_out(batch, [0, 2], 8, compiled)
+    lines = [r.getMessage() for r in caplog.records if "trains on" in r.getMessage()]
+    assert len(lines) == 2
+    assert "compile" not in lines[0] and "batch 7 trains on 2 of its 4 rows" in lines[0]
+    assert "the compiled model compiles once more" in lines[1]

@@ -154,3 +154,19 @@ def test_distributed_section_refuses_what_sharding_cannot_do() -> None:
     with pytest.raises(ConfigError, match="distributed.strategy"):
         load_config(None, ["distributed.strategy=zero3"])
     load_config(None, ["distributed.strategy=ddp", "optim.name=muonclip"])  # whole weights
+
+
+def test_an_unknown_watch_setting_names_the_keys_allowed() -> None:
+    """As the CLI's config does: the dotted key, and what its section allows (it was pydantic's
+    'Extra inputs are not permitted' alone)."""
+    from spikewatch.trainer.config.sections import ConfigError
+    from spikewatch.trainer.config.settings import WatchSettings
+
+    with pytest.raises(ConfigError) as e:
+        WatchSettings.build({"guard": {"rollbak": True}})
+    text = str(e.value)
+    assert text.startswith("invalid Watch settings:")
+    assert "unknown key 'guard.rollbak'; allowed:" in text and "rollback" in text
+    assert "Extra inputs" not in text
+    with pytest.raises(ConfigError, match="unknown key 'probs'; allowed: .*probes"):
+        WatchSettings.build({"probs": {}})

@@ -28,21 +28,28 @@ CONFIG_DIR = Path(__file__).parents[1] / "configs"
 VARIANT_DIR = CONFIG_DIR / "variants"
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(
+    err: ValidationError, root: type[BaseModel] = TrainConfig, title: str = "invalid config"
+) -> str:
+    """A validation error as lines naming each dotted key; an unknown key with the keys its
+    section allows (the CLI's config and the Watch's settings alike)."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<config>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'; allowed: {_allowed_keys(e['loc'][:-1])}")
+            lines.append(f"unknown key '{key}'; allowed: {_allowed_keys(e['loc'][:-1], root)}")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"{key}: {e['msg']}{shown}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return f"{title}:\n  " + "\n  ".join(lines)
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> str:
-    cls: type[BaseModel] = TrainConfig
+_format_error = format_error
+
+
+def _allowed_keys(loc: tuple[Any, ...], root: type[BaseModel] = TrainConfig) -> str:
+    cls: type[BaseModel] = root
     for part in loc:
         field = cls.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)

@@ -103,5 +103,7 @@ class WatchSettings(_Section):
         base["checkpoint"] = section
         try:
             return cls.model_validate(base)
-        except ValidationError as e:
-            raise ConfigError(f"invalid Watch settings: {e}") from e
+        except ValidationError as e:  # each key named, an unknown one with the allowed keys
+            from spikewatch.trainer.config.load import format_error
+
+            raise ConfigError(format_error(e, cls, "invalid Watch settings")) from None

@@ -335,15 +335,29 @@ def leave_out(batch: Any, keep: list[int], index: int, owner: object) -> Any:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     if id(owner) not in _SAID_SHRUNK:
         _SAID_SHRUNK.add(id(owner))
+        model = getattr(owner, "model", None)
+        compiled = model is not None and _compiled(model)
         log.warning(
             "batch %d trains on %d of its %d rows (the named samples are left out, not "
-            "replaced: the loop's data is its own); a compiled model compiles once more, "
-            "for a batch of dynamic size",
+            "replaced: the loop's data is its own)%s",
             index,
             len(keep),
             rows,
+            "; the compiled model compiles once more, for a batch of dynamic size"
+            if compiled
+            else "",
         )
     return out
+
+
+def _compiled(model: Any) -> bool:
+    """The model, or a module inside it, is under `torch.compile` (`torch.compile(model)`'s
+    wrapper, or `module.compile()` in place)."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else []
+    return any(
+        hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+        for m in modules
+    )
 
 
 def moved(batch: Any, device: torch.device | str) -> Any:

@@ -159,6 +159,7 @@ class Checkpointed:
             to_step=step,
             skip_ranges=[list(r) for r in skips],
             lr_scale=action.lr_scale,
+            lr_scale_after=self.run.lr_scale,  # the run's scale of its schedule from now on
             dropped_checkpoints=abandoned,
         )
         if named:
