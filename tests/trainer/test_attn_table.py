@@ -107,7 +107,6 @@ def test_maxima_beside_the_table_join_it() -> None:
 GRAPH = textwrap.dedent(
     """
     import torch
-    import torch.nn.functional as F
     from torch._dynamo.backends.common import aot_autograd
     from spikewatch.trainer.model import attention
     from spikewatch.trainer.model.attn_max import AttnMax
@@ -118,60 +117,60 @@ GRAPH = textwrap.dedent(
     real = max_logits.refusal
     max_logits.refusal = lambda q, k, mask=None: (None if q.device.type == "cpu"
                                                   else real(q, k, mask))
-    rec = AttnMax()
-    if RESERVE:
-        rec.reserve(2, 2, device="cpu")
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(32, 96)
-
-        def forward(self, x):
-            for layer in range(2):
-                q, k, v = self.qkv(x).view(2, 8, 3, 2, 16).permute(2, 0, 3, 1, 4)
-                x = x + rec.sdpa(layer, q, k, v).transpose(1, 2).reshape(2, 8, 32)
-            return x.sum()
-
-    graphs = []
 
     class Captured(Exception):
         pass
 
-    def fw(gm, example_inputs):
-        graphs.append(gm.code)
+    for reserve in (True, False):
+        torch._dynamo.reset()
+        rec = AttnMax()
+        if reserve:
+            rec.reserve(2, 2, device="cpu")
 
-        def run(*args):
-            raise Captured
-        return run
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = torch.nn.Linear(32, 96)
 
-    net = torch.compile(Net(), backend=aot_autograd(fw_compiler=fw), fullgraph=True)
-    rec.arm(True)
-    try:
-        net(torch.randn(2, 8, 32))
-    except Captured:
-        pass
-    code = graphs[0]
-    print("TRITON", code.count("higher_order.triton_kernel_wrapper"), "EFFECT",
-          code.count("record_max_logits"))
+            def forward(self, x):
+                for layer in range(2):
+                    q, k, v = self.qkv(x).view(2, 8, 3, 2, 16).permute(2, 0, 3, 1, 4)
+                    x = x + rec.sdpa(layer, q, k, v).transpose(1, 2).reshape(2, 8, 32)
+                return x.sum()
+
+        graphs = []
+
+        def fw(gm, example_inputs):
+            graphs.append(gm.code)
+
+            def run(*args):
+                raise Captured
+            return run
+
+        net = torch.compile(Net(), backend=aot_autograd(fw_compiler=fw), fullgraph=True)
+        rec.arm(True)
+        try:
+            net(torch.randn(2, 8, 32))
+        except Captured:
+            pass
+        code = graphs[0]
+        print("RESERVE", reserve, "TRITON", code.count("higher_order.triton_kernel_wrapper"),
+              "EFFECT", code.count("record_max_logits"))
     """
 )
 
 
-@pytest.mark.parametrize("reserve", [True, False])
-def test_a_compiled_forward_launches_the_maxima_from_its_graph(reserve: bool) -> None:
+def test_a_compiled_forward_launches_the_maxima_from_its_graph() -> None:
     """Reserved, the compiled forward holds the fused max kernel itself, once a layer, and no
     operator that runs spikewatch's Python at the graph's run time (the effectful
     `record_max_logits`, which is what a forward without the table holds: ~0.2 ms of host a
     layer on a GPU). Traced without the interpreter (it cannot run under fake tensors)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = f"RESERVE = {reserve}\n" + GRAPH
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", GRAPH], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=600)  # fmt: skip
-    line = [x for x in out.stdout.splitlines() if x.startswith("TRITON")]
-    assert line, out.stderr[-3000:]
-    _, triton, _, effect = line[0].split()
-    if reserve:
-        assert (int(triton), int(effect)) == (2, 0)
-    else:
-        assert (int(triton), int(effect)) == (0, 2)
+    found = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESERVE"):
+            _, reserve, _, triton, _, effect = line.split()
+            found[reserve] = (int(triton), int(effect))
+    assert found == {"True": (2, 0), "False": (0, 2)}, out.stderr[-3000:]
