@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -205,13 +206,18 @@ def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) 
     assert r.train_losses[-1] > 4.0  # training on at the new level, not rolled back forever
 
 
-def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path) -> None:
+def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path, caplog) -> None:
     two = ", ".join(f'{{kind="shifted_labels", start={s}, length=6}}' for s in (100, 125))
     faults = f"faults=[{two}]"
     sink = EventSink()
     over = [*BASE, faults, "guard.policy.repeat_window=40", "guard.classify_cause=false"]
     tr = build_trainer(load_config("tiny_cpu", over), run_dir=tmp_path, callbacks=[Recorder(sink)])
-    r = tr.fit()
+    with caplog.at_level(logging.WARNING):
+        r = tr.fit()
+    said = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
+    # the console says the cut and its give-back (issue 58: only a table column and the chart)
+    assert any("the learning rate cut x0.5 from now on" in m for m in said), said
+    assert any("one LR cut given back (x2)" in m for m in said), said
     assert [i["lr_scale"] for i in r.interventions] == [1.0, 0.5]
     (back,) = [(s, d) for k, s, d in sink.events if d.get("kind") == "lr_restore"]
     assert back[0] == r.interventions[1]["detect_step"] + 40 and back[1]["lr_factor"] == 2.0

@@ -128,12 +128,12 @@ class SpikeGuard(Callback):
             return action
         give_back = self.policy.recover(state.step) if self.act else 1.0
         if give_back != 1.0:
-            self._note(
-                state.step,
+            message = (
                 f"{self.policy.cfg.repeat_window} calm steps since the last rollback: one LR "
-                f"cut given back (x{give_back:g})",
-                {"kind": "lr_restore", "lr_factor": give_back},
+                f"cut given back (x{give_back:g})"
             )
+            log.warning("step %d: %s", state.step, message)  # said as the cut was
+            self._note(state.step, message, {"kind": "lr_restore", "lr_factor": give_back})
         return Continue(pin=pin, lr_scale=give_back)
 
     def _new_episode(self, v: Verdict) -> bool:
