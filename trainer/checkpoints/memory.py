@@ -172,7 +172,6 @@ class MemoryTier:
         self._on_cuda = False  # the tensors of the last snapshot: pinned ahead on CUDA only
         self._plan: _Plan | None = None  # the copy plan, made once per shape
         self._plan_need = 0
-        self._sealer: ThreadPoolExecutor | None = None  # takes each landed block's sums
         self.last_check_s = 0.0
 
     # -- what the tiers facade asks -------------------------------------------------------------
@@ -220,9 +219,7 @@ class MemoryTier:
         )
         self.slots[step] = slot
         self._copy(slot, live)
-        if self._sealer is None:
-            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="mem-seal")
-        self._sealer.submit(_seal, slot)  # its sums once it lands, off the loop thread
+        _sealer().submit(_seal, slot)  # its sums once it lands, off the loop thread
         self.last_saved = step
         self._need = need
         if self._room():
@@ -525,6 +522,15 @@ def block_sums(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     words = data[: data.numel() // 8 * 8].view(torch.int64)
     whole = words.numel() // CHECK_WORDS * CHECK_WORDS
     return torch.cat([words[:whole].view(-1, CHECK_WORDS).sum(1), words[whole:].sum().view(1)])
+
+
+_SEALER: list[ThreadPoolExecutor] = []  # one thread for the process: sums are taken in turn
+
+
+def _sealer() -> ThreadPoolExecutor:
+    if not _SEALER:
+        _SEALER.append(ThreadPoolExecutor(1, thread_name_prefix="mem-seal"))
+    return _SEALER[0]
 
 
 def _seal(slot: _Slot) -> None:

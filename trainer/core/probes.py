@@ -284,18 +284,11 @@ class Probes:
         names: list[str] = []
         parts: list[torch.Tensor] = []
         if self.cfg.update_norms and prev is not None:
-            pn = self._norm(self.groups, prev)
+            p2 = norms(prev, self.device).float().square()
             torch._foreach_sub_(prev, [local(p).detach() for p in self.params])  # -(update)
-            un = self._norm(self.groups, prev)
+            u2 = norms(prev, self.device).float().square()
             del prev
-            stats = (
-                (M.STAT_PARAM_NORM, pn),
-                (M.STAT_UPDATE_NORM, un),
-                (M.STAT_UPDATE_RATIO, un / pn),
-            )
-            for stat, v in stats:
-                names += [M.layer(layer, stat) for layer in self.layers]
-                parts.append(v)
+            self._update_parts(p2, u2, names, parts)
         if self.cfg.optimizer_state:
             n, v = self._optimizer_stats()
             names += n
@@ -324,34 +317,57 @@ class Probes:
         return bool(self._one_pass) and self._one_pass.refusal() is None
 
     def _one_pass_stats(self) -> tuple[list[str], torch.Tensor]:
-        """Today's statistics, in today's order, from the one pass's per-tensor sums."""
-        w = self.world
+        """The same statistics, in the same order, from the one pass's per-tensor sums."""
         per = self._one_pass(V_TINY)
-        pn = w.sum_shards(self.groups.sum(per["p2"])).sqrt()
-        un = w.sum_shards(self.groups.sum(per["u2"])).sqrt()
         names: list[str] = []
         parts: list[torch.Tensor] = []
+        self._update_parts(per["p2"], per["u2"], names, parts)
+        shards = [local(p) for p in self.params]  # every one is Adam's here
+        self._adam_parts(shards, per["m2"], per["root_v"], per["v_max"], per["tiny"], names, parts)
+        return names, torch.cat(parts)
+
+    # -- per-tensor values to per-layer statistics (both forms) ------------------------------
+    def _update_parts(
+        self, p2: torch.Tensor, u2: torch.Tensor, names: list[str], parts: list[torch.Tensor]
+    ) -> None:
+        """Per layer ||p||, ||update|| and their ratio from each tensor's squared norms."""
+        w = self.world
+        pn = w.sum_shards(self.groups.sum(p2)).sqrt()
+        un = w.sum_shards(self.groups.sum(u2)).sqrt()
         for stat, v in ((M.STAT_PARAM_NORM, pn), (M.STAT_UPDATE_NORM, un),
                         (M.STAT_UPDATE_RATIO, un / pn)):  # fmt: skip
             names += [M.layer(layer, stat) for layer in self.layers]
             parts.append(v)
-        g, shards = self.adam_groups, [local(p) for p in self.params]  # every one is Adam's here
+
+    def _adam_parts(
+        self,
+        v: list[torch.Tensor],
+        m2: torch.Tensor,
+        roots: torch.Tensor,
+        vmax: torch.Tensor,
+        tiny: torch.Tensor,
+        names: list[str],
+        parts: list[torch.Tensor],
+    ) -> None:
+        """Per layer ||m||, mean and max sqrt(v), the fraction of v below 1e-16, from each
+        tensor's squared m norm, sum of sqrt(v), max v and sampled count (`v`: the tensors, for
+        their sizes)."""
+        g, w = self.adam_groups, self.world
         if g.count is None:
-            g.count = w.sum_shards(g.sum(torch.tensor([float(x.numel()) for x in shards],
-                                                      device=self.device)))  # fmt: skip
-        m_norm = w.sum_shards(g.sum(per["m2"])).sqrt()
-        mean = w.sum_shards(g.sum(per["root_v"])) / g.count
-        vmax = w.max_shards(g.max(per["v_max"]).sqrt())
-        tiny = w.sum_shards(g.sum(per["tiny"])) / w.sum_shards(g.sample_count(shards))
+            n = torch.tensor([float(x.numel()) for x in v], device=self.device)
+            g.count = w.sum_shards(g.sum(n))
+        m_norm = w.sum_shards(g.sum(m2)).sqrt()
+        mean = w.sum_shards(g.sum(roots)) / g.count
+        v_max = w.max_shards(g.max(vmax.float().sqrt()))
+        frac = w.sum_shards(g.sum(tiny)) / w.sum_shards(g.sample_count(v))
         for stat, val in (
             (M.STAT_ADAM_M_NORM, m_norm),
             (M.STAT_ADAM_SQRT_V_MEAN, mean),
-            (M.STAT_ADAM_SQRT_V_MAX, vmax),
-            (M.STAT_ADAM_V_TINY_FRAC, tiny),
+            (M.STAT_ADAM_SQRT_V_MAX, v_max),
+            (M.STAT_ADAM_V_TINY_FRAC, frac),
         ):
             names += g.names(stat)
             parts.append(val[g.index])
-        return names, torch.cat(parts)
 
     def _norm(self, g: _Groups, xs: list[torch.Tensor]) -> torch.Tensor:
         """Per-layer L2 norm: squares summed by layer (and over shards), then the root."""
@@ -364,26 +380,12 @@ class Probes:
         names: list[str] = []
         parts: list[torch.Tensor] = []
         if adam and all("exp_avg" in state[p] for p in adam):
-            g, w = self.adam_groups, self.world
             m = [local(state[p]["exp_avg"]) for p in adam]
             v = [local(state[p]["exp_avg_sq"]) for p in adam]
-            if g.count is None:
-                n = torch.tensor([float(x.numel()) for x in v], device=self.device)
-                g.count = w.sum_shards(g.sum(n))
-            m_norm = self._norm(g, m)
+            m2 = norms(m, self.device).float().square()
             roots = root_sums(v, self.device)  # sum(sqrt(v)) per tensor
-            mean = w.sum_shards(g.sum(roots)) / g.count
-            vmax = w.max_shards(g.max(maxima(v, self.device).float().sqrt()))
-            tiny = w.sum_shards(g.sum(_tiny_counts(v, self.device, self._tiny_index)))
-            tiny = tiny / w.sum_shards(g.sample_count(v))
-            for stat, val in (
-                (M.STAT_ADAM_M_NORM, m_norm),
-                (M.STAT_ADAM_SQRT_V_MEAN, mean),
-                (M.STAT_ADAM_SQRT_V_MAX, vmax),
-                (M.STAT_ADAM_V_TINY_FRAC, tiny),
-            ):
-                names += g.names(stat)
-                parts.append(val[g.index])
+            tiny = _tiny_counts(v, self.device, self._tiny_index)
+            self._adam_parts(v, m2, roots, maxima(v, self.device), tiny, names, parts)
         if muon and all("momentum_buffer" in state[p] for p in muon):
             g = self.muon_groups
             buf = [local(state[p]["momentum_buffer"]) for p in muon]
