@@ -8,7 +8,7 @@ STAMP := $(VENV)/.spikewatch-installed
 export OMP_NUM_THREADS ?= 1
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install demo test lint bench golden wheel-check clean
+.PHONY: install demo test test-fast test-slow lint bench golden wheel-check clean
 
 install: $(STAMP)
 
@@ -27,8 +27,16 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# the two tiers (tests/README.md): fast (no training, <= 2 min) and end-to-end (trains)
 test: install lint
 	$(PY) -m pytest -q -m "not slow and not gpu" -n 2 --dist loadscope
+
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not slow and not gpu" -n 2 --dist loadscope
+
+# the long soaks and the multi-process duplicates of make test's paths (tests/README.md)
+test-slow: install
+	$(PY) -m pytest -q -m "slow and not gpu" -n 2 --dist loadscope
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -13,6 +13,10 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 REPO = Path(__file__).parents[1]
 ROOT_PACKAGES = ("trainer", "observatory", "web")  # folders at the checkout's root
 OURS = ("spikewatch", *ROOT_PACKAGES, "migrations")

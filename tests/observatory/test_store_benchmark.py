@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -19,6 +19,8 @@ accelerate = pytest.importorskip("accelerate", reason="the hf extra is not insta
 from spikewatch import Watch  # noqa: E402
 from spikewatch.corpus import text_corpus  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 ACCUM = 2
 
 

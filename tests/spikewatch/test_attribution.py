@@ -13,6 +13,8 @@ from spikewatch.trainer.cli import main
 
 from .conftest import STEPS, run_example, the_rollback
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) -> None:
     db = f"sqlite:///{tmp_path / 'x.db'}"

@@ -16,6 +16,8 @@ from spikewatch.trainer.cli import main as cli
 
 from .conftest import POISON, STEPS, run_example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _write(path, lines: list[dict]) -> str:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -14,7 +14,10 @@ from spikewatch.trainer.model.attn_max import COMPILE_SAFE, AttnMax
 
 from .conftest import POISON, STEPS, example, run_example, the_rollback
 
-pytestmark = pytest.mark.skipif(not COMPILE_SAFE, reason="this torch cannot declare effects")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not COMPILE_SAFE, reason="this torch cannot declare effects"),
+]
 
 
 class CountingBackend:

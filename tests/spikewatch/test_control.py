@@ -21,6 +21,8 @@ from spikewatch.web.settings import Settings
 
 from .conftest import REPO, SMALL
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 TOKEN = {"Authorization": "Bearer s3cret"}
 
 

@@ -14,6 +14,8 @@ from spikewatch.web.settings import Settings  # noqa: E402
 
 from .conftest import run_example  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def test_a_hf_run_on_the_run_page(tmp_path) -> None:
     db = f"sqlite:///{tmp_path / 'sw.db'}"

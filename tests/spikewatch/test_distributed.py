@@ -25,7 +25,7 @@ from spikewatch.observatory.store.db import make_engine
 
 from .conftest import REPO, SMALL
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 POISON = ("--poison-at", "100", "--poison-len", "14", "--poison-rank", "1")
 LAUNCH_TIMEOUT_S = 300
@@ -110,7 +110,10 @@ WAYS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(WAYS))
+@pytest.fixture(
+    scope="module",  # Lightning on 2 ranks (45 s) is in the slow tier; on one, in make test
+    params=[pytest.param(w, marks=pytest.mark.slow) if w == "lightning" else w for w in WAYS],
+)
 def job(request, tmp_path_factory) -> dict[str, Any]:
     example, extra = WAYS[request.param]
     if example != "plain_loop":

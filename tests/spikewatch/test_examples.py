@@ -23,6 +23,8 @@ from .conftest import (
     the_rollback,
 )
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 @dataclass(frozen=True)
 class Way:

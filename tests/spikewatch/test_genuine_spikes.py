@@ -13,6 +13,8 @@ import pytest
 
 from spikewatch.observatory import store
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

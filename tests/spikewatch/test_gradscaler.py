@@ -17,6 +17,8 @@ from spikewatch.trainer.model.optim.factor import FoundInf
 
 from .conftest import example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 STEPS = 12
 INIT_SCALE = 2.0**10
 

@@ -21,6 +21,8 @@ from .conftest import (  # noqa: E402
     the_rollback,
 )
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)

@@ -19,6 +19,8 @@ from transformers import AttentionInterface  # noqa: E402
 from spikewatch import hf, hf_attention  # noqa: E402
 from spikewatch.trainer.model.attn_max import AttnMax  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 TINY = dict(
     vocab_size=256,
     hidden_size=64,

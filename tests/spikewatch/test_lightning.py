@@ -13,6 +13,8 @@ from spikewatch.lightning import SpikewatchCallback  # noqa: E402
 from spikewatch.trainer.core.actions import Action, Continue, Rollback  # noqa: E402
 from spikewatch.trainer.core.callbacks import Callback, StepState  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 class Bigram(pl.LightningModule):
     def __init__(self) -> None:

@@ -164,6 +164,7 @@ def _poisoned(fed_file: Any, first: int, n: int) -> list[int]:
     return [k for k, f in enumerate(fed) if f & spoilt]
 
 
+@pytest.mark.e2e  # trains a model
 def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> None:
     """examples/dataloader_loop.py --stream: an IterableDataset whose batches 120..129 (then
     120..159) have spoilt labels. 10: one rollback; no window fed twice, no poisoned batch after

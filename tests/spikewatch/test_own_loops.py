@@ -17,6 +17,8 @@ from spikewatch.trainer.core.callbacks import Callback, StepState
 
 from .conftest import example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 class _RollbackAt(Callback):
     def __init__(self, at: int, to: int) -> None:

@@ -9,6 +9,8 @@ from fastapi.testclient import TestClient
 
 from .conftest import run_example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 @pytest.mark.parametrize("framework", ["plain_loop", "hf_trainer"])
 def test_serve_without_db_lists_the_run_started_here(framework, tmp_path, monkeypatch, caplog):

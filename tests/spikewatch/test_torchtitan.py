@@ -25,6 +25,8 @@ from spikewatch.observatory.store.db import make_engine  # noqa: E402
 
 from .conftest import REPO  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 TIMEOUT_S = 600
 
 
@@ -109,6 +111,7 @@ def test_one_process_rolls_back_tells_the_cause_names_the_rows_and_records_every
     assert "layer/*/head/*/attn_max" in names, names
 
 
+@pytest.mark.slow  # 3 min on 2 cores; FSDP2 on 2 ranks is in make test by test_distributed.py
 @pytest.mark.distributed
 def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) -> None:
     """The issue's 'must show': torchrun on 2 gloo ranks, FSDP2, rank 1's shard poisoned; and
@@ -182,6 +185,7 @@ def test_cuda_graphs_and_pipeline_parallelism_are_refused_in_one_line(monkeypatc
         titan._refuse_unsupported(config)
 
 
+@pytest.mark.slow  # 2 min on 2 cores: four torchtitan starts
 def test_a_job_killed_after_a_rollback_and_after_a_checkpoint_resumes_on_the_same_weights(
     tmp_path,
 ) -> None:

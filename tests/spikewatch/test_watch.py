@@ -29,6 +29,8 @@ from .conftest import (
     the_rollback,
 )
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:

@@ -18,6 +18,8 @@ from spikewatch.trainer.model.kernels.adam_state import AdamState
 
 from ..spikewatch.conftest import example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 @pytest.mark.parametrize(("cls", "wd"), [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.01)])
 def test_the_one_pass_equals_a_copy_and_its_difference(cls, wd) -> None:

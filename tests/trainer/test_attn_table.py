@@ -21,6 +21,8 @@ from spikewatch.trainer.model.attn_max import AttnMax
 
 from .test_fused_max import _reference
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import random
 
+import pytest
 import torch
 
 from spikewatch.observatory.store.db import upgrade
@@ -19,6 +20,8 @@ from spikewatch.trainer.core.attribution import RowStat, name_rows
 from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import tiny_config
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10, rows=3}]'
 RUN = ("train.max_steps=200", "checkpoint.interval=10", "eval.interval=none", FAULT)

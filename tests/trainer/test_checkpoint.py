@@ -14,6 +14,8 @@ from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import EventSink, tiny_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 CK = ("checkpoint.interval=4",)
 
 

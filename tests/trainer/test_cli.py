@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from spikewatch.trainer.cli import main
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 
 def _train(tmp_path, name: str, *sets: str) -> dict:

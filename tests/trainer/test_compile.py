@@ -11,6 +11,8 @@ from spikewatch.trainer.builtin.loop import fit
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 RUN = ("train.max_steps=200", "checkpoint.interval=10", "eval.interval=100", FAULT)
 

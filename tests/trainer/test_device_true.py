@@ -22,6 +22,8 @@ from spikewatch.trainer.core.norms import scale_
 from spikewatch.trainer.core.probes import Probes
 from spikewatch.trainer.core.transfer import clip_by_global_norm
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 META = torch.device("meta")
 
 

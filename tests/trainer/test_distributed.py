@@ -39,7 +39,7 @@ from spikewatch.trainer.model.gpt import build_model
 
 from .conftest import tiny_config
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 REPO = Path(__file__).parents[2]
 COMMON = ("checkpoint.interval=4", "probes.state_interval=1", "data.micro_batch_size=2")

@@ -16,11 +16,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.store.chunks import decode
 from spikewatch.trainer.config import load_config
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 REPO = Path(__file__).parents[2]
 ARGS = [
@@ -95,7 +98,7 @@ def test_sigkill_and_resume_store_every_row_exactly_once(tmp_path) -> None:
     want = _store(ref)
     assert sum(1 for e in want["events"] if e[0] == "rollback") == 1
     rng = random.Random(3)
-    for trial in range(3):
+    for trial in range(2):
         run = tmp_path / f"t{trial}" / "run"
         run.parent.mkdir()
         proc = _train(run)

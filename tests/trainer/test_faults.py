@@ -9,6 +9,8 @@ from spikewatch.trainer.config import ConfigError, FaultConfig
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _batch():
     x = torch.randint(0, 200, (2, 8), generator=torch.Generator().manual_seed(0))

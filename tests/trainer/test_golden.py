@@ -13,6 +13,8 @@ import pytest
 from spikewatch.trainer.builtin.loop import fit
 from spikewatch.trainer.config import load_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 GOLDEN = Path(__file__).parents[1] / "assets" / "golden_tiny_cpu.txt"
 STEPS = 50
 

@@ -16,6 +16,8 @@ from spikewatch.trainer.core.recorder import Recorder
 
 from .conftest import EventSink
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 BASE = [  # the rollback tier (the same-step tier, which acts first, has test_same_step.py)
     "guard.same_step.enabled=false",
     "train.progress=false",
@@ -222,44 +224,3 @@ def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path, caplog)
     (back,) = [(s, d) for k, s, d in sink.events if d.get("kind") == "lr_restore"]
     assert back[0] == r.interventions[1]["detect_step"] + 40 and back[1]["lr_factor"] == 2.0
     assert tr.core.run.lr_scale == 1.0 and r.steps == 220
-
-
-def test_a_rollback_resets_the_warning_memory() -> None:
-    """A warning episode of the abandoned branch does not silence the same warning on the
-    restored branch: there it is a new episode (recorded, and it pins an anchor)."""
-    from spikewatch.observatory.detect import Verdict
-    from spikewatch.trainer.config import GuardConfig
-    from spikewatch.trainer.core.guard import SpikeGuard
-
-    guard = SpikeGuard(GuardConfig(), retained=list)
-
-    def warn(step: int) -> Verdict:
-        return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
-
-    assert guard._new_episode(warn(100)) and not guard._new_episode(warn(101))
-    guard.on_rollback(90, {})
-    assert guard._new_episode(warn(92))  # the same signal, one branch later
-    assert not guard._new_episode(warn(93))
-
-
-def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -> None:
-    """With policy.warning_horizon the guard's warning episodes move the rollback target to
-    before the earliest one within the horizon; episodes of an abandoned branch are gone."""
-    from spikewatch.observatory.detect import Verdict
-    from spikewatch.observatory.policy import PolicyConfig
-    from spikewatch.trainer.config import GuardConfig
-    from spikewatch.trainer.core.guard import SpikeGuard
-
-    watch = GuardConfig(policy=PolicyConfig(warning_horizon=50, margin=1))
-    guard = SpikeGuard(watch, retained=lambda: [0, 100, 120, 140])
-    guard.batch_of = {s: s - 1 for s in range(1, 200)}
-
-    def warn(step: int) -> Verdict:
-        return Verdict("warning", step, step, step, 20.0, "grad_norm", "grad norm jumped")
-
-    for step in (125, 126, 130, 131, 170):  # episodes begin at 125 and 130 (130 > 126 + 1)
-        guard._new_episode(warn(step))
-    guard.on_rollback(160, {})  # the episode at 170 was on the abandoned branch
-    action = guard._act(Verdict("spike", 153, 151, 152, 30.0), level=None)
-    assert action.to_step == 120 and action.skip_ranges == ((123, 163),)  # from step 124
-    assert guard.state_dict()["episodes"] == [125, 130]

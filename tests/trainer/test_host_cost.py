@@ -8,6 +8,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 KEYS = (
     "host_ms_per_step",

@@ -12,6 +12,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,6 +22,8 @@ from spikewatch import AdamW, Watch
 from spikewatch.trainer.builtin.loop import build_trainer
 
 from .conftest import tiny_config
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 

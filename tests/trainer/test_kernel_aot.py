@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("kernel_aot.py")

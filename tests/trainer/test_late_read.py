@@ -25,6 +25,8 @@ from spikewatch.trainer.core.probes import Probes
 
 from ..spikewatch.conftest import example
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 class Trace:
     """Each host read of a step's transfer: (the step being computed, the step whose transfer

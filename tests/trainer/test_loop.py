@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spikewatch.trainer.builtin.data import unigram_entropy
@@ -9,6 +10,8 @@ from spikewatch.trainer.core.actions import Continue, SkipUpdate
 from spikewatch.trainer.core.callbacks import Callback, StepState
 
 from .conftest import tiny_config
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 
 def _state(trainer):

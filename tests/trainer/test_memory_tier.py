@@ -16,6 +16,8 @@ from spikewatch.trainer.checkpoints.tiers import MEMORY
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 FAULT = 'faults=[{kind="shifted_labels", start=40, length=6}]'
 BASE = ("train.max_steps=70", "eval.interval=none", FAULT)
 

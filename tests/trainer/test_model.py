@@ -9,6 +9,8 @@ from spikewatch.trainer.config import ModelConfig
 from spikewatch.trainer.model.attention import attention, max_logits
 from spikewatch.trainer.model.gpt import build_model, param_kind
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _qkv(B=2, H=3, T=50, D=16, seed=0):
     g = torch.Generator().manual_seed(seed)

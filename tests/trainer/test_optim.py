@@ -13,6 +13,8 @@ from spikewatch.trainer.model.optim import (
     qk_clip,
 )
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _model(**kw):
     return build_model(ModelConfig(n_layer=2, n_head=4, d_model=32, max_seq_len=64, **kw), seed=0)

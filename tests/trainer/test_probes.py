@@ -14,6 +14,8 @@ from spikewatch.trainer.model.gpt import GPT
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 LAYERS = ["embed", "0/attn", "0/mlp", "1/attn", "1/mlp", "lm_head"]
 
 

@@ -10,6 +10,8 @@ from spikewatch.observatory import store
 from spikewatch.observatory.store.queries import session_factory
 from spikewatch.trainer.cli import main
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 
 

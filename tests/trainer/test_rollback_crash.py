@@ -13,6 +13,8 @@ from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.disk import Checkpointer
 from spikewatch.trainer.config import load_config
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 BASE = [  # the rollback tier alone: the kinds of the interventions are the rollback's
     "guard.same_step.enabled=false",
     "train.progress=false",

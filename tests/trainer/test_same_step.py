@@ -17,6 +17,8 @@ from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate
 
 from .conftest import EventSink
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 CFG = SameStepConfig(window=16, min_history=8, sigma=6.0, max_refusals=2)
 
 

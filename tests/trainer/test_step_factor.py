@@ -15,6 +15,8 @@ from spikewatch.trainer.model.gpt import build_model
 from spikewatch.trainer.model.optim import AdamW, build_optimizer
 from spikewatch.trainer.model.optim.factor import FoundInf, factor_optimizer
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 ONE, ZERO = torch.ones(()), torch.zeros(())
 
 

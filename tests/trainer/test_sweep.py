@@ -14,6 +14,8 @@ from spikewatch.trainer.builtin.sweep import parse_floats, run_sweep
 from spikewatch.trainer.cli import main
 from spikewatch.trainer.config import ConfigError
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 TINY = ["train.max_steps=20", "schedule.warmup_steps=5", "eval.interval=10", "eval.batches=2"]
 GRID = dict(variants=["baseline", "qk_norm"], lrs=[1e-2, 1e-1], overrides=TINY)
 

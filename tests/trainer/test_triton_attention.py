@@ -17,6 +17,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from spikewatch.trainer.model.kernels.attention import flash_attention, reference_attention  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 

@@ -9,6 +9,8 @@ from spikewatch.trainer.cli import main
 from spikewatch.web.app import create_app
 from spikewatch.web.settings import Settings
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 FAULT = 'faults=[{kind="shifted_labels", start=150, length=10}]'
 
 

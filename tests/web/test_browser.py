@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
 
 def test_runs_page_lists_the_runs(server, browser) -> None:

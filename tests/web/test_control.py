@@ -10,6 +10,8 @@ from spikewatch.observatory.store.queries import session_factory
 from spikewatch.web.app import create_app
 from spikewatch.web.settings import Settings
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 BODY = {"text": "data pipeline restarted here", "step": 120}
 
 

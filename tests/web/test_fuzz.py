@@ -16,6 +16,8 @@ from spikewatch.web.settings import Settings  # noqa: E402
 
 from .conftest import FAULT  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
 
 def _app(tmp_path_factory):
     from spikewatch.trainer.cli import main
