@@ -51,7 +51,9 @@ def test_the_watch_names_the_poisoned_rows_and_no_clean_one(tmp_path, capsys) ->
     assert left_out and summary["tokens"] == (summary["steps"] * 8 - left_out) * 64
 
 
-@pytest.mark.parametrize("example", ["hf_trainer", "lightning_module"])
+@pytest.mark.parametrize(  # Lightning (35 s) in the slow tier
+    "example", ["hf_trainer", pytest.param("lightning_module", marks=pytest.mark.slow)]
+)
 def test_a_framework_callback_names_the_rows_it_fed(example: str, tmp_path) -> None:
     """A framework's batches are not the callback's to draw again, but it keeps the ones it fed
     (two micro-batches a step in the HF run): the rollback names their spoilt rows and no clean

@@ -87,7 +87,9 @@ def test_under_inductor_the_maxima_are_those_of_the_eager_model() -> None:
     assert rec.take() is None
 
 
-@pytest.mark.parametrize("name", ["hf_trainer", "lightning_module"])
+@pytest.mark.parametrize(  # Lightning compiled (30 s) in the slow tier
+    "name", ["hf_trainer", pytest.param("lightning_module", marks=pytest.mark.slow)]
+)
 def test_the_framework_examples_compiled_roll_back_as_they_do_eager(
     tmp_path, monkeypatch, name: str
 ) -> None:

@@ -340,6 +340,7 @@ def test_the_store_holds_one_copy_of_each_metric(cli_run) -> None:
         assert len(cks) == len({(c.branch, c.step) for c in cks})
 
 
+@pytest.mark.slow  # in make test: spikewatch/test_distributed.py's killed 2-rank job
 def test_killed_two_rank_run_resumes_bitwise_and_on_one_rank(cli_run, tmp_path) -> None:
     """Killed after the rollback (step 45 exists only on the new branch): the resumed run
     needs the skip ranges and the guard's state from the checkpoint. On one rank there is no

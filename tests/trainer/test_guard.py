@@ -102,6 +102,7 @@ def test_the_fault_is_real_and_the_rollback_repairs_it(runs) -> None:
     assert runs["clean"].interventions == []
 
 
+@pytest.mark.slow  # its rule is in the fast tier: test_guard_rules.py
 def test_repeated_faults_escalate_then_halt(tmp_path) -> None:
     faults = ", ".join(
         f'{{kind="shifted_labels", start={s}, length=12}}' for s in (100, 140, 180, 215)
@@ -152,6 +153,7 @@ def test_detector_state_survives_a_resume(tmp_path) -> None:
     ]
 
 
+@pytest.mark.slow  # its rule is in the fast tier: test_guard_rules.py
 def test_repeated_nonfinite_steps_are_refused_then_rolled_back(tmp_path) -> None:
     nan = 'faults=[{kind="nan_loss", start=100, length=3}]'
     r = fit(load_config("tiny_cpu", [*BASE, nan]), run_dir=tmp_path)
@@ -186,7 +188,10 @@ def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
     assert len(ck.list_checkpoints(tmp_path / "checkpoints")) <= 2 + 6 + 3
 
 
-@pytest.mark.parametrize("tier", ["true", "false"])
+@pytest.mark.parametrize(
+    "tier",
+    ["true", pytest.param("false", marks=pytest.mark.slow)],  # one tier in make test
+)
 def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) -> None:
     """From batch 150 on the data changes for good (random bytes: a new, higher plateau the
     trainer was not told about). The guard rolls back, meets the same level where the skipped
