@@ -25,7 +25,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR=$${XDG_CACHE_HOME:-$$HOME/.cache}/spikewatch-mypy $(VENV)/bin/mypy  # kept across clones
 
 # the two tiers (tests/README.md): fast (no training, <= 2 min) and end-to-end (trains)
 test: install lint
