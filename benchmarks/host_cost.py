@@ -433,8 +433,8 @@ class Harness:
     """The Watch's loop on meta, each step's host time, waits and events recorded."""
 
     def __init__(self, shape: str, steps: int, *, disk: bool, settings: dict | None = None,
-                 rollback_at: tuple[int, ...] = ()) -> None:  # fmt: skip
-        self.shape, self.steps = shape, steps
+                 rollback_at: tuple[int, ...] = (), detail: bool = False) -> None:  # fmt: skip
+        self.shape, self.steps, self.detail = shape, steps, detail
         self.model, self.opt, (self.b, self.t) = build(shape)
         self.dev = MetaDevice()
         self.clock = Clock()
@@ -547,6 +547,30 @@ class Harness:
             (MemoryTier, "ahead", "checkpoint"),
         ):
             clock.wrap(owner, name, part)
+        if self.detail:  # the base part split by what it does (each charges its own time)
+            from spikewatch.trainer.core.guard import SpikeGuard
+            from spikewatch.trainer.core.same_step import SameStepGate
+            from spikewatch.trainer.core.step_core import StepCore
+
+            for owner, name, part in (
+                (SameStepGate, "factor_after", "base:same_step"),
+                (SameStepGate, "late_inputs", "base:same_step"),
+                (HostTransfer, "add", "base:transfer"),
+                (HostTransfer, "add_step", "base:transfer"),
+                (HostTransfer, "start", "base:transfer"),
+                (HostTransfer, "fetch", "base:transfer"),
+                (Probes, "grad_norms", "base:grad_norms"),
+                (SpikeGuard, "on_step", "base:guard"),
+                (StepCore, "_agree", "base:agree"),
+                (StepCore, "_record", "base:record"),
+                (StepCore, "_take_read", "base:take_read"),
+                (Watch, "_tensors", "base:tensors"),
+                (Watch, "_arm_attention", "base:arm"),
+                (Watch, "begin_step", "base:begin"),
+                (StepCore, "save_if_due", "base:save_if_due"),
+                (StepCore, "_emit_update_metrics", "base:emit_update"),
+            ):
+                clock.wrap(owner, name, part)
         import spikewatch.trainer.watch as watch_mod
 
         clock.wrap(watch_mod, "clip_by_global_norm", "clip")  # the user's clip: not spikewatch's
@@ -704,6 +728,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-disk", action="store_true", help="no disk checkpoints")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and 30 steps")
     ap.add_argument("--settings", default="{}", help="Watch settings as JSON, merged")
+    ap.add_argument("--detail", action="store_true", help="the base part split by what it does")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.steps = "smoke", 30
@@ -715,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"torch {torch.__version__}, shape {args.shape} {SHAPES[args.shape]}, "
           f"{args.steps} steps on meta")  # fmt: skip
     timed = Harness(args.shape, args.steps, disk=not args.no_disk, settings=settings,
-                    rollback_at=(args.steps - 5,))  # fmt: skip
+                    rollback_at=(args.steps - 5,), detail=args.detail)  # fmt: skip
     timed.run()
     s = summarise(timed.rows)
     # kernels, FLOPs and bytes over one cycle of every cadence (50 steps: 10, 25 and 50 divide

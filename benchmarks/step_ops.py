@@ -145,7 +145,7 @@ def main() -> None:
         x.add_step(StepTensors(loss, norm_out["norm"], norm_out["factor"], norm_out["per"],
                                attn_max=attn))  # fmt: skip
         x.add(["_factor"], f)
-        x.add(*norm_out["names"])
+        x.add_by_layer(*norm_out["names"])
         x.start()
         norm_out["values"] = len(x.names)
 

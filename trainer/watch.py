@@ -636,8 +636,8 @@ class Watch(Replaying):
         norm, factor, per_tensor = clip(core.probes.params, self.cfg.grad_clip)
         if self._loss_share is not None:
             loss = self._loss_share
-        elif self._loss_sum is not None:
-            loss = self._loss_sum / self._loss_n
+        elif self._loss_sum is not None:  # one micro-batch: no division launched
+            loss = self._loss_sum if self._loss_n == 1 else self._loss_sum / self._loss_n
         else:
             raise RuntimeError(
                 "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"

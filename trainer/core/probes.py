@@ -217,7 +217,7 @@ class Probes:
         named = [(unwrapped(n), p) for n, p in own if p.requires_grad]
         self.params: list[torch.Tensor] = [p for _, p in named]
         self.layers = list(dict.fromkeys(layer_of(n) for n, _ in named))
-        owner = [self.layers.index(layer_of(n)) for n, _ in named]
+        owner = self.owner = [self.layers.index(layer_of(n)) for n, _ in named]
         device = self.device = self.params[0].device
         self.groups = _Groups(self.layers, owner, device)
         muon = {id(p) for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]}
@@ -250,11 +250,14 @@ class Probes:
         return self.active(step) and self.cfg.output_logits
 
     # -- before the transfer ---------------------------------------------------------------
-    def grad_norms(self, per_tensor: torch.Tensor) -> tuple[list[str], torch.Tensor]:
-        """Per-layer grad norms from the (P,) per-tensor norms that clipping computed."""
+    def grad_norms(self, per_tensor: torch.Tensor) -> tuple[list[str], torch.Tensor, list[int]]:
+        """Per-layer grad norms as the host transfer takes them: the layers' names, the (P,)
+        per-tensor norms clipping computed, and each tensor's layer. The transfer sums them by
+        layer on the host when it reads the step (`HostTransfer.add_by_layer`): no device op,
+        and P values more to copy (a few hundred bytes)."""
         if not self.cfg.grad_norms:
-            return [], per_tensor[:0]
-        return self._grad_names, self.groups.sum(per_tensor.float().square()).sqrt()
+            return [], per_tensor[:0], []
+        return self._grad_names, per_tensor, self.owner
 
     # -- around the update -----------------------------------------------------------------
     def before_update(self, step: int) -> None:

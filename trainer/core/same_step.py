@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from spikewatch.trainer.core.transfer import as32
+
 __all__ = ["SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ class SameStepGate:
         loss: torch.Tensor,
         grad_norm: torch.Tensor,
         ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """`late_factor`'s (v, h): the device values, and the window's numbers (one copy)."""
         cfg = self.cfg
         n = self.count
@@ -175,17 +177,11 @@ class SameStepGate:
         dev = loss.device
         if dev.type != "cpu":
             h = h.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else h.to(dev)
-        v = torch.stack(
-            [
-                prev_loss.detach().float(),
-                prev_norm.detach().float(),
-                prev_factor.detach().float(),
-                (prev_factor if overflow is None else overflow).detach().float(),
-                loss.detach().float(),
-                grad_norm.detach().float(),
-            ]
-        )
-        return v, h
+        # six 0-dim values as they are: the op stacks them (inside its one kernel on CUDA),
+        # not a stack launched from the loop thread first
+        v = [prev_loss, prev_norm, prev_factor, prev_factor if overflow is None else overflow,
+             loss, grad_norm]  # fmt: skip
+        return [as32(x) for x in v], h
 
     def z(self, loss: float, grad_norm: float) -> tuple[float, float]:
         """Deviations of the two log-values above their rolling means (0 without history)."""
@@ -290,14 +286,20 @@ def _log(v: float) -> float:
 
 
 def late_factor(
-    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+    vs: list[torch.Tensor],
+    h: torch.Tensor,
+    sigma: float,
+    floor: float,
+    min_history: int,
+    refusals: int,
 ) -> torch.Tensor:
-    """`limits_after` then `step_factor`, as one function of two small tensors (so that it is
-    one op, and one compiled kernel on CUDA). v (6,) float32 on the device: the step before's
-    loss, grad norm, factor and GradScaler overflow (its factor when there is no scaler), then
-    this step's loss and grad norm. h (10,) float64: the window's means, sums of squared
-    deviations and evicted values (each per series), its count, whether it is full, the
-    refusals in a row, and whether there is an overflow flag. Returns () float32, 1 or 0."""
+    """`limits_after` then `step_factor`, as one function of small tensors (so that it is
+    one op, and one compiled kernel on CUDA). vs: six 0-dim float32 values on the device, the
+    step before's loss, grad norm, factor and GradScaler overflow (its factor when there is no
+    scaler), then this step's loss and grad norm. h (10,) float64: the window's means, sums of
+    squared deviations and evicted values (each per series), its count, whether it is full,
+    the refusals in a row, and whether there is an overflow flag. Returns () float32, 1 or 0."""
+    v = torch.stack(vs)
     x = v[:2].double()  # the step before: (2,)
     fin = torch.isfinite(x)
     loss_ok = fin[0]
@@ -330,7 +332,12 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def _late_factor_cuda(
-    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+    v: list[torch.Tensor],
+    h: torch.Tensor,
+    sigma: float,
+    floor: float,
+    min_history: int,
+    refusals: int,
 ) -> torch.Tensor:
     """On CUDA: `late_factor` compiled once per setting into one kernel (its inputs have fixed
     shapes, the settings are constants: no recompile); eager if the compiler is not at hand."""
@@ -357,13 +364,18 @@ def _late_factor_cuda(
 
 @torch.library.custom_op("spikewatch::late_factor", mutates_args=())
 def _late_factor_op(
-    v: torch.Tensor, h: torch.Tensor, sigma: float, floor: float, min_history: int, refusals: int
+    v: list[torch.Tensor],
+    h: torch.Tensor,
+    sigma: float,
+    floor: float,
+    min_history: int,
+    refusals: int,
 ) -> torch.Tensor:
-    if v.is_cuda:
+    if v[0].is_cuda:
         return _late_factor_cuda(v, h, sigma, floor, min_history, refusals)
     return late_factor(v, h, sigma, floor, min_history, refusals)
 
 
 @_late_factor_op.register_fake
 def _(v, h, sigma, floor, min_history, refusals):  # noqa: ANN001, ANN202
-    return v.new_empty((), dtype=torch.float32)
+    return v[0].new_empty((), dtype=torch.float32)

@@ -244,7 +244,7 @@ class StepCore(Checkpointed):
         xfer.add_step(t)
         xfer.add([_FACTOR], factor)
         if self.probes.active(step):
-            xfer.add(*self.probes.grad_norms(t.grad_norms))
+            xfer.add_by_layer(*self.probes.grad_norms(t.grad_norms))
         pending = self.probes.take_pending()
         if pending is not None:
             xfer.add(pending[1], pending[2], late=True)

@@ -21,7 +21,15 @@ from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.core import streams
 from spikewatch.trainer.core.norms import norms, scale_
 
-__all__ = ["Clip", "HostTransfer", "StepTensors", "attn_names", "clip_by_global_norm"]
+__all__ = [
+    "Clip",
+    "HostTransfer",
+    "StepTensors",
+    "as32",
+    "attn_names",
+    "clip_by_global_norm",
+    "flat32",
+]
 
 
 @dataclass
@@ -84,6 +92,20 @@ def attn_names(layers: tuple[int, ...], n_head: int) -> tuple[list[str], list[st
 NOT_RECORDED = float("-inf")
 
 
+def as32(x: torch.Tensor) -> torch.Tensor:
+    """`x.detach().float()` with only the ops it needs: each op is a dispatch on the loop
+    thread, and most of a step's values are fp32 and need no detaching already."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def flat32(x: torch.Tensor) -> torch.Tensor:
+    """`as32(x).reshape(-1)`, the reshape only where x is not 1-D."""
+    x = as32(x)
+    return x if x.dim() == 1 else x.reshape(-1)
+
+
 class HostTransfer:
     """Named device tensors gathered into one host copy (the loop's one sync per step)."""
 
@@ -94,6 +116,11 @@ class HostTransfer:
         # per-layer maxima taken on the host from their heads' values at `fetch` (no device
         # reduction, no extra values moved): (the layers' names, the first head's index, heads)
         self._layer_max: list[tuple[list[str], int, int]] = []
+        # per-layer 2-norms summed on the host at `fetch` from per-tensor ones (the values
+        # themselves are not metrics): (the layers' names, the first value's index, each
+        # value's layer)
+        self._by_layer: list[tuple[list[str], int, list[int]]] = []
+        self._hidden: list[tuple[int, int]] = []  # [start, end) of values that are no metric
         self.parts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
@@ -107,12 +134,22 @@ class HostTransfer:
             self.names += names
             self.late += [late] * len(names)
             self.sparse += [sparse] * len(names)
-            self.parts.append(values.detach().float().reshape(-1))
+            self.parts.append(flat32(values))
+
+    def add_by_layer(self, names: list[str], norms: torch.Tensor, owner: list[int]) -> None:
+        """Per-layer 2-norms `names` from per-tensor ones, `owner[j]` the layer of tensor j:
+        the (P,) norms go to the host as they are and are summed there, at `fetch`."""
+        if names:
+            first = len(self.names)
+            self.add([""] * len(owner), norms)
+            self._hidden.append((first, len(self.names)))
+            self._by_layer.append((names, first, owner))
 
     def add_step(self, t: StepTensors) -> None:
         """Everything a `StepTensors` carries, under its metric names."""
-        scalars = torch.stack([t.loss, t.grad_norm, t.clip_factor])
-        self.add([M.LOSS, M.GRAD_NORM, M.CLIP_FACTOR], scalars)
+        self.add([M.LOSS], t.loss)  # 0-dim values as they are: `start`'s one cat takes them
+        self.add([M.GRAD_NORM], t.grad_norm)
+        self.add([M.CLIP_FACTOR], t.clip_factor)
         if t.ce is not None:
             self.add([M.CE], t.ce)
         if t.z_mean is not None:
@@ -151,11 +188,18 @@ class HostTransfer:
         values = self._host.tolist()
         now: dict[str, float] = {}
         late: dict[str, float] = {}
-        for name, is_late, sparse, v in zip(self.names, self.late, self.sparse, values,
-                                            strict=True):  # fmt: skip
+        shown = list(zip(self.names, self.late, self.sparse, values, strict=True))
+        for start, end in reversed(self._hidden):
+            del shown[start:end]
+        for name, is_late, sparse, v in shown:
             if sparse and v == NOT_RECORDED:
                 continue
             (late if is_late else now)[name] = v
+        for names, first, owner in self._by_layer:
+            squares = [0.0] * len(names)
+            for j, layer in enumerate(owner):
+                squares[layer] += values[first + j] ** 2
+            now.update(zip(names, map(math.sqrt, squares), strict=True))
         for per_layer, first, n in self._layer_max:
             for j, name in enumerate(per_layer):
                 row = [v for v in values[first + j * n : first + (j + 1) * n] if v != NOT_RECORDED]
