@@ -31,6 +31,7 @@ the run directory and the checkpoints, and resumes; `close()` ends the run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import weakref
@@ -452,6 +453,14 @@ class Watch(Replaying):
         self.optimizer.zero_grad(set_to_none=True)
         self._c.save_if_due()
         return outcome
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """`with watch.paused(): evaluate()`: work between steps that is slow by nature (an
+        evaluation, a checkpoint of the loop's own). The stall watchdog (settings
+        `guard.stall`) counts it neither as a stall nor into the run's pace; the Watch's own
+        checkpoints and restores are excluded already."""
+        core = self.core
+        return core.paused() if core is not None else contextlib.nullcontext()
 
     def log_eval(self, val_loss: float) -> None:
         """A validation loss of the current step (shown on the run page, kept in the summary),

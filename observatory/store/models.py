@@ -76,6 +76,8 @@ EVENT_KINDS = (
     "config_change",
     "note",
     "request",
+    "stall",  # no step ended for longer than the stall bound (trainer/core/watchdog.py)
+    "resumed",  # steps end again after a stall
 )
 
 NAMING = {

@@ -308,11 +308,12 @@ class Trainer:
         bs = cfg.eval.batch_size or cfg.data.micro_batch_size or cfg.data.batch_size
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        for i in range(cfg.eval.batches):
-            x, y = self.world.shard(*self.sampler.val_batch(i, bs))
-            total += self.model(x.to(self.device), y.to(self.device)).ce
+        with self.core.paused():  # an evaluation is no stall
+            for i in range(cfg.eval.batches):
+                x, y = self.world.shard(*self.sampler.val_batch(i, bs))
+                total += self.model(x.to(self.device), y.to(self.device)).ce
+            val = self.world.mean(total / cfg.eval.batches).item()
         self.model.train()
-        val = self.world.mean(total / cfg.eval.batches).item()
         log.info("step %d: val loss %.4f", self.step_count, val)
         self.core.record_eval(val)
         return val

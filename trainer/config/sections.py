@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spikewatch.observatory.detect import DetectorConfig
 from spikewatch.observatory.policy import PolicyConfig
 from spikewatch.trainer.core.same_step import SameStepConfig
+from spikewatch.trainer.core.watchdog import StallConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -325,6 +326,9 @@ class GuardConfig(_Section):
         description="When the attribution names the rows that caused a spike, the rollback "
         "leaves out only those rows (refilled with fresh samples where the loader can) instead "
         "of the whole batches; unclear attributions skip the batches.",
+    )
+    stall: StallConfig = Field(
+        default_factory=StallConfig, description="trainer/core/watchdog.py; its docstring."
     )
     same_step: SameStepConfig = Field(
         default_factory=SameStepConfig,

@@ -97,6 +97,14 @@ class Callback:
         state (statistics of the steps it has seen), keep what the run has learned since (a
         rollback keeps the live state otherwise). `on_rollback` follows."""
 
+    def on_stall(self, info: Mapping[str, Any]) -> None:
+        """No step has ended for longer than the stall bound (core/watchdog.py). Called from
+        the watchdog's thread, once per stall: `info` has the step, the idle seconds, the
+        bound and every thread's stack."""
+
+    def on_stall_end(self, info: Mapping[str, Any]) -> None:
+        """Steps end again after a stall (`info`: the step, `stalled_s`); the loop's thread."""
+
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         """A checkpoint of `step` was handed to the writer (written, or being written)."""
 

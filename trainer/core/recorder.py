@@ -155,6 +155,19 @@ class Recorder(Callback):
         self.forks.append(fork)
         self.sink.start_branch(self.run_id, **fork)
 
+    def on_stall(self, info: Mapping[str, Any]) -> None:
+        message = (
+            f"stall: no step has ended for {info['idle_s']:.0f} s after step {info['step']} "
+            f"(bound {info['bound_s']:.0f} s)"
+        )
+        self.sink.log_event(self.run_id, "stall", step=info["step"], branch=self.branch,
+                            message=message, data=dict(info))  # fmt: skip
+
+    def on_stall_end(self, info: Mapping[str, Any]) -> None:
+        message = f"steps resumed after a stall of {info['stalled_s']:.0f} s"
+        self.sink.log_event(self.run_id, "resumed", step=info["step"], branch=self.branch,
+                            message=message, data=dict(info))  # fmt: skip
+
     def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         self.sink.log_event(

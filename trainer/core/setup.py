@@ -85,6 +85,7 @@ def open_core(
         scheduler=scheduler,
         same_step=SameStepGate(tier) if guard.enabled and tier.enabled else None,
         max_steps=max_steps,
+        stall=guard.stall,
     )
     if not resume(core) and list_checkpoints(tiers.root):
         raise ConfigError(

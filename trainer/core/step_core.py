@@ -32,10 +32,11 @@ that was drawn before the rollback decided it is refused when it comes (`SKIPPED
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -59,6 +60,7 @@ from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
 from spikewatch.trainer.core.same_step import SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
+from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
 from spikewatch.trainer.core.world import World
 from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer, optimizer_name
 
@@ -133,6 +135,8 @@ class StepCore(Checkpointed):
     _replayed_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     _swapped_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     max_steps: int | None = None
+    stall: StallConfig | None = None  # the stall watchdog's settings (None: no watchdog)
+    watchdog: Watchdog | None = None  # running from `start` to `settle`
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False
     outcome: str = APPLIED
@@ -216,6 +220,31 @@ class StepCore(Checkpointed):
         if anchor and self.checkpointer.enabled and self.checkpointer.latest() is None:
             self.save()
         self._t0 = self._last_step_end = time.perf_counter()
+        if self.stall is not None and self.stall.enabled:
+            self.watchdog = Watchdog(
+                self.stall, self._tell("on_stall"), self._tell("on_stall_end"),
+                on_exit=self._persist_records,
+            )  # fmt: skip
+            self.watchdog.start()
+
+    def _tell(self, hook: str) -> Callable[[Mapping[str, Any]], None]:
+        def tell(info: Mapping[str, Any]) -> None:
+            for cb in self.callbacks:
+                getattr(cb, hook)(info)
+
+        return tell
+
+    def _persist_records(self) -> None:
+        """Before a stalled process exits (the watchdog's thread): what was recorded, durable."""
+        for cb in self.callbacks:
+            persist = getattr(cb, "persist", None)
+            if callable(persist):
+                persist()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Work that is slow by nature (a checkpoint, an evaluation, a restore): the stall
+        watchdog neither counts it as a stall nor into the run's pace."""
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     # -- the step -----------------------------------------------------------------------------
     def begin_step(self, index: int) -> None:
@@ -354,6 +383,12 @@ class StepCore(Checkpointed):
         self.outcome = APPLIED if kept else REFUSED
 
     def conclude(self) -> str:
+        outcome = self._conclude()
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step_count)
+        return outcome
+
+    def _conclude(self) -> str:
         """After the update (or its refusal): the step's values are read (unless the host path
         read them before the update), the callbacks decide, the step is recorded and their
         notes delivered, then a rollback or a halt is carried out. Returns what the step came
@@ -431,7 +466,8 @@ class StepCore(Checkpointed):
         self._stepper.settle(not (after.nonfinite or after.refused_by or after.overflow))
         self.probes.pending = None  # the abandoned step's update statistics
         self._record(after, Continue(), False, act=False)
-        self.rollback(action)
+        with self.paused():  # a restore (and its replay) is no stall
+            self.rollback(action)
         self.outcome = ROLLED_BACK
 
     def drain(self) -> str:
@@ -455,7 +491,8 @@ class StepCore(Checkpointed):
         if not act:
             return self.outcome
         if isinstance(action, Rollback):
-            self.rollback(action)
+            with self.paused():  # a restore (and its replay) is no stall
+                self.rollback(action)
             self.outcome = ROLLED_BACK
         elif isinstance(action, Halt):
             self.outcome = HALTED
@@ -532,7 +569,8 @@ class StepCore(Checkpointed):
         def build(stage: Any) -> Any:
             return self.snapshot(stage, decided=not awaiting)
 
-        stalls = ck.save(step, build, tiers, awaiting=awaiting)
+        with self.paused():
+            stalls = ck.save(step, build, tiers, awaiting=awaiting)
         if awaiting:
             self._awaiting = step
         log.debug("checkpoint at step %d (loop blocked %s)", self.step_count, stalls)
@@ -574,6 +612,9 @@ class StepCore(Checkpointed):
     def settle(self) -> None:
         """Whatever happened: the waiting statistics out, the save in flight on disk (its
         error raised), the landed checkpoints told. Safe to call more than once."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         try:
             self.flush_probes()
         finally:

@@ -1,0 +1,88 @@
+"""A run that stops is noticed: the Watch in a plain loop whose batch function hangs records a
+`stall` event whose stack names the hanging frame, alerts once to a local receiver, and records
+`resumed` with the stall's length when steps end again; a long checkpoint and an evaluation
+inside `watch.paused()` are no stall."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from sqlalchemy.orm import Session
+
+from spikewatch import Watch
+from spikewatch.corpus import text_corpus, windows
+from spikewatch.observatory import store
+from spikewatch.observatory.store.db import make_engine
+from spikewatch.trainer.checkpoints.tiers import Tiers
+
+from ..observatory.test_alerts import Receiver
+from .conftest import example
+
+pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
+
+FAST = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}  # steps of ~10 ms: a 1 s bound
+
+
+def _run(tmp_path, hang_at: int | None = None, slow_eval_at: int | None = None) -> list:
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    watch = Watch(model, opt, run_dir=tmp_path / "run", db=db, max_steps=30, settings=FAST)
+    watch.cfg.checkpoint.interval = 10
+    train, _ = text_corpus()
+
+    def stuck_in_the_loader(i: int) -> None:
+        time.sleep(3.5)  # a loader that does not return for a while
+
+    def batch_at(i: int):
+        if i == hang_at:
+            stuck_in_the_loader(i)
+        return windows(train, i, 8, 32)
+
+    for x, y in watch.batches(batch_at):
+        loss = model(x, y)
+        loss.backward()
+        watch.step(loss)
+        if watch.step_count == slow_eval_at:
+            with watch.paused():
+                time.sleep(3.5)  # an evaluation
+    watch.close()
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+        return store.events(session, run_id=run.run_id)
+
+
+def test_a_hung_batch_function_is_a_stall_naming_its_frame_alerted_once(
+    tmp_path, monkeypatch
+) -> None:
+    receiver = Receiver()
+    receiver.start()
+    monkeypatch.setenv("SPIKEWATCH_ALERT_URLS", receiver.url)
+    try:
+        events = _run(tmp_path, hang_at=20)
+    finally:
+        receiver.stop()
+    (stall,) = [e for e in events if e.kind == "stall"]
+    (resumed,) = [e for e in events if e.kind == "resumed"]
+    assert stall.step == 20 and "stuck_in_the_loader" in stall.data["loop_stack"]
+    assert stall.data["bound_s"] == 1.0 and 1.0 < stall.data["idle_s"] < 3.5
+    assert resumed.step == 21 and 3.0 < resumed.data["stalled_s"] < 6.0
+    assert [b["kind"] for b in receiver.bodies] == ["stall"]
+    assert "stall" in receiver.bodies[0]["text"]
+
+
+def test_a_long_checkpoint_and_a_paused_evaluation_are_no_stall(tmp_path, monkeypatch) -> None:
+    save = Tiers.save
+
+    def slow_save(self, step, *args, **kwargs):
+        if step == 20:
+            time.sleep(3.5)  # slow storage
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(Tiers, "save", slow_save)
+    events = _run(tmp_path, slow_eval_at=12)
+    assert [e for e in events if e.kind in ("stall", "resumed")] == []

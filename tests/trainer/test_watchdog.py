@@ -1,0 +1,72 @@
+"""The stall watchdog's rules on a clock made by hand (no thread, no training): the pace it
+learns, the bound, pauses left out, one report a stall, the resume told with its length."""
+
+from __future__ import annotations
+
+from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dog(**cfg) -> tuple[Watchdog, Clock, list, list]:
+    clock, stalls, resumes = Clock(), [], []
+    w = Watchdog(StallConfig(**cfg), stalls.append, resumes.append, clock=clock)
+    w._last = clock()  # as `start` does, without its thread
+    return w, clock, stalls, resumes
+
+
+def steps(w: Watchdog, clock: Clock, n: int, seconds: float, first: int = 1) -> None:
+    for s in range(first, first + n):
+        clock.now += seconds
+        w.beat(s)
+
+
+def test_no_judgement_before_the_pace_is_known() -> None:
+    w, clock, stalls, _ = dog(min_s=1.0, warmup_steps=5)
+    steps(w, clock, 4, 0.1)
+    clock.now += 100.0
+    assert w.bound() is None and w.check() is None and stalls == []
+
+
+def test_a_stall_is_reported_once_past_the_bound_and_its_end_is_told() -> None:
+    w, clock, stalls, resumes = dog(min_s=2.0, factor=10.0)
+    steps(w, clock, 10, 0.5)  # median 0.5 s: bound max(2, 10 x 0.5) = 5 s
+    assert w.bound() == 5.0
+    clock.now += 4.9
+    assert w.check() is None
+    clock.now += 0.2
+    info = w.check()
+    assert info is not None and info["step"] == 10 and info["idle_s"] == 5.1
+    clock.now += 30.0
+    assert w.check() is None  # one report a stall, not one a wake
+    steps(w, clock, 1, 1.0, first=11)
+    (stall,) = stalls
+    assert stall is info and "test_a_stall_is_reported_once" in stall["loop_stack"]
+    assert resumes == [{"step": 11, "stalled_s": 36.1, "after_step": 10}]
+
+
+def test_the_floor_holds_for_fast_steps() -> None:
+    w, clock, stalls, _ = dog(min_s=120.0, factor=10.0)
+    steps(w, clock, 20, 0.01)
+    clock.now += 119.0
+    assert w.check() is None and w.bound() == 120.0
+
+
+def test_paused_work_is_neither_a_stall_nor_part_of_the_pace() -> None:
+    """A 60 s checkpoint between steps of 1 s: no stall, and the step after it counts 1 s."""
+    w, clock, stalls, _ = dog(min_s=5.0, factor=10.0)
+    steps(w, clock, 10, 1.0)
+    with w.paused():
+        clock.now += 60.0
+        assert w.check() is None  # while it lasts
+    clock.now += 1.0
+    w.beat(11)
+    assert stalls == [] and list(w.durations)[-1] == 1.0
+    clock.now += 10.5  # a real stall after it is still seen
+    assert w.check() is not None

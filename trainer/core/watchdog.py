@@ -1,0 +1,225 @@
+"""The stall watchdog: a thread that notices when no step has ended for too long.
+
+Runs die of more than spikes: a rank stuck in a collective, a loader that never returns. Such a
+process does not crash; it just stops. The loop thread beats once a step (`beat`, from the step
+core's `conclude`); the watchdog learns the run's pace from those beats (the median of the
+recent step times) and, when no step has ended for longer than
+
+    bound = max(min_s, factor x median step time)
+
+it reports a stall once (`on_stall`, from its own thread) with every thread's Python stack, and
+the loop's next beat reports its end (`on_resume`, the stall's length). Work that is slow by
+nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
+`paused()`, and their time counts neither toward a stall nor into the pace.
+
+Defaults: factor 10 and min_s 120. A step that is slow by chance (a loader hiccup, a collection)
+is rarely 10x the median; the 120 s floor keeps a run of millisecond steps from alarming on a
+system hiccup and still reports a hung collective well before NCCL's own timeout (10 minutes)
+ends the job. `exit_after_s` (off by default) ends a process that stays stalled that long with
+`EXIT_STALLED` after the stall is recorded, so that an elastic launcher (`torchrun
+--max-restarts`) starts it again and `resume="auto"` takes the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["EXIT_STALLED", "StallConfig", "Watchdog", "thread_stacks"]
+
+log = logging.getLogger(__name__)
+
+EXIT_STALLED = 75  # EX_TEMPFAIL: a temporary failure, worth a restart
+
+
+class StallConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Watch for steps that stop ending (a hang).")
+    factor: float = Field(10.0, gt=1, description="A stall: no step for factor x median step.")
+    min_s: float = Field(120.0, gt=0, description="... and for at least this many seconds.")
+    warmup_steps: int = Field(
+        5, ge=1, description="Steps timed before the watchdog judges (compilation, warm-up)."
+    )
+    exit_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="Exit with code 75 after a stall this long (recorded first), for an elastic "
+        "launcher to restart the process; None = never.",
+    )
+
+
+def thread_stacks(skip: int | None = None) -> dict[str, str]:
+    """Every thread's Python stack, by thread name (the watchdog's own, `skip`, left out)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        name = names.get(ident, f"thread-{ident}")
+        out[name] = "".join(traceback.format_stack(frame))
+    return out
+
+
+class Watchdog:
+    """See the module docstring. `on_stall(info)` runs on the watchdog's thread, `on_resume`
+    on the loop's; each is called once per stall."""
+
+    def __init__(
+        self,
+        cfg: StallConfig,
+        on_stall: Callable[[dict[str, Any]], None],
+        on_resume: Callable[[dict[str, Any]], None],
+        *,
+        on_exit: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        wake_s: float = 1.0,
+    ) -> None:
+        self.cfg = cfg
+        self.on_stall, self.on_resume, self.on_exit = on_stall, on_resume, on_exit
+        self.clock = clock
+        self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
+        self.durations: collections.deque[float] = collections.deque(maxlen=64)
+        self.step = 0
+        self._lock = threading.Lock()
+        self._last: float | None = None  # the last beat
+        self._excluded = 0.0  # paused seconds since the last beat
+        self._paused_at: float | None = None
+        self._depth = 0
+        self._stalled: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loop_thread = threading.get_ident()
+
+    # -- the loop thread ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None or not self.cfg.enabled:
+            return
+        self.loop_thread = threading.get_ident()
+        with self._lock:
+            self._last = self.clock()
+        self._thread = threading.Thread(target=self._run, name="spikewatch-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        """A step ended."""
+        now = self.clock()
+        with self._lock:
+            if self._last is not None:
+                self.durations.append(max(0.0, now - self._last - self._excluded))
+            self._last, self._excluded, self.step = now, 0.0, step
+            stalled, self._stalled = self._stalled, None
+        if stalled is not None:
+            info = {"step": step, "stalled_s": round(now - stalled["since"], 3),
+                    "after_step": stalled["step"]}  # fmt: skip
+            log.warning("steps resumed at step %d after a stall of %.1f s", step,
+                        info["stalled_s"])  # fmt: skip
+            self.on_resume(info)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that is slow by nature (a checkpoint, an evaluation, a restore): not a stall,
+        and not part of the pace."""
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self._paused_at = self.clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._paused_at is not None:
+                    self._excluded += self.clock() - self._paused_at
+                    self._paused_at = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    # -- the watchdog's thread ------------------------------------------------------------
+    def bound(self) -> float | None:
+        """Seconds without a step that make a stall; None while the pace is not known."""
+        if len(self.durations) < self.cfg.warmup_steps:
+            return None
+        return max(self.cfg.min_s, self.cfg.factor * statistics.median(self.durations))
+
+    def idle(self) -> float:
+        """Seconds since the last step ended, paused work left out."""
+        now = self.clock()
+        with self._lock:
+            if self._last is None:
+                return 0.0
+            paused = now - self._paused_at if self._paused_at is not None else 0.0
+            return now - self._last - self._excluded - paused
+
+    def check(self) -> dict[str, Any] | None:
+        """One look: the stall found now (reported), or None."""
+        bound = self.bound()
+        if bound is None or self._stalled is not None:
+            return None
+        idle = self.idle()
+        if idle <= bound:
+            return None
+        with self._lock:
+            if self._stalled is not None:
+                return None
+            self._stalled = {"since": self.clock() - idle, "step": self.step}
+        stacks = thread_stacks(skip=self._thread.ident if self._thread is not None else None)
+        info = {
+            "step": self.step,
+            "idle_s": round(idle, 3),
+            "bound_s": round(bound, 3),
+            "median_step_s": round(statistics.median(self.durations), 6),
+            "stacks": stacks,
+            "loop_stack": stacks.get(_name(self.loop_thread), ""),
+        }
+        log.warning(
+            "stall: no step has ended for %.1f s (bound %.1f s, %.0fx the median step) after "
+            "step %d; the loop is at:\n%s", idle, bound, self.cfg.factor, self.step,
+            info["loop_stack"],
+        )  # fmt: skip
+        self.on_stall(info)
+        return info
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.wake_s):
+            try:
+                self.check()
+                self._maybe_exit()
+            except Exception:  # the watchdog never takes the run down by mistake
+                log.exception("the stall watchdog failed; it stops watching")
+                return
+
+    def _maybe_exit(self) -> None:
+        limit = self.cfg.exit_after_s
+        stalled = self._stalled
+        if limit is None or stalled is None or self.clock() - stalled["since"] < limit:
+            return
+        log.error("stalled for %.0f s (exit_after_s): exiting with code %d for a restart",
+                  self.clock() - stalled["since"], EXIT_STALLED)  # fmt: skip
+        try:
+            self.on_exit()  # the record made durable first
+        finally:
+            logging.shutdown()
+        os._exit(EXIT_STALLED)
+
+
+def _name(ident: int) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"thread-{ident}"
