@@ -293,8 +293,14 @@ def test_a_rank_that_raises_ends_the_job(tmp_path) -> None:
 
 def _accelerate(out: Path, *, crash_at: int = 0) -> int:
     pytest.importorskip("accelerate", reason="the hf extra is not installed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CRASH_AT": str(crash_at)}
+    # accelerate's own launcher, as its users start a job: 2 processes on gloo (its
+    # ACCELERATE_USE_CPU with --multi_gpu: `--cpu` alone runs one process without MPI)
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CRASH_AT": str(crash_at),
+           "ACCELERATE_USE_CPU": "true"}  # fmt: skip
     script = str(REPO / "tests" / "spikewatch" / "accelerate_script.py")
     done = subprocess.run([*cmd, script, str(out), "120"], env=env, capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
@@ -305,9 +311,10 @@ def _accelerate(out: Path, *, crash_at: int = 0) -> int:
 
 
 def test_an_accelerate_loop_on_two_processes_decides_alike_and_resumes_in_order(tmp_path) -> None:
-    """tests/spikewatch/accelerate_script.py: a poisoned stretch of accelerate's dispatched
-    stream rolls both ranks back at the same step, one run in the store; killed at step 70 and
-    launched again, each rank feeds from the checkpoint at 50 what the uninterrupted job fed."""
+    """tests/spikewatch/accelerate_script.py under `accelerate launch` (2 gloo processes): a
+    poisoned stretch of accelerate's dispatched stream rolls both ranks back at the same step,
+    one run in the store; killed at step 70 and launched again, each rank feeds from the
+    checkpoint at 50 what the uninterrupted job fed."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _accelerate(whole)
     ranks = [json.loads(Path(f"{whole}.rank{r}.json").read_text()) for r in (0, 1)]
