@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +302,24 @@ def _default_db(run: str) -> str | None:
     return f"sqlite:///{beside}" if beside.is_file() else None
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM ends the block as Ctrl-C does (the followed runs are marked stopped, not left
+    running for ever); in the main thread only, where Python can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from spikewatch.observatory.alerts import Alerter, urls_from
@@ -320,11 +342,12 @@ def cmd_watch(args: argparse.Namespace) -> int:
     follower = Follower(paths, sink, metric=args.metric, run_name=args.run, state_path=state)
     log.info("watching %s into %s", ", ".join(map(str, paths)), redact(url))
     try:
-        while True:
-            follower.poll()
-            if args.once:
-                break
-            time.sleep(args.interval)
+        with _sigterm_as_ctrl_c():  # systemd and Kubernetes stop a process with SIGTERM
+            while True:
+                follower.poll()
+                if args.once:
+                    break
+                time.sleep(args.interval)
     except KeyboardInterrupt:
         pass
     except FollowError as e:

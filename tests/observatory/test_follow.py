@@ -189,3 +189,37 @@ def test_the_watch_command_imports_a_log_directory(tmp_path: Path) -> None:
     assert main(args) == 0
     assert _counts(url, "src")[0]["train/loss"] == list(range(50))
     assert main(["watch", str(tmp_path / "nope"), "--once", "--db", url]) == 2
+
+
+def test_a_follower_stopped_with_sigterm_marks_its_run_stopped(tmp_path: Path) -> None:
+    """systemd and Kubernetes stop a process with SIGTERM: the run it followed reads
+    "stopped", as after Ctrl-C, not "running" for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = _url(tmp_path)
+    log = tmp_path / "metrics.csv"
+    log.write_text("step,loss\n" + "".join(f"{s},{3.0 - s / 100}\n" for s in range(1, 21)))
+    cmd = [sys.executable, "-m", "spikewatch.trainer.cli", "watch", str(log), "--db", url,
+           "--spool", str(tmp_path / "spool"), "--interval", "0.2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            with store.session_factory(url)() as s:
+                runs = store.list_runs(s)
+            if runs and _counts(url, "metrics")[0]["train/loss"]:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    with store.session_factory(url)() as s:
+        (run,) = store.list_runs(s)
+    assert run.status == "stopped"
