@@ -3,6 +3,7 @@ Only wiring: the Watch (trainer/watch.py) owns everything else."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,17 @@ class Adapter:
         self.watch: Watch | None = None
         self.summary: dict[str, Any] | None = None
         self._target = 0  # the framework's max_steps as asked for
+        self._between = contextlib.ExitStack()  # a framework's evaluation or save under way
+
+    def _slow_work_begins(self) -> None:
+        """The framework evaluates or saves between two steps: the stall watchdog leaves it
+        out (until `_slow_work_ends`), as the Watch's own checkpoints are."""
+        if self.watch is not None and self.summary is None:
+            self._between.close()
+            self._between.enter_context(self.watch.paused())
+
+    def _slow_work_ends(self) -> None:
+        self._between.close()
 
     def _open(
         self,
@@ -92,6 +104,7 @@ class Adapter:
         return self.watch
 
     def _close(self) -> None:
+        self._slow_work_ends()
         if self.watch is not None and self.summary is None:
             self.summary = self.watch.close("halted" if self.watch.halted else "completed")
 

@@ -199,6 +199,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
 
     # -- the step ---------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        self._slow_work_ends()
         args.max_grad_norm = 0.0  # back after the step: saved training_args keep the user's
         self._w.begin_step(self._position)
 
@@ -263,6 +264,8 @@ class SpikewatchCallback(Adapter, TrainerCallback):
                 control.should_training_stop = False
         if self._w.halted is not None:
             control.should_training_stop = True
+        if control.should_evaluate or control.should_save:  # the Trainer does it next
+            self._slow_work_begins()
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):  # noqa: ANN001

@@ -216,7 +216,11 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         """Whether this batch ended an optimizer step (its last micro-batch)."""
         return (idx + 1) % max(1, trainer.accumulate_grad_batches) == 0
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._slow_work_begins()  # the stall watchdog leaves a validation out
+
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._slow_work_ends()
         val = trainer.callback_metrics.get(self.val_metric)
         if val is not None and not trainer.sanity_checking:
             self._eval(float(val))
