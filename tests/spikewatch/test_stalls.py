@@ -86,3 +86,36 @@ def test_a_long_checkpoint_and_a_paused_evaluation_are_no_stall(tmp_path, monkey
     monkeypatch.setattr(Tiers, "save", slow_save)
     events = _run(tmp_path, slow_eval_at=12)
     assert [e for e in events if e.kind in ("stall", "resumed")] == []
+
+
+def test_an_hf_evaluation_is_no_stall(tmp_path) -> None:
+    """The Trainer evaluates after step 6 for 3.5 s (its prediction step held up), with a 1 s
+    bound: the callback leaves the evaluation out; the run records no stall."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from spikewatch.hf import SpikewatchCallback
+
+    from .test_hf import _tiny_llama
+
+    class SlowEvaluation(TrainerCallback):
+        def on_prediction_step(self, args, state, control, **kw):  # noqa: ANN001
+            time.sleep(3.5 / 2)  # two evaluation batches
+
+    x = torch.randint(0, 256, (64, 16), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "labels": r} for r in x]
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=10, eval_strategy="steps", eval_steps=6,
+        per_device_train_batch_size=4, per_device_eval_batch_size=8, report_to=[],
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    watch = SpikewatchCallback(db=db, settings=FAST)
+    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=rows, eval_dataset=rows[:16],
+                      callbacks=[watch, SlowEvaluation()])  # fmt: skip
+    trainer.train()
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id)
+    assert [e.kind for e in events if e.kind in ("stall", "resumed")] == []
+    assert watch.summary is not None and watch.summary["steps"] == 10
