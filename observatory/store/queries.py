@@ -96,6 +96,7 @@ class RunSummary:
     last_loss: float | None
     spikes: int
     rollbacks: int
+    stalled: bool = False  # a stall recorded and no step ended since (core/watchdog.py)
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def _run(session: Session, run_id: str) -> Run:
 def _event_counts(session: Session, run_ids: list[int]) -> dict[tuple[int, str], int]:
     q = (
         select(Event.run_id, Event.kind, func.count())
-        .where(Event.run_id.in_(run_ids), Event.kind.in_(("spike", "rollback")))
+        .where(Event.run_id.in_(run_ids), Event.kind.in_(("spike", "rollback", "stall", "resumed")))
         .group_by(Event.run_id, Event.kind)
     )
     return {(rid, kind): n for rid, kind, n in session.execute(q)}
@@ -272,6 +273,8 @@ def _summary(
         last_loss=last_loss,
         spikes=counts.get((run.id, "spike"), 0),
         rollbacks=counts.get((run.id, "rollback"), 0),
+        stalled=run.status == "running"
+        and counts.get((run.id, "stall"), 0) > counts.get((run.id, "resumed"), 0),
     )
 
 

@@ -126,7 +126,9 @@ def glance(run: store.RunSummary, now: datetime) -> dict[str, str]:
         size = ""
     updated, created = _utc(run.updated_at), _utc(run.created_at)
     end = _utc(run.ended_at) if run.ended_at else updated
-    if run.status == "running":
+    if run.stalled:  # the run's watchdog: no step has ended for longer than its bound
+        state = "stalled"
+    elif run.status == "running":
         state = "live" if (now - updated).total_seconds() <= LIVE_S else "silent"
     else:
         state = run.status
