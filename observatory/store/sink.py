@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 
 PERSIST_MAX_S = 0.1  # the most a checkpoint waits for a store that keeps pace (then: spool)
 PERSIST_MIN_S = 0.005
+# A store slower than a checkpoint may wait (a busy local SQLite's fsync) takes the records a
+# moment later, from the spool: routine, said at DEBUG. Warned of when it is really behind:
+# unreachable, or records kept in the spool this long without a write getting through.
+BEHIND_WARN_S = 30.0
 # A replay after an outage parses and writes the spool in chunks, each followed by a pause as
 # long as it took (at most 50 ms): a writer thread that holds the GIL for seconds slows every
 # step of the training thread (measured: a 0.2 s step after a 35 s SQLite lock, 0.13 s with
@@ -300,6 +304,7 @@ class DbSink(BaseSink):
         self._writing_since: float | None = None  # a write in progress started then
         self._latency: deque[float] = deque(maxlen=32)  # the last writes' durations, seconds
         self._episode_said = False  # persist said once that it spools; again after a success
+        self._spooling_since: float | None = None  # the first spool since the last success
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="spikewatch-sink", daemon=True)
         self._thread.start()
@@ -369,10 +374,18 @@ class DbSink(BaseSink):
             why = f"the database has not taken them within {bound:.3f}s"
         n = self._backlog.spool_all()
         self._sync_stats()
-        say = log.info if self._episode_said else log.warning
-        self._episode_said = True
+        now = time.monotonic()
+        if self._spooling_since is None:
+            self._spooling_since = now
+        behind_s = now - self._spooling_since
         if n or not self._backlog.spool_error:
-            say("sink: %s; %d records kept in the spool file until it does", why, n)
+            if (self._down or behind_s >= BEHIND_WARN_S) and not self._episode_said:
+                self._episode_said = True
+                late = "" if self._down else f" (no write through for {behind_s:.0f}s)"
+                log.warning("sink: %s%s; %d records kept in the spool file in %s until it does",
+                            why, late, n, self._spool.dir)  # fmt: skip
+            else:
+                log.debug("sink: %s; %d records kept in the spool file until it does", why, n)
         else:
             log.error(
                 "sink: %s and the spool cannot take records (%s): what is logged is only in "
@@ -507,6 +520,7 @@ class DbSink(BaseSink):
         self.stats["batches"] += 1
         self._backoff = self.retry_s[0]
         self._down = self._episode_said = False
+        self._spooling_since = None
 
     def _failed(self, e: Exception) -> None:
         log.warning(

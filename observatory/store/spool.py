@@ -86,7 +86,7 @@ class Spool:
         self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open
         self._path = path
         fcntl.flock(self._file, fcntl.LOCK_EX)
-        log.warning("spool: keeping records in %s until the database takes them", self._path)
+        log.debug("spool: keeping records in %s until the database takes them", self._path)
 
     def rotate(self) -> list[Path]:
         """Close the open segment; return every segment waiting for replay, oldest first."""

@@ -249,3 +249,49 @@ def test_db_upgrade_replays_the_spool_a_finished_run_left(sqlite_url: str, tmp_p
     assert cli_main(["db", "upgrade", "--db", sqlite_url]) == 0
     assert not list((run_dir / "spool").glob("spool-*"))
     assert _steps_stored(sqlite_url).count(29) == 1
+
+
+class _Sleepy:
+    """A store whose every write takes `seconds` (a busy disk's fsync)."""
+
+    def __init__(self, real, seconds: float) -> None:
+        self.real, self.engine, self.seconds = real, real.engine, seconds
+
+    def write(self, records):
+        time.sleep(self.seconds)
+        return self.real.write(records)
+
+
+def test_a_store_a_little_slower_than_a_checkpoint_waits_is_not_warned_of(
+    sqlite_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch
+) -> None:
+    """Writes of 0.15 s, slower than a checkpoint waits (the records go by the spool, a moment
+    later): routine, no warning. A store with no write through for BEHIND_WARN_S: one warning,
+    naming the spool."""
+    from spikewatch.observatory.store import sink as sink_mod
+
+    sink = DbSink(sqlite_url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    sink._writer = _Sleepy(sink._writer, 0.15)
+    sink.start_run("r")
+    with caplog.at_level(logging.WARNING):
+        for block in range(6):  # a checkpoint every 20 steps
+            _log(sink, range(block * 20, block * 20 + 20))
+            sink.persist()
+            time.sleep(0.2)
+        assert sink.flush(60)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("spikewatch")] == []
+    assert _steps_stored(sqlite_url) == sorted(list(range(120)) * len(METRICS))
+    monkeypatch.setattr(sink_mod, "BEHIND_WARN_S", 0.5)
+    slow = sink._writer = _Slow(sink._writer)
+    slow.hang.set()
+    with caplog.at_level(logging.WARNING):
+        _log(sink, range(120, 121))
+        assert slow.entered.wait(10)  # stuck in a write from here on
+        for block in range(4):
+            _log(sink, range(121 + block, 122 + block))
+            sink.persist()
+            time.sleep(0.3)
+    said = [r.getMessage() for r in caplog.records if "spool file" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "spool") in said[0], said
+    slow.release.set()
+    sink.close(60)
