@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 ENV_URLS = "SPIKEWATCH_ALERT_URLS"
 ENV_DASHBOARD = "SPIKEWATCH_DASHBOARD_URL"
-ALERT_KINDS = ("spike", "nonfinite", "rollback", "halt", "failed", "stall")
+ALERT_KINDS = ("spike", "nonfinite", "rollback", "halt", "failed", "stall", "slowdown")
 _MARK = {k: f"[{k.replace('nonfinite', 'non-finite')}]" for k in (*ALERT_KINDS, "test")}
 
 

@@ -1,5 +1,5 @@
-"""Event kinds 'stall' and 'resumed': no step ended for longer than the stall bound, and steps
-ending again (trainer/core/watchdog.py).
+"""Event kinds 'stall', 'resumed' and 'slowdown': no step ended for longer than the stall bound,
+steps ending again, and steps slower than the run's own pace (trainer/core/watchdog.py).
 
 Revision ID: 0008
 Revises: 0007
@@ -28,7 +28,7 @@ OLD = (
     "note",
     "request",
 )
-NEW = (*OLD, "stall", "resumed")
+NEW = (*OLD, "stall", "resumed", "slowdown")
 
 
 def _kinds(kinds: tuple[str, ...]) -> str:
@@ -42,7 +42,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DELETE FROM events WHERE kind IN ('stall', 'resumed')")
+    op.execute("DELETE FROM events WHERE kind IN ('stall', 'resumed', 'slowdown')")
     with op.batch_alter_table("events", schema=None) as batch_op:
         batch_op.drop_constraint(batch_op.f("ck_events_kind"), type_="check")
         batch_op.create_check_constraint(batch_op.f("ck_events_kind"), _kinds(OLD))

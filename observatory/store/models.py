@@ -78,6 +78,7 @@ EVENT_KINDS = (
     "request",
     "stall",  # no step ended for longer than the stall bound (trainer/core/watchdog.py)
     "resumed",  # steps end again after a stall
+    "slowdown",  # the recent steps slower than the run's own baseline (the same watchdog)
 )
 
 NAMING = {

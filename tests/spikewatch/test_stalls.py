@@ -25,13 +25,19 @@ pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 FAST = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}  # steps of ~10 ms: a 1 s bound
 
 
-def _run(tmp_path, hang_at: int | None = None, slow_eval_at: int | None = None) -> list:
+def _run(
+    tmp_path,
+    hang_at: int | None = None,
+    slow_eval_at: int | None = None,
+    slow: range = range(0),
+    steps: int = 30,
+) -> list:
     ex = example("plain_loop")
     torch.manual_seed(0)
     model = ex.GPT(32, 2, 4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     db = f"sqlite:///{tmp_path / 'sw.db'}"
-    watch = Watch(model, opt, run_dir=tmp_path / "run", db=db, max_steps=30, settings=FAST)
+    watch = Watch(model, opt, run_dir=tmp_path / "run", db=db, max_steps=steps, settings=FAST)
     watch.cfg.checkpoint.interval = 10
     train, _ = text_corpus()
 
@@ -41,6 +47,8 @@ def _run(tmp_path, hang_at: int | None = None, slow_eval_at: int | None = None) 
     def batch_at(i: int):
         if i == hang_at:
             stuck_in_the_loader(i)
+        if i in slow:
+            time.sleep(0.1)  # a throttled device, a slow filesystem
         return windows(train, i, 8, 32)
 
     for x, y in watch.batches(batch_at):
@@ -119,3 +127,23 @@ def test_an_hf_evaluation_is_no_stall(tmp_path) -> None:
         events = store.events(session, run_id=run.run_id)
     assert [e.kind for e in events if e.kind in ("stall", "resumed")] == []
     assert watch.summary is not None and watch.summary["steps"] == 10
+
+
+def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
+    tmp_path, monkeypatch
+) -> None:
+    """Batches 100-129 take 0.1 s more (several times a step here): one `slowdown` event, one
+    alert, and a note when the pace is back."""
+    receiver = Receiver()
+    receiver.start()
+    monkeypatch.setenv("SPIKEWATCH_ALERT_URLS", receiver.url)
+    try:
+        events = _run(tmp_path, slow=range(100, 130), steps=170)
+    finally:
+        receiver.stop()
+    (slowdown,) = [e for e in events if e.kind == "slowdown"]
+    assert 100 < slowdown.step <= 116 and slowdown.data["ratio"] > 1.5
+    (back,) = [e for e in events if e.kind == "note" and e.data.get("kind") == "pace_back"]
+    assert 130 < back.step <= 146 and back.data["since_step"] == slowdown.step
+    assert [e for e in events if e.kind in ("stall", "resumed")] == []
+    assert [b["kind"] for b in receiver.bodies] == ["slowdown"]

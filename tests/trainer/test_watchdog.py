@@ -70,3 +70,34 @@ def test_paused_work_is_neither_a_stall_nor_part_of_the_pace() -> None:
     assert stalls == [] and list(w.durations)[-1] == 1.0
     clock.now += 10.5  # a real stall after it is still seen
     assert w.check() is not None
+
+
+def test_a_slowdown_is_told_once_and_its_end_once() -> None:
+    """100 steps of 1 s, 20 of 2 s, then 1 s again: the median of the last 16 passes 1.5x the
+    baseline at the 9th slow step (step 109) and is back within 1.2x at the 9th fast one."""
+    slow, back = [], []
+    clock = Clock()
+    w = Watchdog(StallConfig(), lambda i: None, lambda i: None, clock=clock,
+                 on_slowdown=slow.append, on_pace_back=back.append)  # fmt: skip
+    w._last = clock()
+    steps(w, clock, 100, 1.0)
+    steps(w, clock, 20, 2.0, first=101)
+    steps(w, clock, 30, 1.0, first=121)
+    assert slow == [{"step": 109, "recent_s": 2.0, "baseline_s": 1.0, "ratio": 2.0}]
+    assert back == [{"step": 129, "since_step": 109, "recent_s": 1.0, "baseline_s": 1.0}]
+
+
+def test_no_slowdown_over_10000_noisy_clean_steps() -> None:
+    """Step times jittering by 20% (log-normal) around 1 s for 10,000 steps: no slowdown."""
+    import random
+
+    rng = random.Random(0)
+    slow = []
+    clock = Clock()
+    w = Watchdog(StallConfig(), lambda i: None, lambda i: None, clock=clock,
+                 on_slowdown=slow.append)  # fmt: skip
+    w._last = clock()
+    for s in range(1, 10_001):
+        clock.now += rng.lognormvariate(0.0, 0.2)
+        w.beat(s)
+    assert slow == []

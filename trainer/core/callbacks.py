@@ -105,6 +105,13 @@ class Callback:
     def on_stall_end(self, info: Mapping[str, Any]) -> None:
         """Steps end again after a stall (`info`: the step, `stalled_s`); the loop's thread."""
 
+    def on_slowdown(self, info: Mapping[str, Any]) -> None:
+        """The recent steps are slower than the run's own baseline by the slowdown factor
+        (core/watchdog.py; `info`: the step, recent and baseline seconds, their ratio)."""
+
+    def on_pace_back(self, info: Mapping[str, Any]) -> None:
+        """A slowdown is over: the recent steps within 1.2x the baseline again."""
+
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         """A checkpoint of `step` was handed to the writer (written, or being written)."""
 

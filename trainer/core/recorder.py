@@ -168,6 +168,19 @@ class Recorder(Callback):
         self.sink.log_event(self.run_id, "resumed", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 
+    def on_slowdown(self, info: Mapping[str, Any]) -> None:
+        message = (
+            f"slowdown: the last steps take {info['recent_s']:.3g} s, {info['ratio']:.2f}x the "
+            f"run's own {info['baseline_s']:.3g} s"
+        )
+        self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
+                            message=message, data=dict(info))  # fmt: skip
+
+    def on_pace_back(self, info: Mapping[str, Any]) -> None:
+        message = f"the pace is back ({info['recent_s']:.3g} s a step) after the slowdown"
+        self.sink.log_event(self.run_id, "note", step=info["step"], branch=self.branch,
+                            message=message, data={"kind": "pace_back", **info})  # fmt: skip
+
     def on_config_change(self, step: int, changes: Mapping[str, list[Any]]) -> None:
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         self.sink.log_event(

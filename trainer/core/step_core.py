@@ -224,6 +224,8 @@ class StepCore(Checkpointed):
             self.watchdog = Watchdog(
                 self.stall, self._tell("on_stall"), self._tell("on_stall_end"),
                 on_exit=self._persist_records,
+                on_slowdown=self._tell("on_slowdown"),
+                on_pace_back=self._tell("on_pace_back"),
             )  # fmt: skip
             self.watchdog.start()
 

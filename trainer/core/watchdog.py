@@ -8,7 +8,10 @@ recent step times) and, when no step has ended for longer than
     bound = max(min_s, factor x median step time)
 
 it reports a stall once (`on_stall`, from its own thread) with every thread's Python stack, and
-the loop's next beat reports its end (`on_resume`, the stall's length). Work that is slow by
+the loop's next beat reports its end (`on_resume`, the stall's length). The same beats judge
+the pace: when the median of the last 16 step times is more than 1.5x the run's own baseline
+(the median of up to 256 earlier ones), a slowdown is reported once (`on_slowdown`), and again
+when the pace is back (`on_pace_back`, within 1.2x). Work that is slow by
 nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
 `paused()`, and their time counts neither toward a stall nor into the pace.
 
@@ -52,6 +55,14 @@ class StallConfig(BaseModel):
     warmup_steps: int = Field(
         5, ge=1, description="Steps timed before the watchdog judges (compilation, warm-up)."
     )
+    slowdown: float | None = Field(
+        1.5,
+        gt=1,
+        description="A slowdown: the median of the last `slowdown_window` step times this many "
+        "times the run's own baseline (the median of up to 256 earlier steps, frozen while a "
+        "slowdown lasts); None = off.",
+    )
+    slowdown_window: int = Field(16, ge=4, description="Recent steps a slowdown is judged on.")
     exit_after_s: float | None = Field(
         None,
         gt=0,
@@ -83,11 +94,17 @@ class Watchdog:
         on_resume: Callable[[dict[str, Any]], None],
         *,
         on_exit: Callable[[], None] = lambda: None,
+        on_slowdown: Callable[[dict[str, Any]], None] = lambda info: None,
+        on_pace_back: Callable[[dict[str, Any]], None] = lambda info: None,
         clock: Callable[[], float] = time.monotonic,
         wake_s: float = 1.0,
     ) -> None:
         self.cfg = cfg
         self.on_stall, self.on_resume, self.on_exit = on_stall, on_resume, on_exit
+        self.on_slowdown, self.on_pace_back = on_slowdown, on_pace_back
+        self.baseline: collections.deque[float] = collections.deque(maxlen=256)
+        self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        self._slow: dict[str, Any] | None = None  # the slowdown under way
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -115,17 +132,58 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """A step ended."""
         now = self.clock()
+        took = None
         with self._lock:
             if self._last is not None:
-                self.durations.append(max(0.0, now - self._last - self._excluded))
+                took = max(0.0, now - self._last - self._excluded)
+                self.durations.append(took)
             self._last, self._excluded, self.step = now, 0.0, step
             stalled, self._stalled = self._stalled, None
+        if took is not None and stalled is None:  # a stall's step is the stall's, not pace
+            self._pace(step, took)
         if stalled is not None:
             info = {"step": step, "stalled_s": round(now - stalled["since"], 3),
                     "after_step": stalled["step"]}  # fmt: skip
             log.warning("steps resumed at step %d after a stall of %.1f s", step,
                         info["stalled_s"])  # fmt: skip
             self.on_resume(info)
+
+    def _pace(self, step: int, took: float) -> None:
+        """The slowdown rule, on the loop thread: the recent steps' median against the run's
+        own baseline; one report an episode, and one when the pace is back."""
+        factor = self.cfg.slowdown
+        if factor is None:
+            return
+        self.recent.append(took)
+        # a step enters the baseline as it is about to leave the window (and only while no
+        # slowdown is under way): the steps under judgement are never their own baseline
+        if len(self.baseline) < 4 * self.cfg.slowdown_window:
+            if len(self.recent) == self.recent.maxlen:
+                self.baseline.append(self.recent[0])
+            return
+        base = statistics.median(self.baseline)
+        now = statistics.median(self.recent)
+        if self._slow is None:
+            if base > 0 and now > factor * base:
+                self._slow = {
+                    "step": step,
+                    "recent_s": round(now, 6),
+                    "baseline_s": round(base, 6),
+                    "ratio": round(now / base, 3),
+                }
+                log.warning(
+                    "slowdown at step %d: the last %d steps took %.3g s (median), %.2fx the "
+                    "run's own %.3g s", step, len(self.recent), now, now / base, base,
+                )  # fmt: skip
+                self.on_slowdown(dict(self._slow))
+            else:
+                self.baseline.append(self.recent[0])
+        elif now <= 1.2 * base:
+            info = {"step": step, "since_step": self._slow["step"], "recent_s": round(now, 6),
+                    "baseline_s": round(base, 6)}  # fmt: skip
+            self._slow = None
+            log.info("the pace is back at step %d (%.3g s a step)", step, now)
+            self.on_pace_back(info)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
