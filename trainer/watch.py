@@ -83,6 +83,7 @@ from spikewatch.trainer.watch_open import (
     build_watch_core,
     close_at_exit,
     describe_optimizer,
+    sigterm_as_ctrl_c,
     watch_for_uncaught,
 )
 from spikewatch.trainer.watch_replay import Replaying
@@ -160,6 +161,7 @@ class Watch(Replaying):
         self.grad_norm: torch.Tensor | None = None  # the step's global norm before clipping
         self._lr_scale = 1.0  # the LR scale of the step being decided
         self._began = self._closed = False
+        self._undo_sigterm: Callable[[], None] | None = None  # SIGTERM as Ctrl-C, while open
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._run_step: Callable[[int], None] | None = None
@@ -179,6 +181,7 @@ class Watch(Replaying):
         if self.core is None:
             self.core = build_watch_core(self)
             watch_for_uncaught()
+            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
@@ -718,6 +721,9 @@ class Watch(Replaying):
             else:
                 core.finish(status or self._end_status())
         finally:
+            if self._undo_sigterm is not None:
+                self._undo_sigterm()
+                self._undo_sigterm = None
             if self.sink is not None:
                 self.sink.close(timeout=30)
             if not ended:
@@ -744,7 +750,8 @@ class Watch(Replaying):
         stays "running" for ever. No checkpoint: the other ranks may be gone."""
         if self.core is not None and not self._closed:
             try:
-                self.close("failed" if UNCAUGHT else "abandoned")
+                crashed = UNCAUGHT and not isinstance(UNCAUGHT[-1], KeyboardInterrupt)
+                self.close("failed" if crashed else "abandoned")  # Ctrl-C, SIGTERM: stopped
             except Exception as e:  # at exit: say it, never mask the original error
                 log.error("closing the run at exit failed: %s", e)
 

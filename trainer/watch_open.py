@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -188,3 +190,27 @@ def watch_for_uncaught() -> None:
 
     hook.spikewatch = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def sigterm_as_ctrl_c(world_size: int) -> Callable[[], None] | None:
+    """SIGTERM (how systemd, Kubernetes and job schedulers stop a process) ends a one-process
+    Watch loop as Ctrl-C does: a KeyboardInterrupt in the loop, and the run closed "stopped"
+    rather than left "running" for ever. Only where SIGTERM still has its default action (a
+    framework's or the user's own handler is theirs), in the main thread, and in one process
+    (under torchrun the launcher's SIGTERM ends ranks whose peers may be gone). Returns the
+    undo, or None when nothing was installed."""
+    if world_size != 1 or threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+    def undo() -> None:
+        if signal.getsignal(signal.SIGTERM) is interrupt:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return undo

@@ -147,3 +147,55 @@ def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
     assert 130 < back.step <= 146 and back.data["since_step"] == slowdown.step
     assert [e for e in events if e.kind in ("stall", "resumed")] == []
     assert [b["kind"] for b in receiver.bodies] == ["slowdown"]
+
+
+SCRIPT = """
+import sys, time, torch
+from spikewatch import Watch
+from spikewatch.corpus import text_corpus, windows
+sys.path.insert(0, sys.argv[3])
+import plain_loop as ex
+
+torch.manual_seed(0)
+model = ex.GPT(32, 2, 4, 32)
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+train, _ = text_corpus()
+with Watch(model, opt, run_dir=sys.argv[1], db=sys.argv[2], max_steps=100000) as watch:
+    for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+        loss = model(x, y)
+        loss.backward()
+        watch.step(loss)
+        if watch.step_count == 5:
+            print("ready", flush=True)
+        time.sleep(0.05)
+"""
+
+
+def test_a_watch_loop_stopped_with_sigterm_reads_stopped(tmp_path) -> None:
+    """systemd, Kubernetes and schedulers stop a process with SIGTERM: a one-process Watch loop
+    ends as with Ctrl-C and its run reads "stopped", not "running" for ever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    (tmp_path / "loop.py").write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "run"), db,
+         str(REPO / "examples")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert b"KeyboardInterrupt" in err, err.decode()[-2000:]
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+    assert run.status == "stopped" and run.last_step is not None and run.last_step >= 5
