@@ -7,9 +7,7 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,19 +303,15 @@ def _default_db(run: str) -> str | None:
 @contextlib.contextmanager
 def _sigterm_as_ctrl_c() -> Iterator[None]:
     """SIGTERM ends the block as Ctrl-C does (the followed runs are marked stopped, not left
-    running for ever); in the main thread only, where Python can take signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    running for ever): the Watch's own handler (trainer/watch_open.py), undone after."""
+    from spikewatch.trainer.watch_open import sigterm_as_ctrl_c
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGTERM, interrupt)
+    undo = sigterm_as_ctrl_c(world_size=1)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        if undo is not None:
+            undo()
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
