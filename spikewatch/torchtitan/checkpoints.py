@@ -108,6 +108,16 @@ class TitanDisk:
     def in_background(self) -> bool:
         return self.manager.async_mode != AsyncMode.DISABLED
 
+    @property
+    def awaits(self) -> bool:
+        return False  # torchtitan saves its own steps; the core's saves here are rewrites
+
+    def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Never awaiting (`awaits` is False): nothing to complete."""
+
+    def drop(self, step: int) -> None:
+        """Never awaiting (`awaits` is False): nothing to drop."""
+
     def open(self) -> None:
         """Pins from the last job, and the newest checkpoint held."""
         if self.world.is_main:
@@ -190,10 +200,12 @@ class TitanDisk:
         self._changes.append((step, str(path), "deleted"))
 
     # -- the core's explicit saves: a rollback's rewrite ----------------------------------
-    def save(self, step: int, build: Callable[[Any], Any]) -> float | None:
+    def save(self, step: int, build: Callable[[Any], Any], awaiting: bool = False) -> float | None:
         """Write `step` again (after a rollback restored it): into a temporary folder, then in
         place of the old one. Step 0 is not written (torchtitan loads a step-0 checkpoint as
         the model alone; host memory holds the step-0 anchor). Returns the stall, or None."""
+        if awaiting:
+            raise ValueError("torchtitan's checkpoints cannot take a step still in flight")
         if step == 0:
             return None
         t0 = time.perf_counter()

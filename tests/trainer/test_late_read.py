@@ -7,6 +7,7 @@ end, the rollback one step later."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from spikewatch import AdamW, Watch
 from spikewatch.corpus import shift_labels, text_corpus, windows
 from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.builtin.loop import build_trainer
+from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import FaultConfig, load_config
 from spikewatch.trainer.core import step_core, transfer
@@ -24,6 +26,7 @@ from spikewatch.trainer.core.callbacks import Callback, StepState
 from spikewatch.trainer.core.probes import Probes
 
 from ..spikewatch.conftest import example
+from .conftest import tiny_config
 
 pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
@@ -201,8 +204,8 @@ def _snapshotting(tmp: Path, monkeypatch: pytest.MonkeyPatch, nan_at: int | None
     flushes = []
     take = Probes.take_pending_metrics
 
-    def counted(probes):  # noqa: ANN001, ANN202
-        out = take(probes)
+    def counted(probes, *a: Any):  # noqa: ANN001, ANN202
+        out = take(probes, *a)
         if out is not None:
             flushes.append(out[0])
         return out
@@ -251,3 +254,115 @@ def test_a_refused_steps_host_memory_snapshot_is_dropped(tmp_path, monkeypatch) 
     ok = {s for s, status in seen.changes if status == "ok"}
     assert 15 not in ok and {10, 20} <= ok  # taken in flight, dropped once read as refused
     assert 15 not in watch.checkpointer.memory.slots
+
+
+# -- disk checkpoints read late: no drain, written once decided, retaken if refused ---------------
+class _Order(Callback):
+    """The order in which update statistics and disk checkpoints reach the record, and the
+    weights and decided state right after each step."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.tier_after: dict[int, dict] = {}
+        self.core: Any = None
+
+    def on_update_metrics(self, step: int, metrics: dict) -> None:
+        if any(k.endswith(M.STAT_UPDATE_NORM) for k in metrics):
+            self.events.append(("stats", step))
+
+    def on_checkpoint_change(self, step: int, path: str, status: str, pinned: bool) -> None:
+        if not path.startswith("memory://") and status == "ok":
+            self.events.append(("file", step))
+
+    def post_step(self, state: StepState) -> None:
+        self.tier_after[state.step] = self.core.same_step.state_dict()
+
+
+def _disk_saving(tmp: Path, monkeypatch: pytest.MonkeyPatch, nan_at: int | None) -> tuple:
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    trace, order = Trace(monkeypatch), _Order()
+    settings = {
+        "probes": {"read": "next_step"},
+        "checkpoint": {"interval": 10, "memory_interval": None, "async_save": True,
+                       "keep_last": 10},
+        "guard": {"rollback": False},
+    }  # fmt: skip
+    watch = Watch(model, opt, run_dir=tmp, db="none", max_steps=40, settings=settings,
+                  callbacks=[order])  # fmt: skip
+    order.core = watch.open()
+    model.use_recorder(watch.attn)
+    train, _ = text_corpus()
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    with watch:
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+            loss = model(x, y)
+            if watch.step_count + 1 == nan_at:
+                loss = loss * float("nan")
+            loss.backward()
+            watch.step(loss)
+            weights[watch.step_count] = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.undo()
+    return trace, order, watch, weights
+
+
+def test_a_disk_checkpoint_read_late_drains_nothing_and_is_written_as_decided(
+    tmp_path, monkeypatch
+) -> None:
+    """The file of a step saved while in flight: its tensors are the step's, its decided
+    state (the same-step tier's window) as once the step was read, its loss the step's, and
+    its update statistics in the record before the file is."""
+    trace, order, watch, weights = _disk_saving(tmp_path, monkeypatch, None)
+    drained = {now for now, _, d in trace.reads if d}
+    assert drained <= {40}  # only the run's end reads the step in flight
+    root = watch.checkpointer.disk.root
+    files = ck.list_checkpoints(root)
+    assert {10, 20, 30, 40} <= set(files)
+    history = dict(watch.core.run.history)
+    for step in (10, 20, 30):
+        got = ck.read_checkpoint(files[step])
+        state = got["trainer.json"]
+        assert state["step"] == step
+        assert state["same_step"] == order.tier_after[step]
+        assert got["meta"]["loss"] == pytest.approx(history[step])
+        model = got["model.pt"]
+        for k, v in weights[step].items():
+            assert torch.equal(model[k], v), (step, k)
+        assert order.events.index(("stats", step)) < order.events.index(("file", step))
+
+
+def test_a_refused_steps_disk_checkpoint_is_retaken_at_the_next_step(tmp_path, monkeypatch) -> None:
+    trace, order, watch, weights = _disk_saving(tmp_path, monkeypatch, nan_at=20)
+    assert watch.interventions[0]["step"] == 20 and watch.interventions[0]["kind"] == "skip_update"
+    files = ck.list_checkpoints(watch.checkpointer.disk.root)
+    assert 20 not in files and {10, 21, 30, 40} <= set(files)
+    assert {now for now, _, d in trace.reads if d} <= {40}
+    model = ck.read_checkpoint(files[21])["model.pt"]
+    assert all(torch.equal(model[k], v) for k, v in weights[21].items())
+
+
+def test_a_resume_from_a_file_written_in_flight_ends_as_the_uninterrupted_run(tmp_path) -> None:
+    """The file of step 10, saved while step 10 was on the device and written once it was
+    read, resumes to the same end as a run that was never stopped (bitwise)."""
+    extra = ["probes.read=next_step", "checkpoint.interval=5", "checkpoint.async_save=true",
+             "checkpoint.memory_interval=null", "train.max_steps=16"]  # fmt: skip
+    straight = build_trainer(tiny_config(*extra), run_dir=tmp_path / "straight")
+    assert straight.core.late
+    straight.fit()
+    cut = build_trainer(tiny_config(*extra), run_dir=tmp_path / "cut")
+    cut.fit()
+    root = tmp_path / "cut" / "checkpoints"
+    for step, path in ck.list_checkpoints(root).items():
+        if step != 10:  # as if the process had died before its next file
+            shutil.rmtree(path)
+    again = build_trainer(tiny_config(*extra), run_dir=tmp_path / "cut", resume=True)
+    assert again.step_count == 10
+    again.fit()
+    for p, q in zip(again.model.parameters(), straight.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    a, s = again.optimizer.state_dict()["state"], straight.optimizer.state_dict()["state"]
+    for i in s:
+        for k in s[i]:
+            assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(s[i][k])), (i, k)

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,16 @@ __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
 log = logging.getLogger(__name__)
 
 AUTO_FIRST_SAVE = 5  # with interval="auto", the first save (at this step) measures the cost
+
+
+@dataclass
+class _Undecided:
+    """A save of a step still on the device (read late): its tensors are being copied; its
+    file is written once the step is decided and applied (`complete`), or never (`drop`)."""
+
+    snap: ck.Snapshot
+    events: Events
+    before: int | None  # the last save before it, for a drop
 
 
 class Checkpointer:
@@ -55,6 +66,13 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._changes: list[tuple[int, str, str]] = []  # (step, path, "ok" | "deleted")
         self._changes_lock = threading.Lock()
+        self._undecided: _Undecided | None = None
+        self._retake = False  # an awaiting save was dropped: the next step is due
+
+    @property
+    def awaits(self) -> bool:
+        """A save may take a step still in flight (`save(awaiting=True)`): background saves."""
+        return self.cfg.async_save
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +99,8 @@ class Checkpointer:
         interval = self.cfg.interval
         if interval is None:
             return False
+        if self._retake:  # the save due before was of a step that turned out refused
+            return True
         if interval != "auto":
             return step % interval == 0
         if self.save_seconds is None:  # nothing measured yet (a new run, or just resumed)
@@ -96,7 +116,9 @@ class Checkpointer:
         return max(1, round(seconds / max(seconds_per_step, 1e-9)))
 
     # -- saving ---------------------------------------------------------------------------
-    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
+    def save(
+        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+    ) -> float:
         """Save the state of `step`; returns how long this call blocked the loop (seconds).
 
         Synchronous: written before returning. Asynchronous: the snapshot holds the live
@@ -104,9 +126,19 @@ class Checkpointer:
         The loop only waits (`before_mutation`) if it is about to change the weights or the
         optimizer state while that copy is still running, so the copy overlaps the next
         forward and backward, and the write overlaps everything.
+
+        `awaiting` (asynchronous only): the step is still on the device, read late; `build`
+        leaves out what its decision changes. The copy starts now as above; the file is
+        written once the step is decided and applied (`complete` fills in the rest), or not at
+        all (`drop`: the step was refused, or a rollback abandoned it). The loop waits for
+        nothing: the step in flight is not drained.
         """
         t0 = time.perf_counter()
         self.wait()
+        if awaiting and not self.awaits:
+            raise ValueError("a synchronous save cannot take a step still in flight")
+        self._undecided = None
+        self._retake = False
         pins = {s: set(p) for s, p in self.pins.items()}
         if self.cfg.async_save:
             snap = build(Live())
@@ -119,16 +151,90 @@ class Checkpointer:
                 snap.torch_files = stage_tensors(snap.torch_files, queued)
                 events = self._events = queued.start(self._copies)
                 self._copied.set()  # the loop's streams wait for the copies (before_mutation)
-            self._thread = threading.Thread(
-                target=self._stage_and_write, args=(snap, pins, events), name=f"ckpt-{step}"
-            )
-            self._thread.start()
+            if awaiting:
+                self._undecided = _Undecided(snap, events, self.last_saved)
+                if not events:  # host tensors: a thread copies them, the write waits
+                    self._thread = threading.Thread(
+                        target=self._stage, args=(snap,), name=f"ckpt-copy-{step}"
+                    )
+                    self._thread.start()
+            else:
+                self._thread = threading.Thread(
+                    target=self._stage_and_write, args=(snap, pins, events), name=f"ckpt-{step}"
+                )
+                self._thread.start()
         else:
             self._write(build(None), pins)
         stall = time.perf_counter() - t0
         self.save_seconds = stall
         self.last_saved = step
         return stall
+
+    def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
+        """The awaiting save's step was decided and applied: its state as decided fills the
+        parts left open, and the writer thread takes it (after the copy, on its own thread).
+        Pins are read now: a pin placed while the step was in flight is kept."""
+        undecided = self._undecided
+        if undecided is None or undecided.snap.step != step:
+            return
+        self._undecided = None
+        snap = undecided.snap
+        snap.json_files["trainer.json"].update(ck.copied(trainer))
+        snap.meta.update(ck.copied(meta))
+        pins = {s: set(p) for s, p in self.pins.items()}
+        copier, self._thread = self._thread, None
+        self._thread = threading.Thread(
+            target=self._write_after,
+            args=(copier, snap, pins, undecided.events),
+            name=f"ckpt-{step}",
+        )
+        self._thread.start()
+
+    def drop(self, step: int) -> None:
+        """The awaiting save's step was refused: no file, and the next step is due instead (a
+        refused step is rare; a file an interval later would leave a crash twice the work to
+        redo). The save before it is the last again, and takes the pins placed meanwhile."""
+        undecided = self._undecided
+        if undecided is None or undecided.snap.step != step:
+            return
+        self.wait()  # the copy (its buffers are reused by the next save)
+        self._undecided = None
+        self._retake = True
+        if self.last_saved == step:
+            self.last_saved = undecided.before
+        moved = self.pins.pop(step, set())
+        if moved and undecided.before is not None and self.has(undecided.before):
+            for reason in sorted(moved):
+                self.pin(undecided.before, reason)
+
+    def _stage(self, snap: ck.Snapshot) -> None:
+        """An awaiting save's copy of host tensors (its write waits for the decision)."""
+        try:
+            snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+        except BaseException as e:
+            self._error = e
+        finally:
+            if self._copied is not None:
+                self._copied.set()
+
+    def _write_after(
+        self,
+        copier: threading.Thread | None,
+        snap: ck.Snapshot,
+        pins: dict[int, set[str]],
+        events: Events,
+    ) -> None:
+        if copier is not None:
+            copier.join()
+        if self._error is not None:
+            return
+        try:
+            if events:
+                host_wait(events)
+        except BaseException as e:
+            self._error = e
+            return
+        self._write_guarded(snap, pins)
 
     def before_mutation(self) -> float:
         """Block until an async save has copied the tensors; returns the seconds waited."""
@@ -204,12 +310,16 @@ class Checkpointer:
         return out
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk; re-raise its error."""
+        """Block until the save in flight (if any) is on disk, or, for a step still
+        undecided, copied; re-raise its error."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._events = []  # the thread waited for the side-stream copies
+        elif self._undecided is None:
+            self._events = []
+        # else: an undecided step's copies on side streams, for before_mutation to order
         self._copied = None
-        self._events = []
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint save failed: {err}") from err
@@ -225,6 +335,9 @@ class Checkpointer:
     def pin(self, step: int, reason: str) -> None:
         """Protect the checkpoint of `step` from retention (now, or once it is written)."""
         self.wait()
+        if self._undecided is not None and self._undecided.snap.step == step:
+            self.pins.setdefault(step, set()).add(reason)  # written with it, if it is
+            return
         path = ck.step_dir(self.root, step)
         exists = (path / ck.META).exists()
         if not exists and self.last_saved is not None and step <= self.last_saved:
@@ -237,6 +350,11 @@ class Checkpointer:
         """Delete checkpoints newer than `step`: after a rollback they hold the abandoned branch,
         and a later resume must never land on them."""
         self.wait()
+        undecided = self._undecided
+        if undecided is not None and undecided.snap.step > step:
+            self._undecided = None  # never written
+            if self.last_saved == undecided.snap.step:
+                self.last_saved = undecided.before
         dropped = []
         for s, path in ck.list_checkpoints(self.root).items():
             if s > step:

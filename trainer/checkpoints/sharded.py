@@ -142,7 +142,15 @@ class ShardedCheckpointer(Checkpointer):
     def in_background(self) -> bool:
         return False  # every rank writes its shard before the save returns
 
-    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float:
+    @property
+    def awaits(self) -> bool:
+        return False  # a step in flight is drained first (every rank writes before returning)
+
+    def save(
+        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+    ) -> float:
+        if awaiting:
+            raise ValueError("a sharded save cannot take a step still in flight")
         t0 = time.perf_counter()
         pins = {s: set(p) for s, p in self.pins.items()}
         snap = build(None)

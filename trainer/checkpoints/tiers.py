@@ -60,9 +60,15 @@ class DiskTier(Protocol):
     def enabled(self) -> bool: ...
     @property
     def in_background(self) -> bool: ...
+    @property
+    def awaits(self) -> bool: ...  # takes a step still in flight: `save(awaiting=True)`
     def open(self) -> None: ...
     def due(self, step: int, seconds_per_step: float) -> bool: ...
-    def save(self, step: int, build: Callable[[Stager | None], ck.Snapshot]) -> float | None: ...
+    def save(
+        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+    ) -> float | None: ...
+    def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None: ...
+    def drop(self, step: int) -> None: ...
     def before_mutation(self) -> float: ...
     def wait(self) -> None: ...
     def take_changes(self) -> list[tuple[int, str, str]]: ...
@@ -131,8 +137,9 @@ class Tiers:
         awaiting: bool = False,
     ) -> dict[str, float]:
         """Save `step` to `tiers` (None: every tier that is on); returns each tier's stall.
-        `awaiting` (host memory only): `step` is still on the device; its snapshot is
-        completed or dropped once the step is decided (`complete`, `drop`)."""
+        `awaiting`: `step` is still on the device; its snapshot (host memory; on disk when the
+        disk tier `awaits`, else the caller drained first) is completed or dropped once the
+        step is decided (`complete`, `drop`)."""
         stalls: dict[str, float] = {}
         if self.memory is not None and (tiers is None or MEMORY in tiers):
             pins = self.pins.get(step, set())
@@ -140,20 +147,27 @@ class Tiers:
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
         if self.disk.enabled and (tiers is None or DISK in tiers):
-            stall = self.disk.save(step, build)  # None: this tier does not keep that step
+            # None: this tier does not keep that step
+            stall = self.disk.save(step, build, awaiting=awaiting)
             if stall is not None:
                 stalls[DISK] = stall
         return stalls
 
     def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None:
-        """An awaiting host-memory snapshot's step was decided and applied (memory.py)."""
+        """An awaiting snapshot's step was decided and applied: host memory holds it as a
+        rollback target from now on (memory.py), the disk tier writes it (disk.py)."""
         if self.memory is not None and self.memory.complete(step, trainer, meta):
             self._changes.append((step, memory_path(step), "ok"))
+        if self.disk.enabled:
+            self.disk.complete(step, trainer, meta)
 
     def drop(self, step: int) -> None:
-        """An awaiting host-memory snapshot's step was refused: the snapshot goes."""
+        """An awaiting snapshot's step was refused or abandoned: the snapshot goes, in both
+        tiers."""
         if self.memory is not None:
             self.memory.drop(step)
+        if self.disk.enabled:
+            self.disk.drop(step)
 
     def before_mutation(self) -> float:
         waited = self.disk.before_mutation()

@@ -402,24 +402,32 @@ class Probes:
         return out
 
     def start_pending(self) -> None:
-        """Enqueue the waiting statistics' copy to the host now (no wait): before a drain, whose
-        one wait then covers it, so that `take_pending_metrics` after it waits for nothing."""
+        """Enqueue the waiting statistics' copy to the host now (no wait), apart from the next
+        step's transfer: before a drain, whose one wait then covers it, or for a disk save of
+        a step in flight, which emits them once that step is read. `take_pending_metrics`
+        then waits for nothing."""
         if self.pending is not None:
             step, names, values = self.pending
+            self.pending = None
             xfer = HostTransfer()
             xfer.add(names, values)
             xfer.start()
             self._early = (step, xfer)
 
-    def take_pending_metrics(self) -> tuple[int, dict[str, float]] | None:
-        """The waiting statistics as host values, (step, {name: value}): one sync (none if
-        `start_pending` enqueued their copy before a drain), for the moments when they cannot
-        ride the next step's transfer (a checkpoint, the end)."""
+    def discard_pending(self) -> None:
+        """The waiting statistics belong to an abandoned branch: never emitted."""
+        self.pending = self._early = None
+
+    def take_pending_metrics(self, early_only: bool = False) -> tuple[int, dict[str, float]] | None:
+        """The waiting statistics as host values, (step, {name: value}), oldest first: those
+        `start_pending` copied early (no wait), else (unless `early_only`) the ones waiting for
+        the next transfer (one sync), for the moments when they cannot ride it (a checkpoint,
+        the end)."""
         early, self._early = self._early, None
-        pending = self.take_pending()
+        if early is not None:
+            return early[0], early[1].fetch()[0]
+        pending = None if early_only else self.take_pending()
         if pending is None:
             return None
         step, names, values = pending
-        if early is not None and early[0] == step:
-            return step, early[1].fetch()[0]
         return step, dict(zip(names, values.tolist(), strict=True))

@@ -450,6 +450,7 @@ class StepCore(Checkpointed):
         statistics, the records: what a drained snapshot would hold); a refused step's goes
         (the optimizer's step counts in it had counted the refused update)."""
         self._awaiting = None
+        self.flush_probes(early_only=True)  # a disk save's copy (it landed with the step)
         if not applied:
             self.checkpointer.drop(step)
             return
@@ -466,7 +467,7 @@ class StepCore(Checkpointed):
         assert read is not None and self._stepper is not None
         after = self._take_read(read)
         self._stepper.settle(not (after.nonfinite or after.refused_by or after.overflow))
-        self.probes.pending = None  # the abandoned step's update statistics
+        self.probes.discard_pending()  # the abandoned step's update statistics
         self._record(after, Continue(), False, act=False)
         with self.paused():  # a restore (and its replay) is no stall
             self.rollback(action)
@@ -520,11 +521,12 @@ class StepCore(Checkpointed):
             cb.on_update_metrics(step, metrics)
         deliver_notes(self.callbacks)
 
-    def flush_probes(self) -> None:
-        """The waiting update statistics, now (one sync): before a checkpoint, at the end."""
-        pending = self.probes.take_pending_metrics()
-        if pending is not None and pending[0] not in self._unapplied:
-            self._emit_update_metrics(*pending)
+    def flush_probes(self, early_only: bool = False) -> None:
+        """The waiting update statistics, now (one sync; none for those copied early): before
+        a checkpoint, at the end. `early_only`: only those a disk save copied early."""
+        while (pending := self.probes.take_pending_metrics(early_only)) is not None:
+            if pending[0] not in self._unapplied:
+                self._emit_update_metrics(*pending)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def restart_clock(self) -> None:
@@ -539,13 +541,18 @@ class StepCore(Checkpointed):
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
         due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
-        if DISK in due and self._late is not None:  # a file holds only steps read and decided
+        if DISK in due and self._late is not None and not ck.disk.awaits:
+            # a file holds only steps read and decided: a synchronous or sharded save drains
             self.probes.start_pending()  # their copy enqueued first: the drain's wait covers it
             self.drain()
             due = ck.due(self.step_count, self.seconds_per_step)
         if due and self._late is not None and self._awaiting is None:
-            # host memory, the step in flight: no wait; its decided state completes the
-            # snapshot when the step is read (or the snapshot goes, if it was refused)
+            # the step in flight: no wait. Its decided state completes the snapshot when the
+            # step is read (host memory keeps it as a target, the disk tier writes it), or
+            # the snapshot goes if the step was refused. A file's update statistics are
+            # copied now and emitted before it is written (`_settle_snapshot`).
+            if DISK in due:
+                self.probes.start_pending()
             self.save(due, awaiting=True)
             return True
         if due and self._late is None:

@@ -1,0 +1,81 @@
+"""The disk tier's save of a step still in flight (read late), on its own: the tensors are
+copied at the save, the file is written only once the step is decided (`complete`), never for
+a refused step (`drop`, the next step due instead) or an abandoned one (`drop_after`); pins
+placed meanwhile are kept, or moved to the save before a dropped one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.checkpoints.staging import Stager, to_host
+from spikewatch.trainer.config import CheckpointConfig
+
+
+def _disk(tmp: Path) -> Checkpointer:
+    cfg = CheckpointConfig(interval=10, async_save=True, fsync=False, keep_last=10)
+    disk = Checkpointer(tmp / "checkpoints", cfg)
+    disk.open()
+    return disk
+
+
+def _build(w: torch.Tensor, step: int) -> Any:
+    def build(stage: Stager | None) -> ck.Snapshot:
+        return ck.Snapshot(
+            step=step,
+            torch_files={"model.pt": to_host({"w": w}, stage, "model")},
+            json_files={"trainer.json": {"step": step}},  # the decided keys left out
+            meta={"loss": None},
+        )
+
+    return build
+
+
+def test_the_file_is_written_once_the_step_is_decided_with_its_decided_state(tmp_path) -> None:
+    disk, w = _disk(tmp_path), torch.zeros(4)
+    w.fill_(1.0)
+    disk.save(10, _build(w, 10), awaiting=True)
+    disk.before_mutation()  # the loop's next update waits for the copy, then changes w
+    w.fill_(2.0)
+    disk.wait()
+    assert not disk.has(10) and disk.last_saved == 10  # copied, not written: undecided
+    disk.pin(10, "onset anchor")  # a pin placed while the step is in flight
+    disk.complete(10, {"lr_scale": 0.5}, {"loss": 3.25})
+    disk.wait()
+    got = ck.read_checkpoint(ck.step_dir(disk.root, 10))
+    assert torch.equal(got["model.pt"]["w"], torch.ones(4))  # the step's tensors, not later
+    assert got["trainer.json"] == {"step": 10, "lr_scale": 0.5}
+    assert got["meta"]["loss"] == 3.25 and got["meta"]["pins"] == ["onset anchor"]
+    assert not disk.due(11, 1.0)
+
+
+def test_a_refused_step_is_never_written_and_the_next_step_is_due(tmp_path) -> None:
+    disk, w = _disk(tmp_path), torch.ones(4)
+    disk.save(10, _build(w, 10), awaiting=False)
+    disk.wait()
+    disk.save(20, _build(w, 20), awaiting=True)
+    disk.pin(20, "onset anchor")
+    disk.drop(20)
+    disk.wait()
+    assert sorted(ck.list_checkpoints(disk.root)) == [10]
+    assert disk.last_saved == 10 and disk.due(21, 1.0)  # retaken a step later
+    assert ck.read_meta(ck.step_dir(disk.root, 10))["pins"] == ["onset anchor"]  # moved back
+    disk.save(21, _build(w, 21))
+    disk.wait()
+    assert not disk.due(22, 1.0) and sorted(ck.list_checkpoints(disk.root)) == [10, 21]
+
+
+def test_a_rollback_abandons_an_undecided_save(tmp_path) -> None:
+    disk, w = _disk(tmp_path), torch.ones(4)
+    disk.save(10, _build(w, 10))
+    disk.save(20, _build(w, 20), awaiting=True)
+    assert disk.latest() is not None and disk.latest()[0] == 10  # no wait for a decision
+    disk.drop_after(10)
+    disk.complete(20, {}, {})  # too late: nothing is written
+    disk.wait()
+    assert sorted(ck.list_checkpoints(disk.root)) == [10] and disk.last_saved == 10
+    assert not disk.due(11, 1.0)
