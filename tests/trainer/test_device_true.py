@@ -271,7 +271,7 @@ def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypat
     free.record(fake.Stream(gpu1))  # the copy staged on the device (HBM to HBM): done soon
     landed.record(fake.Stream(torch.device("cuda", 0)))  # (another stream, to tell them apart)
     fake.log.clear()
-    tier._pending = _Slot(step=1, buffers={}, small={}, opt_other={}, groups=[])
+    tier._pending = _Slot(step=1, buffers={}, packed=b"")
     tier._pending.events = [(gpu1, landed, free)]
     tier._pending.ready.set()  # (a host wait on it could not hang the test)
     tier.before_mutation()

@@ -245,7 +245,7 @@ def test_a_host_memory_snapshot_read_late_makes_the_host_wait_for_nothing(
     mem = watch.checkpointer.memory
     for step in mem.steps():
         if step:
-            assert mem.slots[step].small["trainer.json"]["same_step"] == seen.tier_after[step]
+            assert mem.read(step)["trainer.json"]["same_step"] == seen.tier_after[step]
 
 
 def test_a_refused_steps_host_memory_snapshot_is_dropped(tmp_path, monkeypatch) -> None:

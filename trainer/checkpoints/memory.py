@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from spikewatch.observatory.retention import keep
-from spikewatch.trainer.checkpoints.format import CheckpointError, Snapshot, copied
+from spikewatch.trainer.checkpoints.format import CheckpointError, Snapshot
 from spikewatch.trainer.checkpoints.pinned import (
     Events,
     HostBlock,
@@ -117,9 +118,11 @@ def snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 class _Slot:
     step: int
     buffers: dict[str, torch.Tensor]
-    small: dict[str, Any]  # json_files, meta, the RNG and scheduler objects
-    opt_other: dict[int, dict[str, Any]]  # non-tensor optimizer state (per parameter index)
-    groups: list[dict[str, Any]]  # the optimizer's hyperparameters (no params)
+    # everything but the tensors, pickled (`_pack`): the JSON files, meta, the RNG and
+    # scheduler objects, the non-tensor optimizer state, the optimizer's hyperparameters. One
+    # bytes object, which the garbage collector does not walk: a snapshot's ~850 JSON objects
+    # kept live made each full collection longer as retention kept more snapshots
+    packed: bytes | tuple[Any, ...]
     pins: set[str] = field(default_factory=set)
     # taken while its step was still on the device (read one step late): not a rollback
     # target until that step is decided (`complete`), dropped if it is refused (`drop`)
@@ -207,12 +210,7 @@ class MemoryTier:
         slot = _Slot(
             step=step,
             buffers=buffers,
-            small=_small(snap),
-            opt_other=_optimizer_other(self.optimizer),
-            groups=[
-                {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                for g in self.optimizer.param_groups
-            ],
+            packed=_pack(_small(snap), _optimizer_other(self.optimizer), _groups(self.optimizer)),
             pins=set(pins),
             awaiting=awaiting,
             nbytes=_nbytes(buffers),
@@ -381,8 +379,10 @@ class MemoryTier:
         slot = self.slots.get(step)
         if slot is None or not slot.awaiting:
             return False
-        slot.small["trainer.json"].update(copied(trainer))
-        slot.small["meta"].update(copied(meta))
+        small, other, groups = _unpack(slot.packed)
+        small["trainer.json"].update(trainer)
+        small["meta"].update(meta)
+        slot.packed = _pack(small, other, groups)
         slot.awaiting = False
         return True
 
@@ -403,7 +403,7 @@ class MemoryTier:
             raise CheckpointError(f"no host-memory snapshot of step {step}")
         _landed(self.slots[step])
         self.verify(step)
-        out = copy.deepcopy(self.slots[step].small)
+        out = _unpack(self.slots[step].packed)[0]
         out["memory"] = step
         return out
 
@@ -432,14 +432,15 @@ class MemoryTier:
         t0 = time.perf_counter()
         slot = self.slots[step]
         _landed(slot)
+        _, opt_other, groups = _unpack(slot.packed)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = self.optimizer.state
         has_state = any(k.startswith("o/") for k in slot.buffers)
         if not has_state:
             state.clear()  # the snapshot was taken before the optimizer's first step
         else:
-            for i, other in slot.opt_other.items():
-                state[params[i]].update(copy.deepcopy(other))
+            for i, other in opt_other.items():
+                state[params[i]].update(other)
             for k in slot.buffers:  # state tensors the live optimizer lacks (a fresh optimizer)
                 if k.startswith("o/"):
                     _, index, name = k.split("/", 2)
@@ -453,8 +454,8 @@ class MemoryTier:
         if live.keys() != slot.buffers.keys():
             raise CheckpointError(f"host-memory snapshot of step {step} does not fit the model")
         _copy_all([(t, slot.buffers[k]) for k, t in live.items()])
-        for g, saved in zip(self.optimizer.param_groups, slot.groups, strict=True):
-            g.update(copy.deepcopy(saved))
+        for g, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            g.update(saved)
         self.last_restore_s = time.perf_counter() - t0
 
     # -- pins and branches ----------------------------------------------------------------
@@ -567,15 +568,43 @@ def _nbytes(buffers: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in buffers.values())
 
 
+def _pack(
+    small: dict[str, Any], other: dict[int, dict[str, Any]], groups: list[dict[str, Any]]
+) -> bytes | tuple[Any, ...]:
+    """A slot's non-tensor state as one pickle (a copy by construction: `_unpack` gives new
+    objects every time); a deep copy where something in it does not pickle (a function kept
+    in an optimizer's param group, say)."""
+    try:
+        return pickle.dumps((small, other, groups), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return copy.deepcopy((small, other, groups))
+
+
+def _unpack(
+    packed: bytes | tuple[Any, ...],
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    small, other, groups = (
+        pickle.loads(packed) if isinstance(packed, bytes) else copy.deepcopy(packed)
+    )
+    return small, other, groups
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's hyperparameters, per group (its parameters left out)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
 def _small(snap: Snapshot) -> dict[str, Any]:
-    """The snapshot's JSON files, meta and small torch objects (RNG, scheduler), copied; a
-    rank's `rng.rank<r>.pt` (torchrun) is unpacked as the sharded reader does."""
-    out: dict[str, Any] = copied(snap.json_files)
-    out["meta"] = copied(snap.meta)
+    """The snapshot's JSON files, meta and small torch objects (RNG, scheduler), to be packed
+    (`_pack` copies them); a rank's `rng.rank<r>.pt` (torchrun) is unpacked as the sharded
+    reader does."""
+    out: dict[str, Any] = dict(snap.json_files)
+    out["trainer.json"] = dict(out["trainer.json"])  # (a torchrun rank's RNG goes in below)
+    out["meta"] = snap.meta
     for name, obj in snap.torch_files.items():
         if name in _HEAVY:
             continue
-        obj = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in obj.items()}
+        obj = dict(obj)
         if name.startswith("rng.rank"):
             out["trainer.json"]["rng"] = obj.pop("json")
             if "scheduler" in obj:
@@ -590,11 +619,7 @@ def _optimizer_other(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, An
     params = [p for g in optimizer.param_groups for p in g["params"]]
     out = {}
     for i, p in enumerate(params):
-        other = {
-            k: copy.deepcopy(v)
-            for k, v in optimizer.state.get(p, {}).items()
-            if not torch.is_tensor(v)
-        }
+        other = {k: v for k, v in optimizer.state.get(p, {}).items() if not torch.is_tensor(v)}
         if other:
             out[i] = other
     return out
