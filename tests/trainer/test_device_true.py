@@ -151,7 +151,7 @@ def test_device_probes_on_another_device_with_an_optimizer_without_moments() -> 
     probes = _probes(model, opt)
     probes.before_update(1)
     probes.after_update(1, applied=True)
-    step, names, values = probes.take_pending()
+    step, names, values, _ = probes.take_pending()
     assert values.device == META and len(names) == values.numel()
 
 

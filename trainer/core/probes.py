@@ -24,15 +24,16 @@ step; the last ones are flushed when the fit ends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.trainer.config import ProbesConfig
 from spikewatch.trainer.core.norms import maxima, norms
-from spikewatch.trainer.core.transfer import HostTransfer
+from spikewatch.trainer.core.transfer import HostTransfer, Reduce
 from spikewatch.trainer.core.world import World, local
 from spikewatch.trainer.model.optim.factor import inner_optimizer
 
@@ -106,6 +107,97 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "n_kv_head": get("num_key_value_heads"),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+class Pending(NamedTuple):
+    """A state step's statistics, on the device until a transfer takes them."""
+
+    step: int
+    names: list[str]  # the values' names; none where `reduce` makes the metrics on the host
+    values: torch.Tensor
+    reduce: Reduce | None = None
+
+    def into(self, xfer: HostTransfer, late: bool = False) -> None:
+        """Onto a transfer, which makes the metrics when it is read."""
+        if self.reduce is None:
+            xfer.add(self.names, self.values, late=late)
+        else:
+            xfer.add_reduced(self.values, self.reduce, late=late)
+
+    def metrics(self, values: list[float]) -> dict[str, float]:
+        """The metrics of `values`, the host copy of `self.values`."""
+        if self.reduce is None:
+            return dict(zip(self.names, values, strict=True))
+        return self.reduce(values)
+
+
+class _StateOnHost:
+    """The one pass's per-layer statistics, made on the host from its per-tensor values: for
+    P tensors, 6P sums (||p||^2, ||update||^2, ||m||^2, sum sqrt(v), -, the sampled count of
+    v below 1e-16), P sample sizes, P maxima of v; float64, in the op-by-op form's order and
+    names (every layer for the update norms, the layers with Adam's state for the rest)."""
+
+    def __init__(self, probes: Probes) -> None:
+        self.layers = probes.layers
+        self.owner = probes.owner
+        self.numel = [float(p.numel()) for p in probes.params]  # whole tensors, every rank
+        g = probes.adam_groups
+        self.present = [i for i, k in enumerate(g.present) if k]
+        sizes = [float(_sample(local(p).detach()).numel()) for p in probes.params]
+        self.samples = torch.tensor(sizes, device=probes.device)  # summed over shards
+        self.names = [
+            [M.layer(la, stat) for la in self.layers]
+            for stat in (M.STAT_PARAM_NORM, M.STAT_UPDATE_NORM, M.STAT_UPDATE_RATIO)
+        ] + [
+            g.names(stat)
+            for stat in (
+                M.STAT_ADAM_M_NORM,
+                M.STAT_ADAM_SQRT_V_MEAN,
+                M.STAT_ADAM_SQRT_V_MAX,
+                M.STAT_ADAM_V_TINY_FRAC,
+            )
+        ]
+
+    def __call__(self, values: list[float]) -> dict[str, float]:
+        n, nl = len(self.owner), len(self.layers)
+        p2, u2, m2, roots, tiny, count, samples = ([0.0] * nl for _ in range(7))
+        vmax = [-math.inf] * nl
+        sizes, maxima_ = values[6 * n : 7 * n], values[7 * n :]
+        for j, la in enumerate(self.owner):
+            row = values[6 * j : 6 * j + 6]
+            p2[la] += row[0]
+            u2[la] += row[1]
+            m2[la] += row[2]
+            roots[la] += row[3]
+            tiny[la] += row[5]
+            count[la] += self.numel[j]
+            samples[la] += sizes[j]
+            vmax[la] = _nanmax(vmax[la], maxima_[j])
+        pn, un = [math.sqrt(x) for x in p2], [math.sqrt(x) for x in u2]
+        out = [pn, un, [_div(u, p) for u, p in zip(un, pn, strict=True)]]
+        at = self.present
+        out += [
+            [math.sqrt(m2[i]) for i in at],
+            [_div(roots[i], count[i]) for i in at],
+            [math.sqrt(vmax[i]) if vmax[i] >= 0 else math.nan for i in at],
+            [_div(tiny[i], samples[i]) for i in at],
+        ]
+        metrics: dict[str, float] = {}
+        for names, vals in zip(self.names, out, strict=True):
+            metrics.update(zip(names, vals, strict=True))
+        return metrics
+
+
+def _div(a: float, b: float) -> float:
+    """a / b as the device divides (x / 0 is inf, 0 / 0 and NaN are NaN)."""
+    if b == 0.0:
+        return math.nan if a == 0.0 or a != a else math.copysign(math.inf, a)
+    return a / b
+
+
+def _nanmax(a: float, b: float) -> float:
+    """max that keeps a NaN (as torch's amax does)."""
+    return b if b != b or b > a else a
 
 
 class _Groups:
@@ -231,8 +323,9 @@ class Probes:
         self._grad_names = [M.layer(layer, M.STAT_GRAD_NORM) for layer in self.layers]
         self._prev: list[torch.Tensor] | None = None
         self._tiny_index: dict[tuple[int, ...], torch.Tensor] = {}
-        self.pending: tuple[int, list[str], torch.Tensor] | None = None
+        self.pending: Pending | None = None
         self._early: tuple[int, HostTransfer] | None = None  # `start_pending`'s copy
+        self._on_host: _StateOnHost | None = None  # the one pass's per-layer reduction
         self._one_pass: Any = None  # kernels.adam_state.AdamState, once it can take the state
         self._one_pass_step: int | None = None  # the state step it takes (no parameter copy)
 
@@ -282,7 +375,7 @@ class Probes:
         if not (self.state_active(step) and applied):
             return
         if one_pass:
-            self.pending = (step, *self._one_pass_stats())
+            self.pending = self._one_pass_stats(step)
             return
         names: list[str] = []
         parts: list[torch.Tensor] = []
@@ -297,7 +390,7 @@ class Probes:
             names += n
             parts.append(v)
         if parts:
-            self.pending = (step, names, torch.cat(parts))
+            self.pending = Pending(step, names, torch.cat(parts))
 
     # -- the one-pass form (trainer/model/kernels/adam_state.py) ------------------------------
     def _one_pass_ready(self) -> bool:
@@ -319,15 +412,18 @@ class Probes:
             self._one_pass = AdamState(self.params, optimizer, local)
         return bool(self._one_pass) and self._one_pass.refusal() is None
 
-    def _one_pass_stats(self) -> tuple[list[str], torch.Tensor]:
-        """The same statistics, in the same order, from the one pass's per-tensor sums."""
+    def _one_pass_stats(self, step: int) -> Pending:
+        """The same statistics as the op-by-op form, in the same order: the one pass's
+        per-tensor sums (summed over shards under FSDP2) go to the host as they are, and the
+        host makes the per-layer statistics from them (`_StateOnHost`, float64) when the
+        transfer is read, where a chain of ~25 small device ops ran on the loop thread."""
         per = self._one_pass(V_TINY)
-        names: list[str] = []
-        parts: list[torch.Tensor] = []
-        self._update_parts(per["p2"], per["u2"], names, parts)
-        shards = [local(p) for p in self.params]  # every one is Adam's here
-        self._adam_parts(shards, per["m2"], per["root_v"], per["v_max"], per["tiny"], names, parts)
-        return names, torch.cat(parts)
+        if self._on_host is None:
+            self._on_host = _StateOnHost(self)
+        w = self.world
+        summed = w.sum_shards(torch.cat((per["sums"].flatten(), self._on_host.samples)))
+        values = torch.cat((summed, w.max_shards(per["v_max"])))
+        return Pending(step, [], values, self._on_host)
 
     # -- per-tensor values to per-layer statistics (both forms) ------------------------------
     def _update_parts(
@@ -397,7 +493,7 @@ class Probes:
             parts.append(norm[g.index])
         return names, (torch.cat(parts) if parts else torch.zeros(0, device=self.device))
 
-    def take_pending(self) -> tuple[int, list[str], torch.Tensor] | None:
+    def take_pending(self) -> Pending | None:
         out, self.pending = self.pending, None
         return out
 
@@ -407,12 +503,11 @@ class Probes:
         a step in flight, which emits them once that step is read. `take_pending_metrics`
         then waits for nothing."""
         if self.pending is not None:
-            step, names, values = self.pending
-            self.pending = None
+            pending, self.pending = self.pending, None
             xfer = HostTransfer()
-            xfer.add(names, values)
+            pending.into(xfer)
             xfer.start()
-            self._early = (step, xfer)
+            self._early = (pending.step, xfer)
 
     def discard_pending(self) -> None:
         """The waiting statistics belong to an abandoned branch: never emitted."""
@@ -429,5 +524,4 @@ class Probes:
         pending = None if early_only else self.take_pending()
         if pending is None:
             return None
-        step, names, values = pending
-        return step, dict(zip(names, values.tolist(), strict=True))
+        return pending.step, pending.metrics(pending.values.tolist())  # (one sync)

@@ -278,13 +278,13 @@ class StepCore(Checkpointed):
             xfer.add_by_layer(*self.probes.grad_norms(t.grad_norms))
         pending = self.probes.take_pending()
         if pending is not None:
-            xfer.add(pending[1], pending[2], late=True)
+            pending.into(xfer, late=True)
         if t.stop is not None:
             xfer.add([_STOP], t.stop)
         if t.overflow is not None:
             xfer.add([_OVERFLOW], t.overflow)
         xfer.start()
-        late_step = None if pending is None else pending[0]
+        late_step = None if pending is None else pending.step
         tokens = self.run.tokens + ntok
         tier = (t.loss, t.grad_norm, factor, t.overflow) if self.late else None
         self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens, tier)

@@ -24,6 +24,7 @@ from spikewatch.trainer.core.norms import norms, scale_
 __all__ = [
     "Clip",
     "HostTransfer",
+    "Reduce",
     "StepTensors",
     "as32",
     "attn_names",
@@ -50,6 +51,9 @@ class StepTensors:
     overflow: torch.Tensor | None = None  # () > 0: a GradScaler found inf/nan gradients (fp16)
     loss_scale: torch.Tensor | None = None  # () the GradScaler's scale this step
 
+
+# host values -> metrics by name (`HostTransfer.add_reduced`)
+Reduce = Callable[[list[float]], dict[str, float]]
 
 # (parameters, max norm) -> (total norm, clip factor, per-tensor norms), clipping in place
 Clip = Callable[[list[torch.Tensor], float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -120,6 +124,9 @@ class HostTransfer:
         # themselves are not metrics): (the layers' names, the first value's index, each
         # value's layer)
         self._by_layer: list[tuple[list[str], int, list[int]]] = []
+        # metrics made on the host at `fetch` from values that are none themselves:
+        # (the values' [start, end), the function that makes them, late)
+        self._reduced: list[tuple[int, int, Reduce, bool]] = []
         self._hidden: list[tuple[int, int]] = []  # [start, end) of values that are no metric
         self.parts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
@@ -144,6 +151,15 @@ class HostTransfer:
             self.add([""] * len(owner), norms)
             self._hidden.append((first, len(self.names)))
             self._by_layer.append((names, first, owner))
+
+    def add_reduced(self, values: torch.Tensor, reduce: Reduce, late: bool = False) -> None:
+        """Metrics that `reduce` makes on the host at `fetch` from `values` (which are no
+        metrics themselves): a reduction that would be a chain of small device ops per step
+        (per-layer statistics from per-tensor sums) is a loop over a few hundred floats."""
+        first = len(self.names)
+        self.add([""] * values.numel(), values, late=late)
+        self._hidden.append((first, len(self.names)))
+        self._reduced.append((first, len(self.names), reduce, late))
 
     def add_step(self, t: StepTensors) -> None:
         """Everything a `StepTensors` carries, under its metric names."""
@@ -195,6 +211,8 @@ class HostTransfer:
             if sparse and v == NOT_RECORDED:
                 continue
             (late if is_late else now)[name] = v
+        for first, end, reduce, is_late in self._reduced:
+            (late if is_late else now).update(reduce(values[first:end]))
         for names, first, owner in self._by_layer:
             squares = [0.0] * len(names)
             for j, layer in enumerate(owner):

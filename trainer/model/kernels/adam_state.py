@@ -208,6 +208,7 @@ class AdamState:
         sums = onehot @ partial  # (P, 6), a fixed order
         vmax = torch.where(member, partial[:, 4].unsqueeze(0), 0.0).amax(dim=1)
         return {
+            "sums": sums,  # (P, 6): the columns below; column 4 is no statistic
             "p2": sums[:, 0],
             "u2": sums[:, 1],
             "m2": sums[:, 2],
