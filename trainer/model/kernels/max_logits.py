@@ -161,7 +161,7 @@ def _launch(
     if k.stride(-1) != 1:
         k = k.contiguous()
     bm, bn, warps, stages = _blocks(q.dtype)
-    nm = triton.cdiv(T, bm)
+    nm = -(-T // bm)  # (triton.cdiv and next_power_of_2 are ~10 us wrappers a call)
     if nm > MAX_GRID_Y:
         raise ValueError(f"sequence too long for the fused max: {nm} blocks > {MAX_GRID_Y}")
     heads = out is not None
@@ -178,7 +178,7 @@ def _launch(
     kernel[(B * H, nm)](
         q, k, maxb, maxb, float(scale), T, S, H, H // k.size(1), nm, row,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=triton.next_power_of_2(D),
+        D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=1 << max(D - 1, 0).bit_length(),
         CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype), HEADS=heads,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -275,7 +275,6 @@ def table_refusal(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: 
     return None
 
 
-@torch.no_grad()
 def head_max_table_(
     table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int, *, causal: bool = True,
     scale: float | None = None, check: bool = True,
@@ -283,7 +282,8 @@ def head_max_table_(
     """`table[layer]` becomes max(table[layer], the (B, H) maxima of `fused_max_logits` taken
     over the batch), in one launch: eager code launches the kernel itself (no operator
     dispatch); a compiled model puts the `triton_op` in its graph. Returns `table`. Raises
-    ValueError for a call `table_refusal` refuses (`check=False`: the caller asked it already)."""
+    ValueError for a call `table_refusal` refuses (`check=False`: the caller asked it already).
+    No grad mode is needed: q and k are detached, and the kernel writes the table alone."""
     why = table_refusal(table, q, k, layer) if check else None
     if why is not None:
         raise ValueError(f"the fused max logits cannot take this call: {why}")
