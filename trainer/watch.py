@@ -71,6 +71,7 @@ from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
 from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.attn_max import AttnMax
 from spikewatch.trainer.watch_amp import Scaling
+from spikewatch.trainer.watch_clip import LoopClip, see_loop_clips
 from spikewatch.trainer.watch_loader import (
     LoaderStream,
     as_stream,
@@ -163,6 +164,8 @@ class Watch(Replaying):
         self._began = self._closed = False
         self._undo_sigterm: Callable[[], None] | None = None  # SIGTERM as Ctrl-C, while open
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
+        self._loop_clip: LoopClip | None = None  # the loop's own clip, once routed
+        self._undo_clip: Callable[[], None] | None = None
         self._loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._run_step: Callable[[int], None] | None = None
         self._batch_at: Callable[[int], Any] | None = None
@@ -509,9 +512,11 @@ class Watch(Replaying):
         core.start()
         if save:
             core.save_if_due()
-        # no index: the next data position (the step before's index again put every step of
-        # such a loop on one batch index, and a skip range over it refused the rest of the run)
-        core.begin_step(core.take_index() if index is None else index)
+        # no index: the loop drew its batch itself, the next data position's (the step before's
+        # index again put every step of such a loop on one batch index, and a skip range over
+        # it refused the rest of the run); one in a skip range is refused, not jumped over:
+        # jumping the index over a skip range would train the batches the loop draws there
+        core.begin_step(core.next_index() if index is None else index)
         self.grad_norm = None
         # (not cleared here: a loop that never calls begin_step begins its step at the gate,
         # after its forwards recorded; the table was cleared when the step before ended)
@@ -538,10 +543,13 @@ class Watch(Replaying):
         factor, if the optimizer takes one, is set on it already)."""
         core = self._c
         if not self._began:
-            self._begin(core.take_index())
+            self._begin(None)
         self._began = False
         if core.refuse_skipped():  # drawn before the rollback that skips it
-            self.attn.take()
+            self.attn.take()  # its maxima, its clip, its losses and tokens: none the next's
+            if self._loop_clip is not None:
+                self._loop_clip.take()
+            self._loss_sum, self._loss_n, self._loss_share, self._ntok = None, 0, None, 0
             return Gate(False)
         self._lr_scale = core.run.lr_scale
         lr = float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale
@@ -626,6 +634,9 @@ class Watch(Replaying):
         if hasattr(inner, "_wrapped_by_lr_sched"):  # torch's scheduler checks its own wrapper
             gated_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = gated_step
+        if self._loop_clip is None:  # the loop's own clip of the model: measured before it
+            self._loop_clip = LoopClip(self._clipped_params)
+            self._undo_clip = see_loop_clips(self._loop_clip)
         if scheduler is not None:  # a subclass, not an instance attribute: state_dict() is
             watch = self  # the instance's __dict__, and frameworks save it with torch.save
 
@@ -639,13 +650,29 @@ class Watch(Replaying):
 
             scheduler.__class__ = type(f"Gated{cls.__name__}", (cls,), {"step": sched_step})
 
+    def _clipped_params(self) -> list[torch.Tensor] | None:
+        """The parameters whose clip by the loop the Watch measures (watch_clip.py): the
+        watched trainable ones (the Watch opened, as by any step method, if it was not),
+        until it closes, where one process holds them whole."""
+        if self._closed:
+            return None
+        core = self._c
+        return None if core.world.clip is not None else core.probes.params
+
     def _tensors(self, scaled: bool = True) -> StepTensors:
         """Clip (after measuring), and the step's loss and attention maxima, on device.
-        `scaled`: the gradients came from a GradScaler's scaled loss (unscaled here)."""
+        `scaled`: the gradients came from a GradScaler's scaled loss (unscaled here). Where
+        the loop clipped them itself (routed), its clip measured them first (watch_clip.py)."""
         core = self._c
         amp = self.amp.unscale(core.probes.device) if scaled else None
         clip = core.world.clip or clip_by_global_norm
-        norm, factor, per_tensor = clip(core.probes.params, self.cfg.grad_clip)
+        seen = None if self._loop_clip is None else self._loop_clip.take()
+        if seen is None:
+            norm, factor, per_tensor = clip(core.probes.params, self.cfg.grad_clip)
+        else:
+            norm, factor, per_tensor = seen  # before the loop's clip
+            if self.cfg.grad_clip is not None:  # and the Watch's own bound on top of it
+                factor = factor * clip(core.probes.params, self.cfg.grad_clip)[1]
         if self._loss_share is not None:
             loss = self._loss_share
         elif self._loss_sum is not None:  # one micro-batch: no division launched
@@ -724,6 +751,9 @@ class Watch(Replaying):
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
+            if self._undo_clip is not None:
+                self._undo_clip()
+                self._undo_clip = None
             if self.sink is not None:
                 self.sink.close(timeout=30)
             if not ended:

@@ -38,6 +38,14 @@ class DataState:
         self.batch_index = i + 1
         return i
 
+    def advance(self) -> int:
+        """Return the next batch index and advance past it, skip range or not: for a loop that
+        draws its own batches, whose next batch is the next one whatever the index says (one
+        in a skip range is refused when it comes, not jumped over)."""
+        i = self.batch_index
+        self.batch_index = i + 1
+        return i
+
     def skip_end(self, index: int) -> int | None:
         """The end of the skip range holding `index`, or None when it is not skipped."""
         return next((end for start, end in self.skip_ranges if start <= index < end), None)

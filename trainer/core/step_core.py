@@ -203,6 +203,11 @@ class StepCore(Checkpointed):
         """The next global batch index outside the skip ranges (advances the data position)."""
         return self.run.data.take()
 
+    def next_index(self) -> int:
+        """The next global batch index, in a skip range or not (advances the data position):
+        the loop drew the batch itself, and `refuse_skipped` refuses one in a skip range."""
+        return self.run.data.advance()
+
     # -- start ----------------------------------------------------------------------------------
     def start(self, anchor: bool = True) -> None:
         """Once, before the first step: callbacks hear of the run (and of a resume's changed
