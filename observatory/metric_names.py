@@ -53,6 +53,7 @@ def layer_attn_max(layer: int) -> str:
 
 
 CKPT_MEMORY_BYTES = "checkpoint/memory_bytes"  # the host-memory tier's snapshots, this rank
+CKPT_MEMORY_INTERVAL = "checkpoint/memory_interval"  # steps between snapshots ('auto': measured)
 
 
 def checkpoint_stall(tier: str) -> str:

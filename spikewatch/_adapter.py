@@ -18,8 +18,10 @@ __all__ = ["Adapter"]
 
 # The framework's own checkpoints carry the Watch's state (its resume resumes the guard), so the
 # Watch's rollback targets need not survive the process: host memory by default, no disk files
-# beside the framework's. `checkpoint_every=N` (or settings' checkpoint.interval) adds disk.
-ADAPTER_CHECKPOINTS = {"interval": None, "memory_interval": 25}
+# beside the framework's, every 25 steps ('auto': on a GPU, 5 to 25 as each snapshot's measured
+# cost allows; trainer/checkpoints/memory.py). `checkpoint_every=N` (or settings'
+# checkpoint.interval) adds disk.
+ADAPTER_CHECKPOINTS = {"interval": None, "memory_interval": "auto"}
 
 
 class Adapter:

@@ -44,6 +44,7 @@ import torch
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.store.sink import BaseSink, DbSink, open_run_sink
 from spikewatch.observatory.strict_json import write_json
+from spikewatch.trainer.checkpoints.memory import AUTO_STEPS
 from spikewatch.trainer.checkpoints.tiers import Tiers
 from spikewatch.trainer.config import WatchSettings
 from spikewatch.trainer.core.attribution import (
@@ -79,6 +80,7 @@ from spikewatch.trainer.watch_loader import (
     stream_from_json,
     stream_to_json,
 )
+from spikewatch.trainer.watch_loss import loss_function
 from spikewatch.trainer.watch_open import (
     UNCAUGHT,
     build_watch_core,
@@ -288,7 +290,7 @@ class Watch(Replaying):
     def batches(
         self,
         source: Iterable[Any] | Callable[[int], Any],
-        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[Any], Any] | torch.nn.Module | None = None,
         decode: Callable[[list[int]], str] | None = None,
         *,
         shard: bool = True,
@@ -313,9 +315,11 @@ class Watch(Replaying):
         `loss_fn(batch) -> loss` the Watch can replay a spike's batches to tell its cause
         (guard.classify_cause) and name the rows that caused it (guard.attribute_samples:
         `loss_fn` on one row at a time; a dict batch's "id" entry names a row's sample,
-        `decode(tokens)` shows its text)."""
+        `decode(tokens)` shows its text). `loss_fn` may be the model itself, and may return
+        `(logits, loss)` or an output with `.loss` (trainer/watch_loss.py)."""
         core = self.open()
         world = core.world
+        loss_fn = None if loss_fn is None else loss_function(loss_fn)
         if as_stream(source):
             yield from self._stream(cast(Iterable[Any], source), loss_fn, decode, hold, epochs,
                                     accumulate)  # fmt: skip
@@ -376,7 +380,8 @@ class Watch(Replaying):
                 "out in the loader (its sampler) instead"
             )
         if hold is None:
-            memory = self.cfg.checkpoint.memory_interval or 0
+            every = self.cfg.checkpoint.memory_interval
+            memory = AUTO_STEPS[1] if every == "auto" else every or 0  # at most, when "auto"
             hold = 2 * memory + 16 if loss_fn is not None else 0
         if hold < 0:
             raise ValueError(f"hold must be >= 0 batches, got {hold}")

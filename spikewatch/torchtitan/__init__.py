@@ -51,6 +51,7 @@ import torch
 
 from spikewatch._adapter import Adapter
 from spikewatch._optional import require
+from spikewatch.trainer.checkpoints.memory import AUTO_STEPS
 from spikewatch.trainer.core.attribution import ID_KEYS, MicroBatches
 from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.world import World
@@ -109,7 +110,8 @@ class SpikewatchTrainer(Trainer):
             db=opts.db, name=opts.name, settings=settings, attn_max=opts.attn_max
         )
         self._position = 0  # batches drawn: the data position (the loader flows on)
-        memory = settings["checkpoint"].get("memory_interval") or 0
+        every = settings["checkpoint"].get("memory_interval")
+        memory = AUTO_STEPS[1] if every == "auto" else every or 0  # at most, when "auto"
         keep = opts.replay_steps if opts.replay_steps >= 0 else 2 * memory + 32
         self._keep_steps = keep
         self._fed: dict[int, tuple[Batches, torch.Tensor]] = {}  # data position -> its batches
@@ -341,7 +343,7 @@ def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
             "spikewatch resumes with them)"
         )
     checkpoint.setdefault("interval", None)
-    checkpoint.setdefault("memory_interval", 25)
+    checkpoint.setdefault("memory_interval", "auto")
     return settings
 
 

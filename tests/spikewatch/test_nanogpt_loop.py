@@ -124,3 +124,61 @@ def test_a_kill_and_the_same_command_resume_where_the_uninterrupted_run_goes(tmp
     assert len(resumed) == 1 and "100" in resumed[0], err
     assert again["iter_num"] == whole["iter_num"] == 131
     assert abs(again["fixed_val_loss"] - whole["fixed_val_loss"]) < 0.01, (again, whole)
+
+
+def test_the_model_itself_is_the_loss_fn_its_logits_loss_tuple_read(tmp_path, monkeypatch) -> None:
+    """`loss_fn=model` for a model that returns (logits, loss), as nanoGPT's does: the replay
+    that tells the spike's cause and the naming of its rows call the model with the batch's
+    items and take the loss from its tuple (no hand-written loss_fn)."""
+    import torch
+
+    from spikewatch import AdamW
+    from spikewatch.corpus import text_corpus, windows
+
+    monkeypatch.syspath_prepend(str(LOOP))
+    from model import GPT  # examples/nanogpt/model.py
+
+    torch.manual_seed(0)
+    model = GPT(2, 4, 32, 32)
+    train, _ = text_corpus()
+    settings = {"checkpoint": {"memory_interval": 10, "interval": None}}
+    watch = Watch(model, AdamW(model.parameters(), lr=3e-3), run_dir=tmp_path, db="none",
+                  max_steps=130, settings=settings)  # fmt: skip
+
+    def batch_at(i: int) -> tuple[Any, Any]:
+        x, y = windows(train, i, 8, 32)
+        if 90 <= i < 100:  # rows 0-2 of ten batches: random labels
+            y = y.clone()
+            y[:3] = torch.randint(0, 256, y[:3].shape, generator=torch.Generator().manual_seed(i))
+        return x, y
+
+    with watch:
+        for x, y in watch.batches(batch_at, loss_fn=model):
+            logits, loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    (rb,) = [i for i in watch.interventions if i["kind"] == "rollback"]
+    assert rb["cause"] != "unknown" and rb["replay_steps"] > 0, rb
+    named = {(s["batch"], s["row"]) for s in rb["samples"]}
+    assert named and all(90 <= b < 100 and r < 3 for b, r in named), named
+
+
+def test_what_a_loss_fn_returns_is_read_for_its_loss() -> None:
+    import torch
+
+    from spikewatch.trainer.watch_loss import as_loss, loss_function
+
+    loss = torch.tensor(2.5)
+    assert as_loss((torch.zeros(2, 3), loss)) is loss  # nanoGPT: (logits, loss)
+    assert as_loss({"loss": loss, "logits": torch.zeros(1)}) is loss  # a dict output
+    assert as_loss(type("Out", (), {"loss": loss})()) is loss  # Hugging Face's ModelOutput
+    with pytest.raises(TypeError, match="no loss"):
+        as_loss((torch.zeros(2, 3),))
+
+    class Two(torch.nn.Module):
+        def forward(self, x, y):  # noqa: ANN001, ANN201
+            return x, (x - y).square().mean()
+
+    fn = loss_function(Two())
+    assert float(fn((torch.ones(2), torch.zeros(2)))) == 1.0
+    assert float(fn({"x": torch.ones(2), "y": torch.zeros(2)})) == 1.0

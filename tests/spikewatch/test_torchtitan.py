@@ -230,7 +230,7 @@ def test_the_watchs_disk_tier_is_refused_and_settings_are_checked() -> None:
     from spikewatch.torchtitan import SpikewatchOptions, watch_settings
 
     ok = watch_settings(SpikewatchOptions(settings='{"guard": {"rollback": false}}'))
-    assert ok["checkpoint"] == {"interval": None, "memory_interval": 25}
+    assert ok["checkpoint"] == {"interval": None, "memory_interval": "auto"}  # 25 off a GPU
     assert ok["guard"] == {"rollback": False}
     with pytest.raises(ValueError, match="its own --checkpoint"):
         watch_settings(SpikewatchOptions(settings='{"checkpoint": {"interval": 10}}'))

@@ -384,3 +384,59 @@ def test_a_snapshot_keeps_an_optimizer_setting_that_does_not_pickle() -> None:
     assert got["trainer.json"] == {"k": [1]}
     assert torch.equal(model.weight, weight) and opt.param_groups[0]["lr"] == 0.1
     assert opt.param_groups[0]["schedule"](4) == 2.0
+
+
+@pytest.mark.parametrize(("cost_s", "every"), [(0.0042, 9), (1e-5, 5), (1.0, 25)])
+def test_auto_snapshots_as_often_as_their_measured_cost_allows(
+    tmp_path, monkeypatch, cost_s, every
+) -> None:
+    """memory_interval 'auto' (CheckFreq; on a GPU, forced here): the first snapshot after the
+    start's anchor at the lower bound, 5; then every k steps, the fewest that keep a
+    snapshot's cost to the loop (set here: its stall) within 0.5% of the time the steps take
+    (100 ms a step here), between 5 and 25; said once, and recorded with each snapshot. A
+    cost of 4.2 ms against 0.5 ms of budget a step: every 9."""
+    from spikewatch import Watch
+    from spikewatch.observatory import metric_names as M
+    from spikewatch.trainer.checkpoints import memory as memory_mod
+    from spikewatch.trainer.core.callbacks import Callback
+    from spikewatch.trainer.core.step_core import StepCore
+
+    monkeypatch.setattr(memory_mod, "AUTO_OFF_GPU", True)
+    measured = MemoryTier.measured
+
+    def costed(tier) -> None:  # noqa: ANN001
+        measured(tier)
+        if tier.cost_s is not None:
+            tier.cost_s = cost_s  # what a snapshot held the loop, as if measured so
+
+    monkeypatch.setattr(MemoryTier, "measured", costed)
+    monkeypatch.setattr(StepCore, "seconds_per_step", property(lambda core: 0.1))
+    said: list[str] = []
+    monkeypatch.setattr(
+        "spikewatch.trainer.core.step_core.say", lambda _log, message: said.append(message)
+    )
+
+    class Intervals(Callback):
+        def __init__(self) -> None:
+            self.seen: dict[int, float] = {}
+
+        def on_update_metrics(self, step: int, metrics: dict) -> None:
+            if M.CKPT_MEMORY_INTERVAL in metrics:
+                self.seen[step] = metrics[M.CKPT_MEMORY_INTERVAL]
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    seen = Intervals()
+    settings = {"checkpoint": {"interval": None, "memory_interval": "auto"}}
+    watch = Watch(model, torch.optim.SGD(model.parameters(), lr=0.01), run_dir=tmp_path,
+                  db="none", max_steps=60, settings=settings, callbacks=[seen])  # fmt: skip
+    with watch:
+        while not watch.should_stop:
+            watch.begin_step()
+            watch.step(model(torch.ones(2, 4)).square().mean())
+    steps = sorted(seen.seen)
+    assert steps[:3] == [0, 5, 5 + every], steps
+    assert all(b - a == every for a, b in zip(steps[1:], steps[2:], strict=False))
+    assert [m for m in said if "host-memory snapshots every" in m] == [
+        m for m in said if f"every {every} steps" in m
+    ] and len([m for m in said if "host-memory snapshots every" in m]) == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import pickle
 import threading
@@ -136,22 +137,39 @@ class _Slot:
     sealed: threading.Event = field(default_factory=threading.Event)
 
 
+# interval "auto" (CheckFreq, Mohan et al., FAST '21): a snapshot every k steps, k the fewest
+# that keeps its measured cost to the loop within AUTO_BUDGET of the step time, between
+# AUTO_STEPS[0] and AUTO_STEPS[1] (the upper bound: how far back a rollback's newest target
+# may lie, as the fixed default had it). On a GPU only: on a CPU the copy is the loop's own
+# memory traffic and the fixed AUTO_STEPS[1] holds (tests set AUTO_OFF_GPU).
+AUTO_BUDGET = 0.005
+AUTO_STEPS = (5, 25)
+AUTO_OFF_GPU = False
+
+
 class MemoryTier:
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        interval: int,
+        interval: int | str,
         budget_bytes: int,
         keep_last: int = 2,
         agree: Callable[[int], int] = lambda n: n,
     ) -> None:
         """`agree`: the smallest of every rank's number (World.min_int), so that every rank
-        keeps the same snapshots whatever its shard's size."""
+        keeps the same snapshots whatever its shard's size. `interval`: steps, or "auto"
+        (CheckFreq on a GPU: `interval_for`)."""
         self.model = model
         self.optimizer = optimizer
-        self.interval = interval
+        on_gpu = any(p.is_cuda for p in model.parameters()) or AUTO_OFF_GPU
+        self.auto = interval == "auto" and on_gpu
+        self.interval = (
+            AUTO_STEPS[0] if self.auto else AUTO_STEPS[1] if interval == "auto" else int(interval)
+        )
+        self.cost_s: float | None = None  # the loop's cost of a snapshot, measured (auto)
+        self.told: int | None = None  # the interval last said
         self.budget_bytes = budget_bytes
         self.keep_last = keep_last
         self.agree = agree
@@ -178,8 +196,27 @@ class MemoryTier:
         self.last_check_s = 0.0
 
     # -- what the tiers facade asks -------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        return step % self.interval == 0
+    def due(self, step: int, seconds_per_step: float = 0.0) -> bool:
+        if not self.auto:
+            return step % self.interval == 0
+        self.interval = self.interval_for(seconds_per_step)
+        return self.last_saved is None or step - self.last_saved >= self.interval
+
+    def interval_for(self, seconds_per_step: float) -> int:
+        """CheckFreq's interval: the fewest steps between snapshots that keep the measured cost
+        of one (what it held the loop: its own time, and the wait of the update after it for
+        its copy) within AUTO_BUDGET of the time those steps take, within AUTO_STEPS. Until a
+        cost is measured (the first snapshot after the start's anchor), the lower bound."""
+        lo, hi = AUTO_STEPS
+        if self.cost_s is None or seconds_per_step <= 0:
+            return lo
+        return max(lo, min(hi, math.ceil(self.cost_s / (AUTO_BUDGET * seconds_per_step))))
+
+    def measured(self) -> None:
+        """The snapshot in flight is copied: its cost to the loop is known (auto)."""
+        if self.auto and self.last_saved:  # (not the start's anchor: the first plan and block)
+            c = self.last_stall_s
+            self.cost_s = c if self.cost_s is None else 0.5 * (self.cost_s + c)
 
     def steps(self) -> list[int]:
         return sorted(s for s, slot in self.slots.items() if not slot.awaiting)
@@ -370,6 +407,7 @@ class MemoryTier:
             raise RuntimeError(f"host-memory snapshot of step {slot.step} failed: {err}") from err
         waited = time.perf_counter() - t0
         self.last_stall_s += waited
+        self.measured()
         return waited
 
     def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> bool:

@@ -22,7 +22,13 @@ from typing import Any, Protocol
 import torch
 
 from spikewatch.trainer.checkpoints import format as ck
-from spikewatch.trainer.checkpoints.memory import MemoryTier, default_budget_bytes, snapshot_bytes
+from spikewatch.trainer.checkpoints.memory import (
+    AUTO_BUDGET,
+    AUTO_STEPS,
+    MemoryTier,
+    default_budget_bytes,
+    snapshot_bytes,
+)
 from spikewatch.trainer.checkpoints.staging import NoTensors, Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World, local
@@ -122,7 +128,8 @@ class Tiers:
     def due(self, step: int, seconds_per_step: float) -> list[str]:
         """The tiers whose interval says: save now."""
         due = []
-        if self.memory is not None and self._mem_last() != step and self.memory.due(step):
+        memory = self.memory
+        if memory is not None and self._mem_last() != step and memory.due(step, seconds_per_step):
             due.append(MEMORY)
         if self.disk.enabled and self.disk.last_saved != step:
             if self.disk.due(step, seconds_per_step):
@@ -297,9 +304,16 @@ def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
     mem = tiers.memory
     if mem is not None:
         room = min(mem.capacity(per_snapshot), 10**6)
+        lo, hi = AUTO_STEPS
+        every = (
+            f"every {lo} to {hi} steps as each costs (at most {AUTO_BUDGET:.1%} of the step "
+            "time, measured)"
+            if mem.auto
+            else f"every {mem.interval} steps"
+        )
         parts.append(
-            f"host memory every {mem.interval} steps, ~{size} each, "
-            f"{count(mem.interval, mem.keep_last, room)} kept "
+            f"host memory {every}, ~{size} each, "
+            f"{count(hi if mem.auto else mem.interval, mem.keep_last, room)} kept "
             f"(a budget of {human_bytes(mem.budget_bytes)})"
         )
     cfg = tiers.disk.cfg

@@ -207,11 +207,12 @@ class CheckpointConfig(_Section):
         "host memory holds); 'auto' = Young/Daly from the measured save time and mtbf_hours; "
         "None = no disk checkpoints.",
     )
-    memory_interval: int | None = Field(
+    memory_interval: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         None,
-        ge=1,
         description="Snapshot to host memory every N steps (trainer/checkpoints/memory.py): a "
-        "rollback restores from RAM, never waiting on disk; None = off.",
+        "rollback restores from RAM, never waiting on disk; 'auto' = on a GPU, every k steps "
+        "from the snapshot's measured cost (CheckFreq: at most 0.5% of the step time, k "
+        "between 5 and 25), elsewhere 25; None = off.",
     )
     memory_budget_mb: float | None = Field(
         None,
@@ -235,7 +236,7 @@ class CheckpointConfig(_Section):
         """Some tier keeps rollback targets (without one, spikes are recorded, never acted on)."""
         return self.interval is not None or self.memory_interval is not None
 
-    @field_validator("interval", mode="before")
+    @field_validator("interval", "memory_interval", mode="before")
     @classmethod
     def _auto_word(cls, v: object) -> object:
         ok = v is None or v == "auto" or (type(v) is int and v >= 1)

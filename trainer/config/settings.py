@@ -20,13 +20,15 @@ from spikewatch.trainer.config.sections import (
 
 __all__ = ["WatchSettings"]
 
-# The Watch's defaults: rollback targets in host memory every 25 steps (cheap: an asynchronous
-# copy), and on disk every 100 (for a crash: a resume reads only disk), written in the
-# background (the loop waits only if its next update comes before the tensors are copied; a
-# synchronous save with fsync cost the small benchmark step 0.6% of its time). Under torchrun
-# the sharded save is synchronous whatever this says (trainer/checkpoints/sharded.py).
+# The Watch's defaults: rollback targets in host memory ('auto': on a GPU every 5 to 25 steps,
+# as the snapshot's measured cost allows, at most 0.5% of the step time; elsewhere every 25:
+# trainer/checkpoints/memory.py), and on disk every 100 (for a crash: a resume reads only
+# disk), written in the background (the loop waits only if its next update comes before the
+# tensors are copied; a synchronous save with fsync cost the small benchmark step 0.6% of its
+# time). Under torchrun the sharded save is synchronous whatever this says
+# (trainer/checkpoints/sharded.py).
 DISK_INTERVAL = 100
-MEMORY_INTERVAL = 25
+MEMORY_INTERVAL = "auto"
 CHECKPOINT_DEFAULTS = {
     "interval": DISK_INTERVAL,
     "memory_interval": MEMORY_INTERVAL,

@@ -44,6 +44,7 @@ import torch
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.strict_json import write_json
+from spikewatch.trainer.checkpoints.memory import AUTO_BUDGET, AUTO_STEPS
 from spikewatch.trainer.checkpoints.tiers import DISK, Tiers
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from spikewatch.trainer.core.attribution import Measure
@@ -61,7 +62,7 @@ from spikewatch.trainer.core.same_step import SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
 from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
-from spikewatch.trainer.core.world import World
+from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer, optimizer_name
 
 __all__ = [
@@ -595,8 +596,26 @@ class StepCore(Checkpointed):
         stats = {M.checkpoint_stall(tier): s for tier, s in stalls.items()}
         if ck.memory is not None:
             stats[M.CKPT_MEMORY_BYTES] = float(ck.memory.bytes_held)
+            if ck.memory.auto:
+                stats[M.CKPT_MEMORY_INTERVAL] = float(ck.memory.interval)
+                self._tell_memory_interval()
         self._emit_update_metrics(self.step_count, stats)
         ck.report(self.callbacks)
+
+    def _tell_memory_interval(self) -> None:
+        """Say the host-memory tier's measured interval ('auto') once it is known, and again
+        when it moves by half or more."""
+        mem = self.checkpointer.memory
+        if mem is None or mem.cost_s is None or not self.world.is_main:
+            return
+        told, now = mem.told, mem.interval
+        if told is not None and max(now, told) < 1.5 * min(now, told):
+            return
+        mem.told = now
+        lo, hi = AUTO_STEPS
+        say(log, f"host-memory snapshots every {now} steps: one costs the loop "
+            f"{1e3 * mem.cost_s:.1f} ms against a {1e3 * self.seconds_per_step:.1f} ms step "
+            f"(at most {AUTO_BUDGET:.1%} of the time, between {lo} and {hi} steps)")  # fmt: skip
 
     def pin_newest(self, reason: str) -> None:
         if self.checkpointer.enabled:

@@ -173,8 +173,18 @@ def run_page(request: Request, session: SessionDep, run_id: str) -> HTMLResponse
         "suspects": suspect_devices(e.data for e in events if e.kind == "rollback"),
         "logbook": logbook(session, run_id=run_id),
         "layers": list(range(int(run.config.get("model", {}).get("n_layer", 0)))),
+        "memory_interval": _memory_interval(session, run_id, present),
     }
     return templates.TemplateResponse(request, "run.html", context)
+
+
+def _memory_interval(session: SessionDep, run_id: str, present: set[str]) -> int | None:
+    """The host-memory tier's interval as last measured ('auto', CheckFreq), if recorded."""
+    if M.CKPT_MEMORY_INTERVAL not in present:
+        return None
+    data = store.series(session, run_id=run_id, metric=M.CKPT_MEMORY_INTERVAL, buckets=1000)
+    last = [b for d in data for b in d.buckets if b.n and b.max_value is not None]
+    return int(max(last, key=lambda b: b.end).max_value) if last else None  # type: ignore[arg-type]
 
 
 @router.get("/api/runs/{run_id}/figures/{chart}", tags=["runs"])
