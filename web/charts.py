@@ -3,9 +3,10 @@
 Series arrive downsampled by min and max per bucket; each bucket is drawn through both its
 extremes in step order, so a one-step spike is always drawn at its exact height. Non-finite
 values get red markers at the top of the plot. The y-axis is never clipped to hide outliers
-(`autorange` on the raw extremes); log scale is an option. The branch a rollback abandoned is
-drawn faded beside the one that continued; spike onsets and detections are markers, rollbacks
-are annotated vertical lines.
+(`autorange` on the raw extremes); log scale is an option. The live branch's history is one
+line; what a rollback abandoned (a branch's steps after the history left it) is a line of its
+own colour beside it; spike onsets and detections are markers; a rollback is marked where it
+was decided and at the step it restored, the steps between shaded.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 LIVE = "#1f77b4"
-FADED = "rgba(31, 119, 180, 0.35)"
+ABANDONED = "#e6550d"  # what a rollback undid: a colour of its own, solid (the spike is there)
 
 
 def _finite(v: float | None) -> bool:
@@ -53,6 +54,21 @@ def _points(s: SeriesData) -> tuple[list[int], list[float], list[int]]:
     return xs, ys, bad
 
 
+def _lineage(branches: Sequence[BranchRow], live: int) -> dict[int, tuple[float, float]]:
+    """The steps each branch holds on the live branch's history: (after, up to], from the live
+    branch back through the parents it forked from (a branch forked at its restored step)."""
+    by = {b.number: b for b in branches}
+    owned: dict[int, tuple[float, float]] = {}
+    hi, b = math.inf, live
+    while True:
+        row = by.get(b)
+        fork = row.fork_step if row is not None and row.fork_step is not None else -math.inf
+        owned[b] = (fork, hi)
+        if row is None or row.parent is None or b in owned and row.parent in owned:
+            return owned
+        hi, b = fork, row.parent
+
+
 def series_figure(
     series: Sequence[SeriesData],
     events: Sequence[EventRow] = (),
@@ -62,28 +78,33 @@ def series_figure(
     log_y: bool = False,
     x_end: int | None = None,
 ) -> dict[str, Any]:
-    """One metric over all branches, with spike markers and rollback annotations; `x_end`: the
-    run's last step (a finished run), where the x-axis ends."""
+    """One metric: the live branch's history as one line (the steps its ancestors hold up to
+    where it forked are its own), each abandoned stretch (a branch's steps after the live
+    history left it: what a rollback undid, the spike with it) as a line of its own, in a
+    colour that is seen; spike markers and rollback annotations. `x_end`: the run's last step
+    (a finished run), where the x-axis ends."""
     live = max((b.number for b in branches), default=max((s.branch for s in series), default=0))
+    owned = _lineage(branches, live)
     traces: list[dict[str, Any]] = []
     top = max((y for s in series for y in _points(s)[1]), default=1.0)
+    history: list[tuple[int, float]] = []
     for s in sorted(series, key=lambda s: s.branch):
         xs, ys, bad = _points(s)
-        faded = s.branch != live
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": _mode(xs),
-                "x": xs,
-                "y": ys,
-                "name": f"branch {s.branch}" + (" (abandoned)" if faded else ""),
-                "line": {
-                    "color": FADED if faded else LIVE,
-                    "width": 1.5,
-                    "dash": "dot" if faded else "solid",
-                },
-            }
-        )
+        lo, hi = owned.get(s.branch, (math.inf, math.inf))
+        history += [(x, y) for x, y in zip(xs, ys, strict=True) if lo < x <= hi]
+        gone = [(x, y) for x, y in zip(xs, ys, strict=True) if not lo < x <= hi]
+        if gone:
+            gx, gy = [x for x, _ in gone], [y for _, y in gone]
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": _mode(gx),
+                    "x": gx,
+                    "y": gy,
+                    "name": f"branch {s.branch} (abandoned)",
+                    "line": {"color": ABANDONED, "width": 1.5, "dash": "solid"},
+                }
+            )
         if bad:
             traces.append(
                 {
@@ -95,6 +116,20 @@ def series_figure(
                     "marker": {"color": "red", "symbol": "x", "size": 10},
                 }
             )
+    if history:
+        history.sort()
+        hx = [x for x, _ in history]
+        traces.insert(
+            0,
+            {
+                "type": "scatter",
+                "mode": _mode(hx),
+                "x": hx,
+                "y": [y for _, y in history],
+                "name": f"branch {live}",
+                "line": {"color": LIVE, "width": 1.5, "dash": "solid"},
+            },
+        )
     spikes = [e for e in events if e.kind == "spike"]
     if spikes:
         traces.append(
@@ -141,37 +176,74 @@ def series_figure(
 
 
 def _interventions(events: Sequence[EventRow]) -> tuple[list[dict], list[dict]]:
-    """A dashed line and a label at each rollback and halt: (shapes, annotations)."""
+    """At each rollback: a dashed line where it was decided, a dotted one at the step it
+    restored, the steps between (undone, then trained again) shaded, and one label (rollbacks
+    decided at the same step to the same target: one label, counted); the skipped batches in
+    the label. A halt: a dashed line and its label. Labels of successive interventions step
+    down, so that none covers another. (shapes, annotations)"""
     shapes: list[dict[str, Any]] = []
     notes: list[dict[str, Any]] = []
+    seen: dict[tuple[int | None, Any], dict[str, Any]] = {}
     for e in events:
-        if e.kind in ("rollback", "halt"):
-            shapes.append(
-                {
-                    "type": "line",
-                    "xref": "x",
-                    "yref": "paper",
-                    "x0": e.step,
-                    "x1": e.step,
-                    "y0": 0,
-                    "y1": 1,
-                    "line": {"color": "crimson", "dash": "dash", "width": 1},
-                }
-            )
-            text = f"rollback → step {e.data.get('to_step')}" if e.kind == "rollback" else "halt"
-            notes.append(
-                {
-                    "x": e.step,
-                    "y": 1,
-                    "xref": "x",
-                    "yref": "paper",
-                    "text": text,
-                    "showarrow": False,
-                    "yanchor": "bottom",
-                    "font": {"color": "crimson"},
-                }
-            )
+        if e.kind not in ("rollback", "halt"):
+            continue
+        to = e.data.get("to_step") if e.kind == "rollback" else None
+        key = (e.step, to if e.kind == "rollback" else "halt")
+        if key in seen:  # the same rollback again (or recorded twice): counted on its label
+            note = seen[key]
+            note["n"] += 1
+            note["text"] = f"{note['n']} x {note['base']}"
+            continue
+        line = {"color": "crimson", "dash": "dash", "width": 1}
+        shapes.append(_vline(e.step, line))
+        if e.kind == "rollback":
+            text = f"rollback → step {to}"
+            skips = e.data.get("skip_ranges") or []
+            if skips:
+                text += ", skipping batches " + ", ".join(f"[{a}, {b})" for a, b in skips)
+            if to is not None:
+                shapes.append(_vline(to, {"color": "crimson", "dash": "dot", "width": 1}))
+                shapes.append(
+                    {
+                        "type": "rect",
+                        "xref": "x",
+                        "yref": "paper",
+                        "x0": to,
+                        "x1": e.step,
+                        "y0": 0,
+                        "y1": 1,
+                        "fillcolor": "rgba(220, 20, 60, 0.06)",
+                        "line": {"width": 0},
+                        "layer": "below",
+                    }
+                )
+        else:
+            text = "halt"
+        k = len(seen)
+        note = {
+            "x": e.step,
+            "y": 1 if k == 0 else 0.98 - 0.07 * ((k - 1) % 4),
+            "xref": "x",
+            "yref": "paper",
+            "text": text,
+            "showarrow": False,
+            "yanchor": "bottom" if k == 0 else "top",
+            "xanchor": "right",
+            "bgcolor": "rgba(255, 255, 255, 0.8)",
+            "font": {"color": "crimson", "size": 11},
+        }
+        notes.append(note)
+        seen[key] = note
+        note["n"], note["base"] = 1, text  # (taken off below: no plotly keys)
+    for note in notes:
+        note.pop("n", None)
+        note.pop("base", None)
     return shapes, notes
+
+
+def _vline(x: int | None, line: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
+            "line": line}  # fmt: skip
 
 
 def _markers(
@@ -204,6 +276,8 @@ def heatmap_figure(
                 "z": z,
                 "colorscale": "Viridis",
                 "hoverongaps": False,
+                # below the top, where plotly's toolbar icons covered its upper ticks
+                "colorbar": {"len": 0.85, "y": 0.0, "yanchor": "bottom", "thickness": 14},
             }
         ],
         "layout": {

@@ -92,10 +92,18 @@ def test_line_chart_figures_and_their_zoom(client) -> None:
     names = [t["name"] for t in fig["data"]]
     assert "branch 0 (abandoned)" in names and "branch 1" in names and "spike onset" in names
     rollback = client.get("/api/runs/r1/events", params={"kind": "rollback"}).json()[0]
-    note = f"rollback → step {rollback['data']['to_step']}"
+    to = rollback["data"]["to_step"]
+    (a, b), = rollback["data"]["skip_ranges"]  # fmt: skip
+    note = f"rollback → step {to}, skipping batches [{a}, {b})"
     assert [a["text"] for a in fig["layout"]["annotations"]] == [note]
+    marks = {(x["type"], x["x0"]) for x in fig["layout"]["shapes"]}
+    assert {("line", rollback["step"]), ("line", to), ("rect", to)} <= marks  # restored: marked
     live = next(t for t in fig["data"] if t["name"] == "branch 1")
-    assert max(live["y"]) < 5.0  # the spike belongs to the abandoned branch only
+    after = [y for x, y in zip(live["x"], live["y"], strict=True) if x > to]
+    assert max(after) < 5.0  # the spike belongs to the abandoned branch only
+    gone = next(t for t in fig["data"] if t["name"] == "branch 0 (abandoned)")
+    assert min(gone["x"]) > to and max(gone["y"]) > 5.0  # its own steps, the spike among them
+    assert live["x"][0] < to  # the steps both branches share are the live history's
     # zoomed: every step of the window is its own bucket, spike markers and notes stay
     zoom = client.get(
         "/api/runs/r1/figures/chart-loss", params={"start": 140, "end": 170, "buckets": 1000}
@@ -103,13 +111,14 @@ def test_line_chart_figures_and_their_zoom(client) -> None:
     lines = [t for t in zoom["data"] if t["mode"] == "lines"]
     assert all(140 <= x <= 170 for t in lines for x in t["x"])
     live = next(t for t in lines if t["name"] == "branch 1")
-    assert live["x"] == list(range(rollback["data"]["to_step"] + 1, 171))
+    assert live["x"] == list(range(140, 171))  # the history: branch 0's up to the fork
     assert "spike onset" in [t["name"] for t in zoom["data"]]
     # the learning rate has no spike markers, only the rollback
     lr = client.get("/api/runs/r1/figures/chart-lr", params={"buckets": 10}).json()
     shown = [t for t in lr["data"] if t.get("showlegend", True)]  # (the run's end: hidden)
-    assert [t["name"] for t in shown] == ["branch 0 (abandoned)", "branch 1"]
-    assert all(len(t["x"]) <= 20 for t in shown)  # 10 buckets: a min and a max each
+    assert [t["name"] for t in shown] == ["branch 1", "branch 0 (abandoned)"]
+    # 10 buckets a branch: a min and a max each (the live history holds both branches' own)
+    assert len(shown[0]["x"]) <= 40 and len(shown[1]["x"]) <= 20
     assert client.get("/api/runs/r1/figures/chart-loss", params={"buckets": 0}).status_code == 422
     bad = client.get("/api/runs/r1/figures/chart-loss", params={"start": -1})
     assert bad.status_code == 422

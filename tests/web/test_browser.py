@@ -30,6 +30,15 @@ def test_run_page_shows_the_spike_and_the_rollback(server, browser) -> None:
     page.close()
 
 
+def test_at_700_px_the_run_page_does_not_scroll_sideways(server, browser) -> None:
+    """Issue 58 item 4: at 700 px the run page scrolled sideways (its wide tables)."""
+    page = browser.new_page(viewport={"width": 700, "height": 900})
+    page.goto(server + "/runs/spiky")
+    page.wait_for_selector("#chart-loss .main-svg")
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    page.close()
+
+
 def test_zooming_a_line_chart_fetches_its_steps_again(server, browser) -> None:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     with page.expect_request(lambda r: "figures/chart-loss?buckets=" in r.url) as first:

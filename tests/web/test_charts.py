@@ -34,15 +34,22 @@ def test_series_draw_the_spike_the_nan_and_the_abandoned_branch() -> None:
     ]
     branches = [BranchRow(0, None, None, None, NOW), BranchRow(1, 0, 2, "rollback", NOW)]
     fig = charts.series_figure([abandoned, live], events, branches, title="loss")
-    lines = [t for t in fig["data"] if t["mode"] == "lines"]
-    assert lines[0]["name"] == "branch 0 (abandoned)" and lines[0]["line"]["dash"] == "dot"
-    assert lines[1]["name"] == "branch 1" and lines[1]["line"]["dash"] == "solid"
-    assert 40.0 in lines[0]["y"]  # the one-step spike is drawn at its height
+    lines = {t["name"]: t for t in fig["data"] if t["mode"].startswith("lines")}
+    # the live history: branch 0's steps up to the fork (2), then branch 1's own
+    assert lines["branch 1"]["x"] == [1, 2, 3, 4] and lines["branch 1"]["y"] == [3.0, 2.9, 2.8, 2.7]
+    gone = lines["branch 0 (abandoned)"]  # only what the rollback undid, in a colour of its own
+    assert gone["x"] == [3] and gone["y"] == [40.0]  # the one-step spike, drawn at its height
+    assert (
+        gone["line"]["dash"] == "solid"
+        and gone["line"]["color"] != lines["branch 1"]["line"]["color"]
+    )
     nan = next(t for t in fig["data"] if t["name"].startswith("non-finite"))
     assert nan["x"] == [4] and nan["y"] == [40.0]  # at the top, where it is seen
     names = {t["name"] for t in fig["data"]}
     assert {"spike onset", "spike detected"} <= names
-    assert fig["layout"]["shapes"][0]["x0"] == 4
+    shapes = fig["layout"]["shapes"]
+    assert [(x["type"], x["x0"]) for x in shapes] == [("line", 4), ("line", 2), ("rect", 2)]
+    assert shapes[2]["x1"] == 4  # the steps undone, shaded
     assert fig["layout"]["annotations"][0]["text"] == "rollback → step 2"
     assert fig["layout"]["yaxis"] == {"type": "linear", "autorange": True}  # nothing clipped
     assert charts.series_figure([live], log_y=True)["layout"]["yaxis"]["type"] == "log"
@@ -55,7 +62,11 @@ def test_a_branch_of_one_point_is_drawn_with_a_marker() -> None:
     many = _series(0, {10: 2.5, 20: 2.3})
     fig = charts.series_figure([many, one], title="val")
     modes = {t["name"]: t["mode"] for t in fig["data"]}
-    assert modes == {"branch 0 (abandoned)": "lines", "branch 1": "lines+markers"}
+    assert modes == {"branch 0 (abandoned)": "lines", "branch 1": "lines+markers"}  # no branches
+    # told its branches, branch 1's history holds branch 0's steps up to its fork
+    forked = [BranchRow(0, None, None, None, NOW), BranchRow(1, 0, 20, "rollback", NOW)]
+    fig = charts.series_figure([many, one], branches=forked, title="val")
+    assert {t["name"]: t["x"] for t in fig["data"]} == {"branch 1": [10, 20, 50]}
     cmp = charts.compare_figure({"a": [one], "b": [many]}, title="val")
     assert [t["mode"] for t in cmp["data"]] == ["lines+markers", "lines"]
 
@@ -76,8 +87,25 @@ def test_a_finished_runs_axis_runs_to_its_end_and_heatmaps_mark_the_rollback() -
     m = Matrix("r", "rank/*/loss", 1, [0, 1], [0, 64], 64, grid, [[0, 64]] * 2, grid,
                [[1, 65]] * 2, [[64, 64]] * 2, [[0, 0]] * 2)  # fmt: skip
     heat = charts.heatmap_figure(m, row_label="rank", events=[rollback])
-    assert heat["layout"]["shapes"][0]["x0"] == 84
+    assert heat["layout"]["shapes"][0]["x0"] == 84 and heat["layout"]["shapes"][1]["x0"] == 70
     assert heat["layout"]["annotations"][0]["text"] == "rollback → step 70"
+
+
+def test_two_rollbacks_to_one_step_get_one_label_and_labels_step_down() -> None:
+    """Issue 58 item 4: two rollbacks to the same step read "rollbackrollbackstep 125step
+    125"; and labels of nearby rollbacks covered each other."""
+    same = [
+        EventRow(f"u{i}", 0, 150, "rollback", "trainer", "", {"to_step": 125}, NOW)
+        for i in range(2)
+    ]
+    other = EventRow("u9", 1, 160, "rollback", "trainer", "", {"to_step": 125,
+                     "skip_ranges": [[148, 162]]}, NOW)  # fmt: skip
+    notes = charts.series_figure([_series(0, {1: 1.0})], [*same, other])["layout"]["annotations"]
+    assert [n["text"] for n in notes] == [
+        "2 x rollback → step 125",
+        "rollback → step 125, skipping batches [148, 162)",
+    ]
+    assert notes[0]["y"] != notes[1]["y"]  # one under the other
 
 
 def test_a_bucket_is_drawn_through_both_extremes_in_step_order() -> None:

@@ -39,19 +39,3 @@ def test_a_stall_without_a_resume_reads_stalled_and_a_resume_clears_it(tmp_path)
         assert sink.flush(timeout=30)
         assert _state(client, "r1") == (False, "failed")
     sink.close(timeout=30)
-
-
-def test_the_run_page_says_the_measured_snapshot_interval(tmp_path) -> None:
-    """memory_interval 'auto': each snapshot records the interval it was taken at; the run
-    page's checkpoints section says the newest."""
-    url = f"sqlite:///{tmp_path / 'sw.db'}"
-    upgrade(url)
-    sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
-    sink.start_run("r1", name="r1", config={})
-    for step, every in ((5, 5), (14, 9), (22, 8)):
-        sink.log_metrics("r1", 0, step, {"train/loss": 2.0, "checkpoint/memory_interval": every})
-    assert sink.flush(timeout=30)
-    with TestClient(create_app(Settings(db_url=url))) as client:
-        page = client.get("/runs/r1").text
-        assert 'id="ckpt-memory-interval">Host-memory snapshots every 8 steps' in page
-    sink.close(timeout=30)
