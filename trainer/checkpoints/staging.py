@@ -63,7 +63,7 @@ class Live(Stager):
     """No copy at all: the live tensors, for a background thread to stage later."""
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
+        return t.detach() if t.requires_grad else t  # (state dicts' tensors are detached)
 
 
 class NoTensors(Live):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from spikewatch.trainer.checkpoints.memory import (
     default_budget_bytes,
     snapshot_bytes,
 )
-from spikewatch.trainer.checkpoints.staging import NoTensors, Stager
+from spikewatch.trainer.checkpoints.staging import Live, NoTensors, Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World, local
 
@@ -148,14 +149,26 @@ class Tiers:
         disk tier `awaits`, else the caller drained first) is completed or dropped once the
         step is decided (`complete`, `drop`)."""
         stalls: dict[str, float] = {}
-        if self.memory is not None and (tiers is None or MEMORY in tiers):
+        memory = self.memory is not None and (tiers is None or MEMORY in tiers)
+        disk = self.disk.enabled and (tiers is None or DISK in tiers)
+        live = None
+        if memory and disk and self.disk.in_background:  # one build for both: the disk's
+            t0 = time.perf_counter()  # (host memory takes what it needs of it)
+            live = build(Live())
+            built = time.perf_counter() - t0
+        if memory:
+            assert self.memory is not None
             pins = self.pins.get(step, set())
-            stalls[MEMORY] = self.memory.save(step, build(NoTensors()), pins, awaiting)
+            snap = live if live is not None else build(NoTensors())
+            stalls[MEMORY] = self.memory.save(step, snap, pins, awaiting)
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
-        if self.disk.enabled and (tiers is None or DISK in tiers):
+        if disk:
             # None: this tier does not keep that step
-            stall = self.disk.save(step, build, awaiting=awaiting)
+            made = build if live is None else (lambda stage: live)
+            stall = self.disk.save(step, made, awaiting=awaiting)
+            if stall is not None and live is not None:
+                stall += built
             if stall is not None:
                 stalls[DISK] = stall
         return stalls
