@@ -298,25 +298,45 @@ def compare_figure(
     names: dict[str, str] | None = None,
     x_scale: dict[str, float] | None = None,
     x_title: str = "step",
+    spikes: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """One metric for several runs overlaid (each run's newest branch), by step, or by tokens
-    when `x_scale` gives each run's tokens per step."""
-    traces = []
-    for run_id, series in runs.items():
+    when `x_scale` gives each run's tokens per step; `spikes`: each run's detected spikes,
+    marked on its line in its colour."""
+    traces: list[dict[str, Any]] = []
+    for i, (run_id, series) in enumerate(runs.items()):
         if not series:
             continue
         s = max(series, key=lambda s: s.branch)
         xs, ys, _ = _points(s)
         k = (x_scale or {}).get(run_id, 1.0)
+        name = (names or {}).get(run_id, run_id)
+        color = PALETTE[i % len(PALETTE)]
         traces.append(
             {
                 "type": "scatter",
                 "mode": _mode(xs),
                 "x": [x * k for x in xs] if k != 1.0 else xs,
                 "y": ys,
-                "name": (names or {}).get(run_id, run_id),
+                "name": name,
+                "line": {"color": color},
+                "legendgroup": run_id,
             }
         )
+        at = sorted(set((spikes or {}).get(run_id, [])))
+        if at and xs:  # each at the run's own value nearest that step (the spike's height)
+            near = [_nearest(xs, a) for a in at]
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "x": [a * k for a in at],
+                    "y": [ys[j] for j in near],
+                    "name": f"{name}: spikes",
+                    "marker": {"symbol": "x", "size": 10, "color": color},
+                    "legendgroup": run_id,
+                }
+            )
     return {
         "data": traces,
         "layout": {
@@ -327,6 +347,11 @@ def compare_figure(
             "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
         },
     }
+
+
+def _nearest(xs: Sequence[int], at: int) -> int:
+    """The index of the step in `xs` nearest `at`."""
+    return min(range(len(xs)), key=lambda j: abs(xs[j] - at))
 
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
@@ -392,6 +417,7 @@ def small_multiples_figure(
     """One panel per variant (shared log y), a line per run in it: `panels[variant]` holds
     (label, steps, values); a label keeps its colour in every panel."""
     names = list(panels)
+    columns = max(1, min(columns, len(names)))  # one variant: the whole width, not a third
     rows = max(1, math.ceil(len(names) / columns))
     labels = sorted({lab for runs in panels.values() for lab, _, _ in runs}, key=_label_order)
     color = {lab: PALETTE[i % len(PALETTE)] for i, lab in enumerate(labels)}

@@ -24,7 +24,7 @@ from spikewatch.observatory.store.downsample import (
     downsample_buckets,
     lineage,
 )
-from spikewatch.observatory.store.models import Branch, MetricName, Run, Series
+from spikewatch.observatory.store.models import Branch, Event, MetricName, Run, Series
 from spikewatch.observatory.store.names import NO_INDEX, parse_name
 from spikewatch.observatory.store.queries import Matrix, SeriesData, _bucket
 
@@ -206,6 +206,22 @@ def peaks(session: Session, run_pks: Sequence[int], template: str) -> dict[int, 
     if run_pks:
         for pk, v in session.execute(q, {"runs": list(run_pks), "name": template}):
             out[pk] = None if v is None else float(v)
+    return out
+
+
+def event_steps(session: Session, run_pks: Sequence[int], kind: str) -> dict[int, list[int]]:
+    """Each run's steps of its events of `kind` (a spike's detection, say), abandoned branches
+    included, in step order. One statement."""
+    out: dict[int, list[int]] = {pk: [] for pk in run_pks}
+    if run_pks:
+        q = (
+            select(Event.run_id, Event.step)
+            .where(Event.run_id.in_(list(run_pks)), Event.kind == kind, Event.step.is_not(None))
+            .order_by(Event.run_id, Event.step)
+        )
+        for pk, step in session.execute(q):
+            if step is not None:
+                out[pk].append(step)
     return out
 
 

@@ -90,7 +90,9 @@ def test_compare_page_renders_three_runs(server, browser) -> None:
     page = browser.new_page()
     page.goto(server + "/compare?run=spiky&run=lr1e-3&run=lr1e-2")
     page.wait_for_selector("#chart-compare .main-svg")
-    assert page.locator("#chart-compare .scatterlayer .trace").count() == 3
+    # three runs, and the spiky run's spikes marked on its line
+    assert page.locator("#chart-compare .scatterlayer .trace").count() == 4
+    assert "spiky: spikes" in page.inner_text("#chart-compare")
     rows = page.inner_text("#compare-table")
     assert "spiky" in rows and "lr1e-3" in rows and "lr1e-2" in rows
     # the three runs differ only in their learning rate: an LR sweep, so its table and charts

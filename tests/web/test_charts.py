@@ -188,3 +188,15 @@ def test_small_multiples_one_panel_per_variant_same_colour_per_lr() -> None:
     assert [t["name"] for t in fig["data"][:2]] == ["lr 0.01", "lr 0.1"]  # by LR, not input order
     assert sum(t["showlegend"] for t in fig["data"]) == 2  # one legend entry per LR
     assert {t["yaxis"] for t in fig["data"]} == {"y", "y2", "y3"}
+
+
+def test_compare_marks_each_runs_spikes_in_its_colour_and_one_panel_takes_the_width() -> None:
+    """Issue 58 item 4: the compare page drew the loss with no spike marker, and squeezed the
+    attention-logit panel of one variant into a third of its width."""
+    a, b = _series(0, {1: 2.0, 2: 9.0, 3: 2.1}), _series(0, {1: 2.0, 2: 2.0, 3: 1.9})
+    fig = charts.compare_figure({"a": [a], "b": [b]}, spikes={"a": [2], "b": []})
+    marks = [t for t in fig["data"] if t["mode"] == "markers"]
+    assert [(t["name"], t["x"], t["y"]) for t in marks] == [("a: spikes", [2], [9.0])]
+    assert marks[0]["marker"]["color"] == fig["data"][0]["line"]["color"]  # the run's colour
+    one = charts.small_multiples_figure({"v": [("lr 0.01", [1, 2], [3.0, 4.0])]})
+    assert one["layout"]["xaxis"]["domain"] == [0, 1]

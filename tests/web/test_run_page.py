@@ -47,3 +47,26 @@ def test_the_interventions_table_shows_ranks_as_a_list_never_as_brackets(tmp_pat
     assert "[]" not in table and "[0, 1]" not in table
     assert "<td>0, 1</td>" in table and "<td>&ndash;</td>" in table
     sink.close(timeout=30)
+
+
+def test_chosen_runs_of_one_cell_are_all_compared_with_their_spikes(tmp_path) -> None:
+    """Issue 58 item 4: a fault run, its clean twin and its no-rollback twin (one config: one
+    cell of a sweep report, which keeps the newest) compared: only one was drawn. Every chosen
+    run is drawn now, each spike marked on its own line."""
+    import json
+
+    url, sink = _sink(tmp_path)
+    for run in ("r2", "r3"):
+        sink.start_run(run, name=run, config={})
+    for run, bump in (("r1", 0.0), ("r2", 5.0), ("r3", 0.0)):
+        for step in range(1, 6):
+            loss = 2.0 + (bump if step == 3 else 0.0)
+            sink.log_metrics(run, 0, step, {"train/loss": loss})
+    sink.log_event("r2", "spike", step=3, message="spike", data={"onset_step": 3})
+    assert sink.flush(timeout=30)
+    with TestClient(create_app(Settings(db_url=url))) as client:
+        page = client.get("/compare?run=r1&run=r2&run=r3").text
+    figures = json.loads(page[page.index("const figures = ") + 16 : page.index(";\n  for")])
+    names = [t["name"] for t in figures["chart-compare"]["data"]]
+    assert names == ["r1", "r2", "r2: spikes", "r3"], names
+    sink.close(timeout=30)

@@ -64,14 +64,16 @@ def compare_page(
         report = report_for_runs(session, chosen)
     ran = [c for c in report.cells if c.run_id is not None]
     seeds = len({c.seed for c in ran}) > 1
-    names = {  # a group's runs by their cell; chosen runs by their id
-        c.run_id: f"{c.variant} lr {c.lr:g}" + (f" seed {c.seed}" if seeds else "")
-        if group
-        else c.run_id
-        for c in ran
-        if c.run_id
-    }
     runs = {r.run_id: r for r in all_runs}
+    if group:  # a group's runs by their cell (its newest run of each)
+        names = {
+            c.run_id: f"{c.variant} lr {c.lr:g}" + (f" seed {c.seed}" if seeds else "")
+            for c in ran
+            if c.run_id
+        }
+    else:  # chosen runs, every one by its id: a fault run beside its clean twin (the same
+        # cell, which the report keeps once) is what a user compares
+        names = {r: r for r in dict.fromkeys(chosen) if r in runs}
     rows = across.runs_by_key(session, list(names))
     figures: dict[str, Any] = {
         "chart-compare": charts.compare_figure(
@@ -80,6 +82,7 @@ def compare_page(
             names=names,
             x_scale=_tokens_per_step(session, list(names), runs) if align == "tokens" else None,
             x_title="tokens" if align == "tokens" else "step",
+            spikes=_spikes(session, rows),
         )
     }
     panels = _max_logit_panels(session, report, rows)
@@ -116,6 +119,13 @@ def _series(session: Session, rows: dict[str, Any], metric: str) -> dict[str, An
         return across.histories(session, rows, metric, buckets=1000)
     except ValueError:  # a name the store cannot hold: no run has it
         return {run_id: [] for run_id in rows}
+
+
+def _spikes(session: Session, rows: dict[str, Any]) -> dict[str, list[int]]:
+    """Each run's detected spikes (their steps), for markers on the compared metric (one
+    statement for all the runs)."""
+    steps = across.event_steps(session, [row.id for row in rows.values()], "spike")
+    return {key: steps[row.id] for key, row in rows.items()}
 
 
 def _tokens_per_step(
