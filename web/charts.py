@@ -276,8 +276,7 @@ def heatmap_figure(
                 "z": z,
                 "colorscale": "Viridis",
                 "hoverongaps": False,
-                # below the top, where plotly's toolbar icons covered its upper ticks
-                "colorbar": {"len": 0.85, "y": 0.0, "yanchor": "bottom", "thickness": 14},
+                "colorbar": {"thickness": 14},
             }
         ],
         "layout": {
@@ -287,6 +286,8 @@ def heatmap_figure(
             "shapes": shapes,
             "annotations": notes,
             "margin": {"t": 40, "r": 10, "b": 40, "l": 50},
+            # the toolbar across the top: down the right edge it covered the colorbar's ticks
+            "modebar": {"orientation": "h"},
         },
     }
 

@@ -89,6 +89,8 @@ def test_a_finished_runs_axis_runs_to_its_end_and_heatmaps_mark_the_rollback() -
     heat = charts.heatmap_figure(m, row_label="rank", events=[rollback])
     assert heat["layout"]["shapes"][0]["x0"] == 84 and heat["layout"]["shapes"][1]["x0"] == 70
     assert heat["layout"]["annotations"][0]["text"] == "rollback → step 70"
+    # the toolbar across the top: down the right edge it covered the colorbar's ticks
+    assert heat["layout"]["modebar"] == {"orientation": "h"} and "modebar" not in fig["layout"]
 
 
 def test_two_rollbacks_to_one_step_get_one_label_and_labels_step_down() -> None:
