@@ -430,7 +430,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         upgrade(args.db)
         server = _start_dashboard(args.db, args.host, args.port)
     try:
-        rc = cmd_train(args)
+        rc = cmd_train_with_clean_twin(args) if args.clean_twin else cmd_train(args)
         if server is not None and args.keep_serving:
             log.info(
                 "training done; the dashboard stays at http://%s:%d/ (Ctrl-C to stop)",
@@ -445,6 +445,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
     return rc
+
+
+def cmd_train_with_clean_twin(args: argparse.Namespace) -> int:
+    """The demo's training, then the same without its poisoned batches (`faults=[]`, run
+    'demo-clean', in the same store: the dashboard compares them); one line gives the two final
+    validation losses and how far apart they are: what the rollback saved."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="spikewatch-demo-") as tmp:
+        mine = args.summary_json or str(Path(tmp) / "demo.json")
+        rc = cmd_train(argparse.Namespace(**{**vars(args), "summary_json": mine}))
+        if rc != 0 or not _is_main_rank():
+            return rc
+        twin = argparse.Namespace(
+            **{
+                **vars(args),
+                "summary_json": str(Path(tmp) / "clean.json"),
+                "run_dir": None,
+                "set": [*args.set, "faults=[]", "name=demo-clean"],
+            }
+        )
+        log.info("the same training without its poisoned batches, for the comparison")
+        rc = cmd_train(twin)
+        if rc != 0:
+            return rc
+        a = json.loads(Path(mine).read_text())["final_val_loss"]
+        b = json.loads(Path(twin.summary_json).read_text())["final_val_loss"]
+    log.info(
+        "the demo ends at validation loss %.4f; the same training without its poisoned batches "
+        "at %.4f (%+.2f%%): the rollback and the skip left %s",
+        a,
+        b,
+        100 * (a / b - 1),
+        "no trace of the spike" if abs(a / b - 1) < 0.01 else "this much of it",
+    )
+    return 0
 
 
 def _start_dashboard(db: str, host: str, port: int):
@@ -545,6 +581,13 @@ def _add_training(sub: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep the dashboard up after training, until Ctrl-C (default: on)",
+    )
+    demo.add_argument(
+        "--clean-twin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then the same training without its poisoned batches (run 'demo-clean'), and the "
+        "two final validation losses side by side (default: on)",
     )
 
 

@@ -213,8 +213,37 @@ def test_the_demo_trains_on_the_code_corpus_where_the_plays_are_not_installed(
         return 0
 
     monkeypatch.setattr(cli, "cmd_train", train)
-    assert main(["demo", "--no-serve", "--run-dir", str(tmp_path / "d")]) == 0
+    assert main(["demo", "--no-serve", "--no-clean-twin", "--run-dir", str(tmp_path / "d")]) == 0
     stages = seen["config"].data.stages
     assert [dict(s.weights) for s in stages] == [{"code": 1.0}]
     err = capfd.readouterr().err
     assert "shakespeare" in err and "standard-library" in err
+
+
+def test_the_demo_ends_with_its_clean_twins_validation_loss_beside_its_own(
+    tmp_path, monkeypatch, capfd
+) -> None:
+    """Issue 58 item 8: the README promised the demo ends near a clean run and nothing showed
+    it. The demo trains again without its poisoned batches (run 'demo-clean', same store) and
+    says both final validation losses and how far apart they are."""
+    from spikewatch.trainer import cli
+    from spikewatch.trainer.config import load_config
+
+    runs: list[tuple[str, list]] = []
+
+    def train(args) -> int:  # noqa: ANN001
+        cfg = load_config(args.config, args.set)
+        runs.append((cfg.name, [f.kind for f in cfg.faults]))
+        loss = 2.5013 if cfg.faults else 2.5000
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps({"final_val_loss": loss}))
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_train", train)
+    assert main(["demo", "--no-serve", "--run-dir", str(tmp_path / "d")]) == 0
+    assert runs[0][1] and runs[1] == ("demo-clean", [])  # the twin: no fault
+    err = " ".join(capfd.readouterr().err.split())  # (the console wraps its lines)
+    assert "validation loss 2.5013" in err and "at 2.5000 (+0.05%)" in err
+    runs.clear()
+    assert main(["demo", "--no-serve", "--no-clean-twin", "--run-dir", str(tmp_path / "e")]) == 0
+    assert len(runs) == 1
