@@ -36,6 +36,7 @@ ARGS = [
     'faults=[{kind="shifted_labels", start=70, length=8}]',
 ]
 TIMING = {M.TOKENS_PER_S}  # wall-clock metrics: the same steps, not the same values
+PACE = {"slowdown", "stall", "resumed"}  # wall-clock events: on a loaded machine, not in another
 # A save's stall is known only once the save is published, after the record was made durable
 # for it: a SIGKILL right then loses that one value (the checkpoint itself is intact).
 AFTER_COMMIT = {M.checkpoint_stall("disk"), M.checkpoint_stall("memory"), M.CKPT_MEMORY_BYTES}
@@ -74,7 +75,11 @@ def _store(run_dir: Path) -> dict[str, Counter]:
             for name, b, layer, head, *packed in windows
             for step, value in zip(*(a.tolist() for a in decode(*packed)), strict=True)
         ]
-        events = conn.execute(text("SELECT kind, branch, step, message FROM events")).all()
+        events = [  # not the watchdog's: a slowdown and its end are the wall clock's
+            e
+            for e in conn.execute(text("SELECT kind, branch, step, message FROM events")).all()
+            if e[0] not in PACE and not (e[0] == "note" and "the pace is back" in e[3])
+        ]
         branches = conn.execute(text("SELECT number, parent, fork_step FROM branches")).all()
     engine.dispose()
     keyed = Counter(

@@ -104,8 +104,11 @@ def test_a_running_training_obeys_rollback_and_stop_requests(tmp_path) -> None:
         t.join(timeout=120)
         assert rc == [0]
         summary = json.loads(out.read_text())
-        first, last = summary["interventions"][0], summary["interventions"][-1]
-        assert first["kind"] == "rollback" and "dashboard" in first["reason"]
+        # the dashboard's rollback: the run's own same-step refusal (a clean tiny run has one
+        # near step 70) may come before it, as the request lands when it lands
+        last = summary["interventions"][-1]
+        first = next(i for i in summary["interventions"] if i["kind"] == "rollback")
+        assert "dashboard" in first["reason"]
         assert first["to_step"] <= 25  # the newest checkpoint retained at or before step 25
         assert first["from_step"] >= 60
         assert last["kind"] == "halt" and "dashboard" in summary["halted"]
