@@ -41,6 +41,8 @@ __all__ = ["SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
 
 log = logging.getLogger(__name__)
 
+GRAD_FLOOR = math.log(2) / 6  # with sigma 6: a gradient norm refused at twice its mean at least
+
 
 class SameStepConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -57,6 +59,19 @@ class SameStepConfig(BaseModel):
     floor: float = Field(
         0.01, gt=0, description="Smallest deviation in log units (a perfectly flat history)."
     )
+    grad_floor: float = Field(
+        GRAD_FLOOR,
+        gt=0,
+        description="Smallest deviation of the gradient norm in log units: ln 2 / 6, so that "
+        "with sigma 6 a refusal by the gradient norm needs it at twice its rolling mean at "
+        "least (late in a run its spread narrows, and 6 deviations came down to ~1.3x: 26 "
+        "refusals in 9,000 clean steps, benchmarks/false_refusals.py).",
+    )
+
+    @property
+    def floors(self) -> tuple[float, float]:
+        """The smallest deviation of each series (the loss's, the gradient norm's)."""
+        return self.floor, self.grad_floor
 
 
 class SameStepGate:
@@ -77,11 +92,11 @@ class SameStepGate:
         if self.count < max(cfg.min_history, 2) or self.refused >= cfg.max_refusals:
             return None
         out = []
-        for series in self.values:  # the mean and sample deviation of the filled slots
+        for series, floor in zip(self.values, cfg.floors, strict=True):  # mean, deviation
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            out.append(mean + cfg.sigma * max(math.sqrt(var), cfg.floor))
+            out.append(mean + cfg.sigma * max(math.sqrt(var), floor))
         return out[0], out[1]
 
     def limits_after(
@@ -130,7 +145,9 @@ class SameStepGate:
         nn = n_new.clamp_min(1.0)
         mean = mean0 + s1 / nn
         var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
-        lim = mean + cfg.sigma * var.sqrt().clamp_min(cfg.floor)
+        sd = var.sqrt()
+        sd = torch.stack([sd[0].clamp_min(cfg.floor), sd[1].clamp_min(cfg.grad_floor)])
+        lim = mean + cfg.sigma * sd
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
         armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
         return lim, armed
@@ -148,7 +165,7 @@ class SameStepGate:
         cfg = self.cfg
         v, h = self.late_inputs(loss, grad_norm, ahead)
         return torch.ops.spikewatch.late_factor(
-            v, h, cfg.sigma, cfg.floor, max(cfg.min_history, 2), cfg.max_refusals
+            v, h, cfg.sigma, cfg.floor, cfg.grad_floor, max(cfg.min_history, 2), cfg.max_refusals
         )
 
     def late_inputs(
@@ -193,7 +210,7 @@ class SameStepGate:
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            z.append((x[i] - mean) / max(math.sqrt(var), self.cfg.floor))
+            z.append((x[i] - mean) / max(math.sqrt(var), self.cfg.floors[i]))
         return z[0], z[1]
 
     def observe(self, loss: float, grad_norm: float, refused: bool) -> str:
@@ -290,6 +307,7 @@ def late_factor(
     h: torch.Tensor,
     sigma: float,
     floor: float,
+    grad_floor: float,
     min_history: int,
     refusals: int,
 ) -> torch.Tensor:
@@ -318,7 +336,8 @@ def late_factor(
     nn = n_new.clamp_min(1.0)
     mean = mean0 + s1 / nn
     var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
-    lim = mean + sigma * var.sqrt().clamp_min(floor)
+    sd = var.sqrt()
+    lim = mean + sigma * torch.stack([sd[0].clamp_min(floor), sd[1].clamp_min(grad_floor)])
     run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
     armed = (n_new >= min_history) & (run < refusals)
     y = v[4:6].double()  # this step: (2,)
@@ -336,28 +355,25 @@ def _late_factor_cuda(
     h: torch.Tensor,
     sigma: float,
     floor: float,
+    grad_floor: float,
     min_history: int,
     refusals: int,
 ) -> torch.Tensor:
     """On CUDA: `late_factor` compiled once per setting into one kernel (its inputs have fixed
     shapes, the settings are constants: no recompile); eager if the compiler is not at hand."""
-    key = (sigma, floor, min_history, refusals)
+    key = (sigma, floor, grad_floor, min_history, refusals)
     fn = _COMPILED.get(key)
     if fn is None:
+        eager = functools.partial(
+            late_factor, sigma=sigma, floor=floor, grad_floor=grad_floor,
+            min_history=min_history, refusals=refusals,
+        )  # fmt: skip
         try:
-            fn = torch.compile(
-                functools.partial(
-                    late_factor, sigma=sigma, floor=floor, min_history=min_history,
-                    refusals=refusals,
-                ),
-                dynamic=False,
-                fullgraph=True,
-            )  # fmt: skip
+            fn = torch.compile(eager, dynamic=False, fullgraph=True)
             fn(v, h)
         except Exception as e:  # no Triton, no compiler: the same arithmetic, op by op
             log.info("same-step tier: the late factor runs eagerly (%s)", e)
-            fn = functools.partial(late_factor, sigma=sigma, floor=floor,
-                                   min_history=min_history, refusals=refusals)  # fmt: skip
+            fn = eager
         _COMPILED[key] = fn
     return fn(v, h)
 
@@ -368,14 +384,15 @@ def _late_factor_op(
     h: torch.Tensor,
     sigma: float,
     floor: float,
+    grad_floor: float,
     min_history: int,
     refusals: int,
 ) -> torch.Tensor:
     if v[0].is_cuda:
-        return _late_factor_cuda(v, h, sigma, floor, min_history, refusals)
-    return late_factor(v, h, sigma, floor, min_history, refusals)
+        return _late_factor_cuda(v, h, sigma, floor, grad_floor, min_history, refusals)
+    return late_factor(v, h, sigma, floor, grad_floor, min_history, refusals)
 
 
 @_late_factor_op.register_fake
-def _(v, h, sigma, floor, min_history, refusals):  # noqa: ANN001, ANN202
+def _(v, h, sigma, floor, grad_floor, min_history, refusals):  # noqa: ANN001, ANN202
     return v[0].new_empty((), dtype=torch.float32)
