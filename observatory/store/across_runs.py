@@ -1,7 +1,7 @@
 """Reads across many runs at once, for the pages that show many (the compare page, sweep
 reports): each function costs a fixed number of statements, however many runs it is given.
 
-The single-run reads in store.py stay the reference: `histories` gives what `store.series`
+The single-run reads in queries.py stay the reference: `histories` gives what `store.series`
 gives for each run's newest branch, `layer_matrices` what `store.layer_matrix` gives, except
 that all runs share one bucket grid (one chart, one x axis).
 """
