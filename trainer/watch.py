@@ -508,6 +508,10 @@ class Watch(Replaying):
         """`begin_step`; `save=False` where the due checkpoint was saved just before (the
         loader's stream saves before it draws, where the loader stands at the position)."""
         self._begin(index, save=save)
+        self._forget_losses()
+
+    def _forget_losses(self) -> None:
+        """The losses observed so far are no step's (taken, or the step refused unmeasured)."""
         self._loss_sum, self._loss_n, self._loss_share = None, 0, None
 
     def _begin(self, index: int | None, *, save: bool = True) -> None:
@@ -554,7 +558,8 @@ class Watch(Replaying):
             self.attn.take()  # its maxima, its clip, its losses and tokens: none the next's
             if self._loop_clip is not None:
                 self._loop_clip.take()
-            self._loss_sum, self._loss_n, self._loss_share, self._ntok = None, 0, None, 0
+            self._forget_losses()
+            self._ntok = 0
             return Gate(False)
         self._lr_scale = core.run.lr_scale
         lr = float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale
@@ -686,7 +691,7 @@ class Watch(Replaying):
             raise RuntimeError(
                 "spikewatch saw no loss this step: call observe_loss(loss) (or step(loss))"
             )
-        self._loss_sum, self._loss_n, self._loss_share = None, 0, None  # taken: the next step's
+        self._forget_losses()  # taken: the next step's are the next step's
         recording = self.attn.active
         taken = self.attn.take()
         self.attn.active = False  # until the next step: evaluations and replays record nothing

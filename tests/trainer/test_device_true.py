@@ -303,3 +303,46 @@ def test_device_a_pinned_block_is_exactly_its_tensors_size(monkeypatch) -> None:
     assert block.tensors["w"].sum().item() == 1500
     del block
     assert calls[-1] == ("unpin",)
+
+
+def test_device_a_disk_save_of_a_step_in_flight_keeps_its_copies_ordered(
+    monkeypatch, tmp_path
+) -> None:
+    """A disk checkpoint of the step in flight (read late) on CUDA: its tensors' copies are
+    queued on side streams at the save, and the file is written after the step is decided.
+    Between the two the loop may ask the tier to wait (a pin, a rollback's search): that must
+    not forget the copies, or the next update would overwrite the weights under them. The
+    device orders the update after the copies (no host wait), and the writer thread, not the
+    loop, waits for them to land before it writes."""
+    from spikewatch.trainer.checkpoints import disk as disk_mod
+    from spikewatch.trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints.staging import Queued, to_host
+    from spikewatch.trainer.config import CheckpointConfig
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    gpu = torch.device("cuda", 0)
+    free, landed = fake.Event(), fake.Event()
+    free.record(fake.Stream(gpu))
+    landed.record(fake.Stream(gpu))
+    monkeypatch.setattr(disk_mod, "has_cuda", lambda files: True)
+    monkeypatch.setattr(Queued, "start", lambda self, copies: [(gpu, landed, free)])
+    fake.log.clear()
+    cfg = CheckpointConfig(interval=10, async_save=True, fsync=False)
+    disk = disk_mod.Checkpointer(tmp_path / "checkpoints", cfg)
+    w = torch.ones(3)
+
+    def build(stage):  # noqa: ANN001, ANN202
+        return ck.Snapshot(step=10, torch_files={"model.pt": to_host({"w": w}, stage, "m")},
+                           json_files={"trainer.json": {"step": 10}}, meta={})  # fmt: skip
+
+    disk.save(10, build, awaiting=True)
+    disk.pin(10, "anchor")  # the loop waits on the tier in between
+    disk.latest()
+    assert fake.log == []  # nothing waited for on the host, nothing forgotten yet
+    disk.before_mutation()  # the next update
+    assert fake.log == [("wait_event", gpu, gpu)]  # the device orders it after the copies
+    disk.complete(10, {"lr_scale": 1.0}, {})
+    disk.wait()
+    assert ("synchronize", gpu) in fake.log  # the writer thread waited for them to land
+    assert disk.has(10)

@@ -110,6 +110,20 @@ def flat32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 1 else x.reshape(-1)
 
 
+class _LayerNorms:
+    """Per-layer 2-norms from per-tensor ones on the host (`HostTransfer.add_by_layer`), summed
+    in float64: `owner[j]` is the layer of value j."""
+
+    def __init__(self, names: list[str], owner: list[int]) -> None:
+        self.names, self.owner = names, owner
+
+    def __call__(self, values: list[float]) -> dict[str, float]:
+        squares = [0.0] * len(self.names)
+        for j, layer in enumerate(self.owner):
+            squares[layer] += values[j] ** 2
+        return dict(zip(self.names, map(math.sqrt, squares), strict=True))
+
+
 class HostTransfer:
     """Named device tensors gathered into one host copy (the loop's one sync per step)."""
 
@@ -120,10 +134,6 @@ class HostTransfer:
         # per-layer maxima taken on the host from their heads' values at `fetch` (no device
         # reduction, no extra values moved): (the layers' names, the first head's index, heads)
         self._layer_max: list[tuple[list[str], int, int]] = []
-        # per-layer 2-norms summed on the host at `fetch` from per-tensor ones (the values
-        # themselves are not metrics): (the layers' names, the first value's index, each
-        # value's layer)
-        self._by_layer: list[tuple[list[str], int, list[int]]] = []
         # metrics made on the host at `fetch` from values that are none themselves:
         # (the values' [start, end), the function that makes them, late)
         self._reduced: list[tuple[int, int, Reduce, bool]] = []
@@ -147,10 +157,7 @@ class HostTransfer:
         """Per-layer 2-norms `names` from per-tensor ones, `owner[j]` the layer of tensor j:
         the (P,) norms go to the host as they are and are summed there, at `fetch`."""
         if names:
-            first = len(self.names)
-            self.add([""] * len(owner), norms)
-            self._hidden.append((first, len(self.names)))
-            self._by_layer.append((names, first, owner))
+            self.add_reduced(norms, _LayerNorms(names, owner))
 
     def add_reduced(self, values: torch.Tensor, reduce: Reduce, late: bool = False) -> None:
         """Metrics that `reduce` makes on the host at `fetch` from `values` (which are no
@@ -213,11 +220,6 @@ class HostTransfer:
             (late if is_late else now)[name] = v
         for first, end, reduce, is_late in self._reduced:
             (late if is_late else now).update(reduce(values[first:end]))
-        for names, first, owner in self._by_layer:
-            squares = [0.0] * len(names)
-            for j, layer in enumerate(owner):
-                squares[layer] += values[first + j] ** 2
-            now.update(zip(names, map(math.sqrt, squares), strict=True))
         for per_layer, first, n in self._layer_max:
             for j, name in enumerate(per_layer):
                 row = [v for v in values[first + j * n : first + (j + 1) * n] if v != NOT_RECORDED]
