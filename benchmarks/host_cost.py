@@ -587,8 +587,7 @@ class Harness:
             self.step = i + 1
             self._events = set()
             waits0 = sum(self.dev.waits.values())
-            if core.probes.state_active(core.step_count + 1):
-                self._events.add("state")
+            taken = core.step_count + 1
             count = count_every and i % count_every == 0
             modes = (Count(), FlopCounterMode(display=False)) if count else None
             with contextlib.ExitStack() as stack:
@@ -600,6 +599,8 @@ class Harness:
                 loss.backward()
                 outcome = watch.step(loss)
             spent = clock.take()
+            if core.probes.state_active(taken):  # asked after the step: a state step may move
+                self._events.add("state")
             own = sum(v for k, v in spent.items() if k not in BARE_PARTS)
             calls_zero = 1  # the bare loop's own zero_grad
             own += max(0.0, spent["zero_grad"] - spent["zero_grad"] / max(calls_zero, 1))

@@ -23,21 +23,35 @@ from ..spikewatch.conftest import example
 pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 
 
-@pytest.mark.parametrize(("cls", "wd"), [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.01)])
-def test_the_one_pass_equals_a_copy_and_its_difference(cls, wd) -> None:
+@pytest.mark.parametrize(
+    ("cls", "wd", "steps", "betas", "form"),
+    [
+        (torch.optim.AdamW, 0.1, 4, (0.9, 0.95), {}),
+        (torch.optim.Adam, 0.01, 4, (0.9, 0.95), {}),
+        # one update with b2 = 0.999: 1 - b2^t is 1e-3 (the kernel's series, no cancellation);
+        # the fused form's step counts are read where they live, a float64 count through a copy
+        (torch.optim.AdamW, 0.1, 1, (0.9, 0.999), {"fused": True}),
+        (torch.optim.Adam, 0.0, 3, (0.0, 0.99), {"step_dtype": torch.float64}),
+    ],
+)
+def test_the_one_pass_equals_a_copy_and_its_difference(cls, wd, steps, betas, form) -> None:
     """Against statistics computed here from a copy of the parameters taken before the update
-    (what the op-by-op form does), in float64."""
+    (what the op-by-op form does), in float64; two param groups with learning rates of their
+    own (the bias corrections are each tensor's own)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 7))
-    opt = cls(model.parameters(), lr=3e-3, weight_decay=wd, betas=(0.9, 0.95))
-    opt.param_groups[0]["lr"] = 3e-3  # one group, its own learning rate
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 1e-3}]
+    opt = cls(groups, lr=3e-3, weight_decay=wd, betas=betas, fused=form.get("fused"))
     x = torch.randn(16, 40)
-    for _ in range(4):
+    for _ in range(steps):
         before = [p.detach().double().clone() for p in model.parameters()]
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
     params = list(model.parameters())
+    if "step_dtype" in form:
+        for p in params:
+            opt.state[p]["step"] = opt.state[p]["step"].to(form["step_dtype"])
     one = AdamState(params, opt)
     assert one.refusal() is None
     got = one(1e-16)

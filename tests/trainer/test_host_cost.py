@@ -58,12 +58,25 @@ def test_a_disk_checkpoint_waits_for_nothing_and_the_maxima_go_into_the_table() 
     its maxima's table, so each layer's maxima are one launch into it: the form a compiled
     graph launches from its own code."""
     mod = _host_cost()
-    h = mod.Harness("smoke", 102, disk=True)
+    # a file every 101 steps: the state step at 100 is still on its way when it is saved
+    ckpt = {"interval": 101, "memory_interval": 30}
+    h = mod.Harness("smoke", 102, disk=True, settings={"checkpoint": ckpt})
     rows = h.run()
     disk = [r for r in rows if "disk" in r.events and r.step > 1]  # (step 1: the first file)
-    assert [r.step for r in disk] == [100] and "state" in disk[0].events
+    assert [r.step for r in disk] == [101] and "state" in rows[99].events
     assert [r.waits for r in rows] == [0] * len(rows)
     counted = mod.Harness("smoke", 3, disk=False)
     crows = counted.run(count_every=1)
     assert [r.table for r in crows] == [2, 2, 2]  # two layers, one launch each into the table
     assert [r.triton for r in crows] == [2, 2, 2]  # and no other Triton launch
+
+
+def test_a_state_step_never_falls_on_a_checkpoints_step() -> None:
+    """Each is a few ms of the loop thread's time; on one step they added up to the run's
+    longest step. A state step due at a snapshot's or a file's step is taken two steps on."""
+    h = _host_cost().Harness("smoke", 102, disk=True)
+    rows = h.run()
+    both = [r.step for r in rows if "state" in r.events and r.events & {"memory", "disk"}]
+    assert both == []
+    state = [r.step for r in rows if "state" in r.events]
+    assert state == [10, 20, 30, 40, 52, 60, 70, 80, 90, 102]  # snapshots at 25, 50, 75, 100

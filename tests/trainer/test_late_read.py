@@ -312,8 +312,9 @@ def test_a_disk_checkpoint_read_late_drains_nothing_and_is_written_as_decided(
     tmp_path, monkeypatch
 ) -> None:
     """The file of a step saved while in flight: its tensors are the step's, its decided
-    state (the same-step tier's window) as once the step was read, its loss the step's, and
-    its update statistics in the record before the file is."""
+    state (the same-step tier's window) as once the step was read, its loss the step's. The
+    state step due at a checkpoint's step is taken two steps on (the two costs never add up
+    on one step), and the file says so: a resume from it takes the state step there too."""
     trace, order, watch, weights = _disk_saving(tmp_path, monkeypatch, None)
     drained = {now for now, _, d in trace.reads if d}
     assert drained <= {40}  # only the run's end reads the step in flight
@@ -330,7 +331,8 @@ def test_a_disk_checkpoint_read_late_drains_nothing_and_is_written_as_decided(
         model = got["model.pt"]
         for k, v in weights[step].items():
             assert torch.equal(model[k], v), (step, k)
-        assert order.events.index(("stats", step)) < order.events.index(("file", step))
+        assert ("stats", step) not in order.events and ("stats", step + 2) in order.events
+        assert state["state_moved"] == [step, step + 2]
 
 
 def test_a_refused_steps_disk_checkpoint_is_retaken_at_the_next_step(tmp_path, monkeypatch) -> None:

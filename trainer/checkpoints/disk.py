@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from spikewatch.observatory.retention import keep
 from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
 from spikewatch.trainer.checkpoints.staging import Live, Queued, Stager, has_cuda, stage_tensors
+from spikewatch.trainer.checkpoints.worker import worker
 from spikewatch.trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
@@ -61,7 +63,7 @@ class Checkpointer:
         self._stager = Stager()
         self._copies = SideCopies()
         self._events: Events = []  # CUDA copies of the save in flight, for before_mutation
-        self._thread: threading.Thread | None = None
+        self._thread: Future[None] | None = None  # the writer's last job
         self._copied: threading.Event | None = None
         self._error: BaseException | None = None
         self._changes: list[tuple[int, str, str]] = []  # (step, path, "ok" | "deleted")
@@ -153,16 +155,10 @@ class Checkpointer:
                 self._copied.set()  # the loop's streams wait for the copies (before_mutation)
             if awaiting:
                 self._undecided = _Undecided(snap, events, self.last_saved)
-                if not events:  # host tensors: a thread copies them, the write waits
-                    self._thread = threading.Thread(
-                        target=self._stage, args=(snap,), name=f"ckpt-copy-{step}"
-                    )
-                    self._thread.start()
+                if not events:  # host tensors: the writer copies them, the write waits
+                    self._thread = self._writer().submit(self._stage, snap)
             else:
-                self._thread = threading.Thread(
-                    target=self._stage_and_write, args=(snap, pins, events), name=f"ckpt-{step}"
-                )
-                self._thread.start()
+                self._thread = self._writer().submit(self._stage_and_write, snap, pins, events)
         else:
             self._write(build(None), pins)
         stall = time.perf_counter() - t0
@@ -183,12 +179,9 @@ class Checkpointer:
         snap.meta.update(ck.copied(meta))
         pins = {s: set(p) for s, p in self.pins.items()}
         copier, self._thread = self._thread, None
-        self._thread = threading.Thread(
-            target=self._write_after,
-            args=(copier, snap, pins, undecided.events),
-            name=f"ckpt-{step}",
+        self._thread = self._writer().submit(
+            self._write_after, copier, snap, pins, undecided.events
         )
-        self._thread.start()
 
     def drop(self, step: int) -> None:
         """The awaiting save's step was refused: no file, and the next step is due instead (a
@@ -217,15 +210,20 @@ class Checkpointer:
             if self._copied is not None:
                 self._copied.set()
 
+    @staticmethod
+    def _writer() -> ThreadPoolExecutor:
+        """The long-lived thread that copies and writes, in order (worker.py)."""
+        return worker("ckpt-writer")
+
     def _write_after(
         self,
-        copier: threading.Thread | None,
+        copier: Future[None] | None,
         snap: ck.Snapshot,
         pins: dict[int, set[str]],
         events: Events,
     ) -> None:
         if copier is not None:
-            copier.join()
+            copier.result()  # run before this on the same thread: done
         if self._error is not None:
             return
         try:
@@ -313,7 +311,7 @@ class Checkpointer:
         """Block until the save in flight (if any) is on disk, or, for a step still
         undecided, copied; re-raise its error."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.result()
             self._thread = None
             self._events = []  # the thread waited for the side-stream copies
         elif self._undecided is None:

@@ -20,7 +20,7 @@ import shutil
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from spikewatch.trainer.checkpoints.errors import CheckpointError
+from spikewatch.trainer.checkpoints.worker import worker
 
 __all__ = [
     "CheckpointError",
@@ -119,15 +120,16 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
     # Each torch file is saved, checksummed (read back from the page cache) and fsynced by its
     # own thread: torch.save's writer, zlib and fsync all release the GIL, so files (the
     # optimizer state comes in two halves) are written in parallel, not one after another.
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckpt-write") as pool:
-        jobs = {
-            name: pool.submit(_save_torch, obj, tmp / name, fsync)
-            for name, obj in snap.torch_files.items()
-        }
-        for name, obj in snap.json_files.items():
-            (tmp / name).write_bytes(json_bytes(obj))
-            jobs[name] = pool.submit(digest, tmp / name, fsync)
-        files = {name: job.result() for name, job in jobs.items()}
+    pool = worker("ckpt-write", 4)  # long-lived (worker.py): none started per checkpoint
+    jobs = {
+        name: pool.submit(_save_torch, obj, tmp / name, fsync)
+        for name, obj in snap.torch_files.items()
+    }
+    for name, obj in snap.json_files.items():
+        (tmp / name).write_bytes(json_bytes(obj))
+        jobs[name] = pool.submit(digest, tmp / name, fsync)
+    wait(jobs.values())  # every file finished (or failed) before an error is raised
+    files = {name: job.result() for name, job in jobs.items()}
     return publish(root, tmp, snap, files, fsync=fsync)
 
 

@@ -44,6 +44,7 @@ from spikewatch.trainer.checkpoints.pinned import (
     device_wait,
     host_wait,
 )
+from spikewatch.trainer.checkpoints.worker import worker
 from spikewatch.trainer.core.world import local
 
 __all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
@@ -179,7 +180,7 @@ class MemoryTier:
         self.last_stall_s = 0.0
         self.last_restore_s = 0.0
         self._pending: _Slot | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Future[None] | None = None  # the copy in flight, on a CPU
         self._error: BaseException | None = None
         self._copies = SideCopies(stage=True)  # the update waits for an HBM copy only
         self._warned = False
@@ -371,10 +372,8 @@ class MemoryTier:
             self._pending = slot
             return
         self._pending = slot
-        self._thread = threading.Thread(
-            target=self._copy_in_thread, args=(slot, pairs), name=f"mem-{slot.step}", daemon=True
-        )
-        self._thread.start()
+        # a long-lived thread (worker.py): none started on the loop per snapshot
+        self._thread = worker("mem-copy").submit(self._copy_in_thread, slot, pairs)
 
     def _copy_in_thread(self, slot: _Slot, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:
@@ -398,7 +397,7 @@ class MemoryTier:
         else:
             slot.ready.wait()
             if self._thread is not None:
-                self._thread.join()
+                self._thread.result()
                 self._thread = None
         self._pending = None
         if self._error is not None:

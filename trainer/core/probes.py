@@ -328,13 +328,31 @@ class Probes:
         self._on_host: _StateOnHost | None = None  # the one pass's per-layer reduction
         self._one_pass: Any = None  # kernels.adam_state.AdamState, once it can take the state
         self._one_pass_step: int | None = None  # the state step it takes (no parameter copy)
+        # [from, to]: the state step `stagger_state` moved (saved with a checkpoint: a resume
+        # or a rollback to it takes the state step where the run took it)
+        self.state_moved: list[int] | None = None
 
     # -- which probes run ------------------------------------------------------------------
     def active(self, step: int) -> bool:
         return self.cfg.enabled and step % self.cfg.interval == 0
 
     def state_active(self, step: int) -> bool:
+        moved = self.state_moved
+        if moved is not None and step in moved:
+            return step == moved[1] and self.active(step)
+        return self._state_due(step)
+
+    def _state_due(self, step: int) -> bool:
         return self.active(step) and step % (self.cfg.interval * self.cfg.state_interval) == 0
+
+    def stagger_state(self, step: int, checkpoint_due: bool) -> None:
+        """Before `step`'s update: a state step that falls on a checkpoint's step moves two
+        probed steps on (past the step that reads and completes the checkpoint), so that the
+        two never add up on one step of the loop thread (each is a few ms of host work;
+        together they were the longest step of a run)."""
+        if checkpoint_due and self._state_due(step) and self.cfg.state_interval > 2:
+            # (every step or every other one: the step it would move to is a state step too)
+            self.state_moved = [step, step + 2 * self.cfg.interval]
 
     def wants_attn_max(self, step: int) -> bool:
         return self.active(step) and self.cfg.attn_max

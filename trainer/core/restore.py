@@ -287,6 +287,7 @@ class Checkpointed:
             "generation": run.generation,
             "data_state": run.data.to_dict(),
             "val_losses": run.val_losses,
+            "state_moved": self.probes.state_moved,  # a state step moved past a checkpoint
         }
 
     def _decided(self) -> dict[str, Any]:
@@ -382,6 +383,7 @@ class Checkpointed:
         ranges, LR scale, callback states) and, with forward data flow, the data position."""
         run = self.run
         run.step, run.tokens = int(state["step"]), int(state.get("tokens", 0))
+        self.probes.state_moved = state.get("state_moved")  # taken past the same checkpoint
         if self.same_step is not None and state.get("same_step") is not None:
             self.same_step.load_state_dict(state["same_step"])
         restored = DataState.from_dict(state["data_state"])

@@ -306,7 +306,10 @@ class StepCore(Checkpointed):
         return Gate(True, factor)
 
     def _before_update(self, step: int) -> None:
-        self.checkpointer.before_mutation()  # an async save may still be copying weights
+        ck = self.checkpointer
+        ck.before_mutation()  # an async save may still be copying weights
+        due = ck.enabled and bool(ck.due(step, self.seconds_per_step))
+        self.probes.stagger_state(step, due)  # not a state step and a snapshot on one step
         self.probes.before_update(step)
 
     def _taken(self) -> _Read:

@@ -25,6 +25,7 @@ same estimate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -40,8 +41,16 @@ BLOCK = 1024  # elements a program loads at once (the interpreter too: numpy-vec
 
 
 @triton.jit
+def _one_minus_exp(x):
+    """1 - exp(x) for x <= 0 in float32, without the cancellation near 0 (1 - b^t at t = 1 with
+    b = 0.999 is 1e-3): a series where |x| < 0.01 (its error ~x^4 / 120), else 1 - exp(x)."""
+    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0))))
+    return tl.where(x > -0.01, series, 1.0 - tl.exp(x))
+
+
+@triton.jit
 def _adam_state_kernel(
-    P, M, V, TENSOR, START, NUMEL, COEF, STRIDE, OUT, tiny,
+    P, M, V, STEP, TENSOR, START, NUMEL, HYPER, STRIDE, OUT, tiny,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -52,10 +61,14 @@ def _adam_state_kernel(
     p_ptr = tl.load(P + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(M + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(V + t).to(tl.pointer_type(tl.float32))
-    step_size = tl.load(COEF + t * 4)  # lr / (1 - b1^t)
-    bc2s = tl.load(COEF + t * 4 + 1)  # sqrt(1 - b2^t)
-    eps = tl.load(COEF + t * 4 + 2)
-    decay = tl.load(COEF + t * 4 + 3)  # lr * weight_decay (AdamW), 0 (Adam)
+    # the optimizer's own step count, read where it lives (the fused optimizer's device scalar):
+    # the bias corrections are made here, not by a stack and a chain of ops on the loop thread
+    count = tl.load(tl.load(STEP + t).to(tl.pointer_type(tl.float32)))
+    lr = tl.load(HYPER + t * 5)
+    step_size = lr / _one_minus_exp(count * tl.load(HYPER + t * 5 + 1))  # lr / (1 - b1^t)
+    bc2s = tl.sqrt(_one_minus_exp(count * tl.load(HYPER + t * 5 + 2)))  # sqrt(1 - b2^t)
+    eps = tl.load(HYPER + t * 5 + 3)
+    decay = tl.load(HYPER + t * 5 + 4)  # lr * weight_decay (AdamW), 0 (Adam)
     stride = tl.load(STRIDE + t)
     p2 = tl.zeros([BLOCK], tl.float32)
     u2 = tl.zeros([BLOCK], tl.float32)
@@ -97,6 +110,12 @@ def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Te
     return host.to(device, non_blocking=True)
 
 
+def _log(beta: float) -> float:
+    """ln beta for the kernel's b^t = exp(t ln b); a beta of 0 is -inf (b^t = 0)."""
+    beta = float(beta)
+    return math.log(beta) if beta > 0 else -math.inf
+
+
 class AdamState:
     """The per-tensor statistics of torch's Adam / AdamW state after an applied update, in one
     launch. Built once per (parameters, optimizer); `refusal` says why it cannot take them."""
@@ -116,6 +135,8 @@ class AdamState:
         self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self._shape: tuple | None = None
         self._plan: tuple[torch.Tensor, ...] = ()
+        self._group_index: list[int] = []  # each tensor's param group
+        self._step_values: torch.Tensor | None = None  # the step counts, where not on the device
 
     @staticmethod
     def optimizer_refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -158,7 +179,7 @@ class AdamState:
             onehot[owner, torch.arange(len(tensor))] = 1.0
             stride = [max(1, n // 4096) for n in numel]  # probes.TINY_SAMPLE's stride
             index = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
-            group = [index[id(self._group_of[id(p)])] for p in self.params]
+            self._group_index = [index[id(self._group_of[id(p)])] for p in self.params]
             self._plan = (
                 owner.to(device),
                 torch.tensor(start, dtype=torch.int64, device=device),
@@ -166,10 +187,27 @@ class AdamState:
                 torch.tensor(stride, dtype=torch.int64, device=device),
                 onehot.to(device),  # (P, C): chunk partials summed per tensor
                 onehot.to(device) > 0,
-                torch.tensor(group, device=device),
             )
             self._shape = shape
         return self._plan
+
+    def _step_addresses(self, device: torch.device) -> list[int]:
+        """Where the kernel reads each tensor's step count: the optimizer's own float32
+        scalars where they live on the device (the fused and capturable forms: updated in place,
+        no copy), else a (P,) copy of them on the device (a host count, or another dtype; no
+        wait either way), held until the next call so the kernel reads it."""
+        state = self.optimizer.state
+        steps = [state[p]["step"] for p in self.params]
+        if all(
+            torch.is_tensor(x) and x.device == device and x.dtype == torch.float32 for x in steps
+        ):
+            return [x.data_ptr() for x in steps]
+        if all(torch.is_tensor(x) and x.device == device for x in steps):
+            values = torch.stack(steps).float()
+        else:
+            values = _host_to([float(x) for x in steps], torch.float32, device)
+        self._step_values = values
+        return [values.data_ptr() + 4 * i for i in range(len(steps))]
 
     @torch.no_grad()
     def __call__(self, tiny: float) -> dict[str, torch.Tensor]:
@@ -178,32 +216,26 @@ class AdamState:
         local = self.local
         ps = [local(p).detach() for p in self.params]
         device = ps[0].device
-        owner, start, numel, stride, onehot, member, group = self._plan_for(device)
+        owner, start, numel, stride, onehot, member = self._plan_for(device)
         ms = [local(state[p]["exp_avg"]) for p in self.params]
         vs = [local(state[p]["exp_avg_sq"]) for p in self.params]
         groups = self.optimizer.param_groups
-        hyper = [  # per group: lr, b1, b2, eps, decoupled decay (no device value read)
-            [float(g["lr"]), *(float(b) for b in g["betas"]), float(g["eps"]),
-             float(g["weight_decay"]) if self.decoupled else 0.0]
+        hyper = [  # per group: lr, ln b1, ln b2, eps, decoupled decay (no device value read)
+            [float(g["lr"]), _log(g["betas"][0]), _log(g["betas"][1]), float(g["eps"]),
+             float(g["lr"]) * float(g["weight_decay"]) if self.decoupled else 0.0]
             for g in groups
         ]  # fmt: skip
-        h = _host_to(hyper, torch.float32, device)[group]  # (P, 5)
-        steps = [state[p]["step"] for p in self.params]
-        if all(torch.is_tensor(x) and x.device == device for x in steps):  # fused: on device
-            t = torch.stack(steps).float()
-        else:
-            t = _host_to([float(x) for x in steps], torch.float32, device)
-        coefs = torch.stack(
-            [h[:, 0] / (1 - h[:, 1] ** t), (1 - h[:, 2] ** t).sqrt(), h[:, 3], h[:, 0] * h[:, 4]],
-            dim=1,
-        ).contiguous()  # (P, 4): step size, sqrt of the second bias correction, eps, decay
+        per_tensor = _host_to([hyper[i] for i in self._group_index], torch.float32, device)
         addresses = _host_to(
-            [[x.data_ptr() for x in xs] for xs in (ps, ms, vs)], torch.int64, device
+            [[x.data_ptr() for x in xs] for xs in (ps, ms, vs)] + [self._step_addresses(device)],
+            torch.int64,
+            device,
         )
         partial = torch.empty(owner.numel(), 6, device=device, dtype=torch.float32)
         _adam_state_kernel[(owner.numel(),)](
-            addresses[0], addresses[1], addresses[2], owner, start, numel, coefs, stride,
-            partial, float(tiny), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4, num_stages=1,
+            addresses[0], addresses[1], addresses[2], addresses[3], owner, start, numel,
+            per_tensor, stride, partial, float(tiny), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4,
+            num_stages=1,
         )  # fmt: skip
         sums = onehot @ partial  # (P, 6), a fixed order
         vmax = torch.where(member, partial[:, 4].unsqueeze(0), 0.0).amax(dim=1)
