@@ -206,6 +206,9 @@ def _peak(excursion: list[tuple[int, float]]) -> tuple[int, float]:
     return max(excursion, key=lambda e: e[1])
 
 
+_UPDATE, _ATTN = 1, 2  # `observe`'s kinds of leading signal
+
+
 class Detector:
     """Feed it one step at a time; it returns a `Verdict` when there is something to act on."""
 
@@ -225,6 +228,7 @@ class Detector:
         self.climb_from: tuple[int, float] = (-1, 0.0)  # (step, log-loss) the rises began at
         self.pending: list[tuple[int, float]] = []  # a climb's (step, log-loss), held out
         self.updates: dict[str, deque[float]] = {}
+        self._kind: dict[str, int] = {}  # metric name -> _UPDATE, _ATTN or 0 (names recur)
         self.ema: float | None = None
         self.ema_min = math.inf
         self.trend_n = 0
@@ -390,8 +394,20 @@ class Detector:
     def observe(self, step: int, metrics: Mapping[str, float]) -> list[Verdict]:
         """Leading signals from the probes: per-layer update norms and attention maxima."""
         out = []
+        kinds = self._kind
         for name, value in metrics.items():
-            if M.is_per_layer(name, M.STAT_UPDATE_NORM) and math.isfinite(value) and value > 0:
+            kind = kinds.get(name)
+            if kind is None:
+                kind = kinds[name] = (
+                    _UPDATE
+                    if M.is_per_layer(name, M.STAT_UPDATE_NORM)
+                    else _ATTN
+                    if M.is_per_layer(name, M.STAT_ATTN_MAX)
+                    else 0
+                )
+            if not kind:
+                continue
+            if kind == _UPDATE and math.isfinite(value) and value > 0:
                 hist = self.updates.setdefault(name, deque(maxlen=self.cfg.window))
                 if len(hist) >= self.cfg.min_history and step >= self.cfg.ignore_before:
                     med = statistics.median(hist)
@@ -409,11 +425,7 @@ class Detector:
                         )
                         continue
                 hist.append(value)
-            elif (
-                M.is_per_layer(name, M.STAT_ATTN_MAX)
-                and self.cfg.attn_warn is not None
-                and value > self.cfg.attn_warn
-            ):
+            elif kind == _ATTN and self.cfg.attn_warn is not None and value > self.cfg.attn_warn:
                 out.append(
                     Verdict(
                         "warning",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.detect import Detector, Verdict
 from spikewatch.observatory.policy import Policy
 from spikewatch.observatory.ranks import departed_ranks
@@ -34,6 +35,7 @@ from spikewatch.trainer.core.callbacks import Callback, StepState
 __all__ = ["SpikeGuard", "regime_steps"]
 
 log = logging.getLogger(__name__)
+_RANK0 = M.rank_loss(0)  # a step with per-rank losses has rank 0's
 
 
 def regime_steps(cfg: TrainConfig) -> list[int]:
@@ -99,8 +101,12 @@ class SpikeGuard(Callback):
             self.detector.rebase(state.step)
         self.batch_of[state.step] = state.batch_index
         self.loss_of[state.step] = state.loss
-        per_rank = [v for k, v in state.metrics.items() if k.startswith("rank/")]
-        if per_rank:  # under torchrun: each rank's own loss, in rank order
+        per_rank = (  # under torchrun: each rank's own loss, in rank order
+            [v for k, v in state.metrics.items() if k.startswith("rank/")]
+            if _RANK0 in state.metrics
+            else None
+        )
+        if per_rank:
             self.rank_loss_of[state.step] = per_rank
         for s in [s for s in self.batch_of if s < state.step - self._keep]:
             del self.batch_of[s]
