@@ -139,7 +139,7 @@ def test_a_poisoned_stretch_is_fed_once_and_never_after_the_rollback(tmp_path) -
 
 
 def test_the_host_path_line_names_the_optimizer_inside_accelerates(tmp_path, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="spikewatch"):
+    with caplog.at_level(logging.DEBUG, logger="spikewatch"):  # a warning on a GPU
         _loop(tmp_path / "a", 2, watched=True)
     assert "AdamW (inside AcceleratedOptimizer) takes no step factor" in caplog.text
 

@@ -4,6 +4,7 @@ reads it (recovery and resume of all three ways in: test_examples.py)."""
 
 from __future__ import annotations
 
+import logging
 import copy
 import math
 
@@ -220,3 +221,21 @@ def test_the_watch_says_where_its_checkpoints_go_how_many_and_how_big(tmp_path, 
     where = tmp_path / "checkpoints"
     assert f"disk every 100 steps in {where}, written in the background, {size}" in line
     assert line.endswith("at most 1 kept")
+
+
+def test_at_the_users_info_the_watch_starts_in_two_lines(tmp_path, caplog) -> None:
+    """Where its checkpoints go and where the run is recorded; nothing of its internals (the
+    read path on a CPU, the store's migrations) in the user's log."""
+    ex = example("plain_loop")
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    settings = {"probes": {"attn_max": False}}
+    with caplog.at_level("INFO"):
+        watch = Watch(model, opt, max_steps=10, settings=settings, run_dir=tmp_path / "run",
+                      db=f"sqlite:///{tmp_path / 'sw.db'}")  # fmt: skip
+        watch.open()
+        watch.close()
+    opened = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    opened = [m for m in opened if " stopped at step 0 of 10" not in m]  # (the end's line)
+    assert len(opened) == 2, "\n".join(opened)
+    assert opened[0].startswith("rollback checkpoints:") and " is recorded in sqlite:" in opened[1]

@@ -179,8 +179,8 @@ class StepCore(Checkpointed):
                 if before
                 else "another rank's callbacks decide before the update"
             )
-            log.log(
-                logging.WARNING if self.probes.device.type == "cuda" else logging.INFO,
+            log.log(  # a CPU's host is the device: nothing waits, nothing to say at start
+                logging.WARNING if self.probes.device.type == "cuda" else logging.DEBUG,
                 "the step's values are read before each update (%s): on a GPU the host "
                 "waits for the backward every step",
                 why,
