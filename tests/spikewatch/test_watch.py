@@ -4,8 +4,8 @@ reads it (recovery and resume of all three ways in: test_examples.py)."""
 
 from __future__ import annotations
 
-import logging
 import copy
+import logging
 import math
 
 import pytest
