@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -178,6 +179,11 @@ class Writer:
         ended = now if data["status"] != "running" else None
         stmt = update(Run).where(Run.id == run_id)
         conn.execute(stmt.values(status=data["status"], updated_at=now, ended_at=ended))
+
+    def _on_heartbeat(self, conn: Connection, run_key: str, data: Mapping[str, Any]) -> None:
+        at = datetime.fromtimestamp(float(data["at"]), UTC)
+        stmt = update(Run).where(Run.key == run_key)
+        conn.execute(stmt.values(heartbeat_at=at, heartbeat_s=float(data["period_s"])))
 
     def _on_event(self, conn: Connection, run_key: str, data: Mapping[str, Any]) -> None:
         run_id = self._run_id(conn, run_key)

@@ -121,6 +121,9 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # the process's last sign of life and how often it gives one (queries.run_state: "gone")
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_s: Mapped[float | None] = mapped_column(Double)
 
 
 class Branch(Base):

@@ -13,6 +13,7 @@ the windows they touch (observatory/store/downsample.py). NaN is counted per buc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,30 @@ class RunSummary:
     spikes: int
     rollbacks: int
     stalled: bool = False  # a stall recorded and no step ended since (core/watchdog.py)
+    heartbeat_at: datetime | None = None  # the process's last sign of life (core/watchdog.py)
+    heartbeat_s: float | None = None  # ... given every this many seconds
+    state: str = ""  # run_state's word for it when it was read
+
+
+SILENT_S = 120  # a running run with no heartbeat that wrote nothing for longer: "silent"
+
+
+def run_state(run: RunSummary, now: datetime) -> str:
+    """What a run is doing, in one word: its status once it ended (completed, failed, halted,
+    stopped); "stalled" while its watchdog's stall has no `resumed` after it; "gone" when its
+    heartbeat is older than two periods (no process: a SIGKILL, an out-of-memory kill); else
+    "live", or "silent" for a run with no heartbeat (a follower's, an older writer's) that
+    wrote nothing for SILENT_S."""
+    if run.status != "running":
+        return run.status
+    if run.heartbeat_at is not None and run.heartbeat_s:
+        if (now - run.heartbeat_at).total_seconds() > 2 * run.heartbeat_s:
+            return "gone"
+    if run.stalled:
+        return "stalled"
+    if run.heartbeat_at is None and (now - run.updated_at).total_seconds() > SILENT_S:
+        return "silent"
+    return "live"
 
 
 @dataclass(frozen=True)
@@ -256,7 +281,7 @@ def _summary(
     last: tuple[int, float] | None,
 ) -> RunSummary:
     last_step, last_loss = last if last is not None else (None, None)
-    return RunSummary(
+    summary = RunSummary(
         run_id=run.key,
         name=run.name,
         status=run.status,
@@ -275,7 +300,10 @@ def _summary(
         rollbacks=counts.get((run.id, "rollback"), 0),
         stalled=run.status == "running"
         and counts.get((run.id, "stall"), 0) > counts.get((run.id, "resumed"), 0),
+        heartbeat_at=_utc(run.heartbeat_at) if run.heartbeat_at else None,
+        heartbeat_s=run.heartbeat_s,
     )
+    return dataclasses.replace(summary, state=run_state(summary, datetime.now(UTC)))
 
 
 def _last_losses(session: Session, run_pks: list[int]) -> dict[int, tuple[int, float]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import numbers
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ __all__ = ["MAX_STEP", "Record", "RecordError"]
 
 MAX_STEP = 2**31 - 1  # stored as INTEGER
 MAX_KEY_LEN = 64
-KINDS = ("run", "branch", "status", "metrics", "series", "event", "checkpoint")
+KINDS = ("run", "branch", "status", "metrics", "series", "event", "checkpoint", "heartbeat")
 
 
 class RecordError(ValueError):
@@ -209,6 +210,17 @@ def status_record(run: str, status: object) -> Record:
     return Record(
         "status", check_run_key(run), {"status": check_choice("status", status, RUN_STATUSES)}
     )
+
+
+def heartbeat_record(run: str, period_s: object) -> Record:
+    """The run's process is alive now (the writer's clock), and says so every `period_s`."""
+    if (
+        isinstance(period_s, bool)
+        or not isinstance(period_s, (int, float))
+        or not (0 < period_s < 86400)
+    ):
+        raise RecordError(f"heartbeat period must be seconds in (0, 86400), got {period_s!r}")
+    return Record("heartbeat", check_run_key(run), {"at": time.time(), "period_s": period_s})
 
 
 def event_record(run: str, kind: object, **fields: Any) -> Record:

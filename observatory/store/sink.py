@@ -58,6 +58,7 @@ from spikewatch.observatory.store.records import (
     check_text,
     checkpoint_record,
     event_record,
+    heartbeat_record,
     run_record,
     status_record,
 )
@@ -226,6 +227,11 @@ class BaseSink:
         self._put(status_record(run_id, status))
         if self.alerts is not None and status == "failed":
             self.alerts.notify({"run_id": run_id, "kind": "failed", "message": "the run failed"})
+
+    def heartbeat(self, run_id: str, period_s: float) -> None:
+        """The run's process is alive, and says so every `period_s` seconds: a run whose last
+        heartbeat is older than two periods and that never ended reads "gone"."""
+        self._put(heartbeat_record(run_id, period_s))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything logged so far is in the database; False on timeout."""

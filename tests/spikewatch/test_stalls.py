@@ -166,7 +166,7 @@ def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
 
 
 SCRIPT = """
-import sys, time, torch
+import json, sys, time, torch
 from spikewatch import Watch
 from spikewatch.corpus import text_corpus, windows
 sys.path.insert(0, sys.argv[3])
@@ -176,7 +176,9 @@ torch.manual_seed(0)
 model = ex.GPT(32, 2, 4, 32)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 train, _ = text_corpus()
-with Watch(model, opt, run_dir=sys.argv[1], db=sys.argv[2], max_steps=100000) as watch:
+settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+with Watch(model, opt, run_dir=sys.argv[1], db=sys.argv[2], max_steps=100000,
+           settings=settings) as watch:
     for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
         loss = model(x, y)
         loss.backward()
@@ -215,3 +217,51 @@ def test_a_watch_loop_stopped_with_sigterm_reads_stopped(tmp_path) -> None:
     with Session(make_engine(db)) as session:
         (run,) = store.list_runs(session)
     assert run.status == "stopped" and run.last_step is not None and run.last_step >= 5
+
+
+def test_a_killed_run_reads_gone_on_the_api(tmp_path) -> None:
+    """SIGKILL (as the out-of-memory killer does): no end record, no more heartbeats. Two
+    heartbeat periods after the last one the API and the runs page say "gone"; before, live."""
+    import datetime as dt
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from spikewatch.web.app import create_app
+    from spikewatch.web.settings import Settings
+
+    from .conftest import REPO
+
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    (tmp_path / "loop.py").write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    beat = {"guard": {"stall": {"heartbeat_s": 0.5}}}
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "run"), db,
+         str(REPO / "examples"), json.dumps(beat)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(1.5)  # a few heartbeats into the store
+        with TestClient(create_app(Settings(db_url=db))) as client:
+            (live,) = client.get("/api/runs").json()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert live["state"] == "live" and live["heartbeat_s"] == 0.5
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+    assert run.status == "running" and run.heartbeat_at is not None  # nothing said it ended
+    assert store.run_state(run, run.heartbeat_at + dt.timedelta(seconds=0.9)) == "live"
+    time.sleep(max(0.0, (run.heartbeat_at - dt.datetime.now(dt.UTC)).total_seconds() + 1.1))
+    with TestClient(create_app(Settings(db_url=db))) as client:
+        (gone,) = client.get("/api/runs").json()
+        page = client.get("/").text
+    assert gone["state"] == "gone"
+    assert 'class="state state-gone">gone' in page

@@ -101,3 +101,22 @@ def test_no_slowdown_over_10000_noisy_clean_steps() -> None:
         clock.now += rng.lognormvariate(0.0, 0.2)
         w.beat(s)
     assert slow == []
+
+
+def test_the_heartbeat_is_told_once_a_period_stalled_or_not() -> None:
+    """The heartbeat is the process's, not the steps': it goes on through a stall (a stuck
+    run is stalled, not gone) and comes once per period however often the watchdog wakes."""
+    beats: list = []
+    clock = Clock()
+    cfg = StallConfig(min_s=1.0, heartbeat_s=10.0)
+    w = Watchdog(cfg, lambda i: None, lambda i: None, on_heartbeat=beats.append, clock=clock)
+    w._last = clock()
+    for _ in range(35):  # 35 wakes a second apart, no step ending: a stall past the bound
+        w.heartbeat()
+        w.check()
+        clock.now += 1.0
+    assert beats == [{"period_s": 10.0}] * 4  # at 0, 10, 20 and 30 s
+    off = Watchdog(StallConfig(heartbeat_s=None), lambda i: None, lambda i: None,
+                   on_heartbeat=beats.append, clock=clock)  # fmt: skip
+    off.heartbeat()
+    assert len(beats) == 4

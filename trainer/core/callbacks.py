@@ -102,6 +102,11 @@ class Callback:
         the watchdog's thread, once per stall: `info` has the step, the idle seconds, the
         bound and every thread's stack."""
 
+    def on_heartbeat(self, info: Mapping[str, Any]) -> None:
+        """The process is alive (`info`: `period_s`, how often this comes): from the watchdog's
+        thread, whether steps end or not, so that a run whose process is gone is told from a
+        run that is stuck."""
+
     def on_stall_end(self, info: Mapping[str, Any]) -> None:
         """Steps end again after a stall (`info`: the step, `stalled_s`); the loop's thread."""
 

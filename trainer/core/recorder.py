@@ -8,6 +8,7 @@ The spike guard logs its verdicts through the same sink.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -162,6 +163,12 @@ class Recorder(Callback):
         )
         self.sink.log_event(self.run_id, "stall", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
+
+    def on_heartbeat(self, info: Mapping[str, Any]) -> None:
+        if not self.run_id:  # the run has not started: the watchdog may beat before
+            return
+        with contextlib.suppress(RuntimeError):  # a sink closed as the watchdog woke
+            self.sink.heartbeat(self.run_id, info["period_s"])
 
     def on_stall_end(self, info: Mapping[str, Any]) -> None:
         message = f"steps resumed after a stall of {info['stalled_s']:.0f} s"

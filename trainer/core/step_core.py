@@ -232,6 +232,7 @@ class StepCore(Checkpointed):
                 on_exit=self._persist_records,
                 on_slowdown=self._tell("on_slowdown"),
                 on_pace_back=self._tell("on_pace_back"),
+                on_heartbeat=self._tell("on_heartbeat"),
             )  # fmt: skip
             self.watchdog.start()
 

@@ -63,6 +63,12 @@ class StallConfig(BaseModel):
         "slowdown lasts); None = off.",
     )
     slowdown_window: int = Field(16, ge=4, description="Recent steps a slowdown is judged on.")
+    heartbeat_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="Tell the run's record the process is alive every this many seconds, "
+        "steps or not: a run whose process is gone (killed) reads 'gone' after two; None = off.",
+    )
     exit_after_s: float | None = Field(
         None,
         gt=0,
@@ -96,12 +102,15 @@ class Watchdog:
         on_exit: Callable[[], None] = lambda: None,
         on_slowdown: Callable[[dict[str, Any]], None] = lambda info: None,
         on_pace_back: Callable[[dict[str, Any]], None] = lambda info: None,
+        on_heartbeat: Callable[[dict[str, Any]], None] = lambda info: None,
         clock: Callable[[], float] = time.monotonic,
         wake_s: float = 1.0,
     ) -> None:
         self.cfg = cfg
         self.on_stall, self.on_resume, self.on_exit = on_stall, on_resume, on_exit
         self.on_slowdown, self.on_pace_back = on_slowdown, on_pace_back
+        self.on_heartbeat = on_heartbeat
+        self._heartbeat_at: float | None = None  # the last heartbeat told
         self.baseline: collections.deque[float] = collections.deque(maxlen=256)
         self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
         self._slow: dict[str, Any] | None = None  # the slowdown under way
@@ -126,6 +135,7 @@ class Watchdog:
         self.loop_thread = threading.get_ident()
         with self._lock:
             self._last = self.clock()
+        self.heartbeat()  # alive from the start, not a period later
         self._thread = threading.Thread(target=self._run, name="spikewatch-watchdog", daemon=True)
         self._thread.start()
 
@@ -253,9 +263,19 @@ class Watchdog:
         self.on_stall(info)
         return info
 
+    def heartbeat(self) -> None:
+        """Tell the record the process is alive, once a `heartbeat_s` period."""
+        period = self.cfg.heartbeat_s
+        now = self.clock()
+        if period is None or (self._heartbeat_at is not None and now - self._heartbeat_at < period):
+            return
+        self._heartbeat_at = now
+        self.on_heartbeat({"period_s": period})
+
     def _run(self) -> None:
-        while not self._stop.wait(self.wake_s):
+        while not self._stop.wait(min(self.wake_s, self.cfg.heartbeat_s or self.wake_s)):
             try:
+                self.heartbeat()
                 self.check()
                 self._maybe_exit()
             except Exception:  # the watchdog never takes the run down by mistake

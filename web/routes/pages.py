@@ -107,9 +107,6 @@ def runs_page(
     return templates.TemplateResponse(request, "runs.html", context)
 
 
-LIVE_S = 120  # a running run that wrote nothing for longer is shown as silent, not live
-
-
 def glance(run: store.RunSummary, now: datetime) -> dict[str, str]:
     """What the runs page shows of a run beside the store's columns: where it came from, the
     model's size, live or not, and how long it ran."""
@@ -126,12 +123,7 @@ def glance(run: store.RunSummary, now: datetime) -> dict[str, str]:
         size = ""
     updated, created = _utc(run.updated_at), _utc(run.created_at)
     end = _utc(run.ended_at) if run.ended_at else updated
-    if run.stalled:  # the run's watchdog: no step has ended for longer than its bound
-        state = "stalled"
-    elif run.status == "running":
-        state = "live" if (now - updated).total_seconds() <= LIVE_S else "silent"
-    else:
-        state = run.status
+    state = store.run_state(run, now)  # live, stalled, gone, silent, or how it ended
     return {
         "framework": str(framework),
         "size": size,
