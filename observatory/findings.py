@@ -1,7 +1,7 @@
 """What a rollback found, in one phrase, the same wherever a verdict is told (the console, the
 logbook, an alert, the run page): a learning-rate cut it made, the cause its replay found, the
-ranks whose own loss departed, and the samples the attribution named (issue 39: "ranks": [1]
-appeared only in the JSON; issue 58: an LR cut only in a table column and the LR chart)."""
+ranks whose own loss departed, and the samples the attribution named: each said in every
+report, not in one of them only (a JSON field, a table column, a chart)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,7 @@ def findings(data: Mapping[str, Any], most: int = 4) -> str:
 def skipped(data: Mapping[str, Any]) -> str:
     """What a rollback skipped, one phrase for every report (the console, the record's reason,
     the logbook, the run page, alerts): the named samples when only they were left out (their
-    batches' other rows train), else the whole batches (issue 45: a sample skip read "skipping
-    batches [199, 213)" in some reports and "[]" in others)."""
+    batches' other rows train), else the whole batches: the same words in every report."""
     passed = int(data.get("passed_over") or 0)  # the Watch: the loop's data flowed on
     also = (
         f"; {passed} clean batch{'es' if passed != 1 else ''} since the restored step passed over"

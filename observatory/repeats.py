@@ -1,4 +1,4 @@
-"""Documents with long runs of a repeated n-gram (OLMo 2's filter, issue 39): a run of at least
+"""Documents with long runs of a repeated n-gram (OLMo 2's filter): a run of at least
 `min_repeats` (32) consecutive copies of an n-gram of words, n from 1 to `max_n` (13). OLMo 2
 traced its loss spikes to such documents and removed them from the corpus; `spikewatch
 data-check` finds them before training, at the speed of reading.

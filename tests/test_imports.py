@@ -110,3 +110,19 @@ def test_metric_names_are_spelled_in_one_module() -> None:
                         found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
     assert METRIC_NAME.match("layer/*/self_attn/grad_norm") and METRIC_NAME.match("val/loss")
+
+
+def test_product_code_carries_no_issue_numbers() -> None:
+    """History is git's: a comment says why, not which issue asked (CONVENTIONS.md)."""
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for folder in PACKAGES
+        for path in sorted((REPO / folder).rglob("*"))
+        if path.suffix in (".py", ".toml", ".html", ".js", ".css")
+        and "spikewatch/trainer" not in str(path)
+        and not path.is_symlink()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []

@@ -213,7 +213,7 @@ def add_parser(sub: Any) -> None:
         "--memory-budget",
         type=int,
         default=None,
-        metavar="SNAPSHOTS",  # a count, not bytes: in the usage line too (issue 45)
+        metavar="SNAPSHOTS",  # a count, not bytes: in the usage line too
         help="with --optimize: snapshots host memory holds (its size / one snapshot's)",
     )
     out.add_argument("--from-run", default=None, metavar="RUN", help="measured inputs from a run")
@@ -462,7 +462,7 @@ def _text(out: dict[str, Any]) -> str:
                 f"({100 * yd['simulated_vs_daly']:+.1f}% from Daly)"
             )
         if "simulated_best_interval_s" in yd and out["restores_from_memory"] > 0:
-            line += (  # why the simulated best leaves Daly's behind (issue 45)
+            line += (  # why the simulated best leaves Daly's behind
                 f". Daly's interval assumes every failure restores from disk; here "
                 f"{out['restores_from_memory']:.0f} of {out['failures']:.0f} failures restored "
                 f"from host memory, so disk saves guard only the rest and can be sparser"

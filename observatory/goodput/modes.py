@@ -1,4 +1,4 @@
-"""The failure modes a run can switch on beyond failures and spikes (issue 40), as the engine's
+"""The failure modes a run can switch on beyond failures and spikes, as the engine's
 rounds carry them on a block of lanes (goodput/rounds.py; goodput/scalar.py carries them for one
 lane; their per-lane constants are set in goodput/lanes.py; docs/goodput.md gives each default's
 source):

@@ -1,6 +1,6 @@
 """Which samples caused a spike: per-row loss and gradient norm on the restored, pre-onset
 weights, for every batch the rollback skips (the onset batch among them), and the rows that
-stand out named by batch, row and the data's own id (issue 39).
+stand out named by batch, row and the data's own id.
 
 A rollback is rare, so a forward and a backward per row is affordable (tens of batches of a few
 rows each). The client measures (it knows its batches: the built-in sampler, or the Watch's

@@ -1,4 +1,4 @@
-"""A quarantine's samples kept out of a run, in any loop (issue 45, item 4).
+"""A quarantine's samples kept out of a run, in any loop.
 
 `spikewatch quarantine RUN --out bad.jsonl` (and `spikewatch data-check --out`) write a
 JSON-lines blocklist: each line a sample, by the data's own `id` and, for the samples a
