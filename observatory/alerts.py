@@ -5,7 +5,7 @@
     alerts.close(timeout=5)
 
 The sink hands every event of an alerting kind to its `Alerter` (observatory/store/sink.py), so a
-training run, the integrations and `spikewatch watch` all alert the same way. The store keeps
+training run, the integrations and `spikewatch follow` all alert the same way. The store keeps
 the event whatever the webhook does: alerting is a copy, on its own daemon thread, with a
 bounded queue (a full queue drops the alert with a warning, never the training step's time).
 

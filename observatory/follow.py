@@ -1,4 +1,4 @@
-"""`spikewatch watch`: follow the logs of training we do not control, into the store, live.
+"""`spikewatch follow`: follow the logs of training we do not control, into the store, live.
 
 Sources, each followed as it grows:
   a TensorBoard log directory: every directory below it holding `events.out.tfevents.*` files

@@ -86,7 +86,7 @@ def is_per_layer(name: str, stat: str) -> bool:
     return name.endswith(f"/{stat}") and "/head/" not in name
 
 
-# The one tag table of `spikewatch scan`, `spikewatch watch` and docs/watch.md: what other
+# The one tag table of `spikewatch scan`, `spikewatch follow` and docs/follow.md: what other
 # trainers' logs call the training loss and the gradient norm, by priority (the first one a log
 # has is its loss), stored under LOSS and GRAD_NORM. tests/observatory/test_tag_table.py writes
 # a log with each and reads it through both commands.

@@ -58,7 +58,7 @@ def read_csv(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int
 
 def read_jsonl(path: Path, metric: str | None = None) -> tuple[str, list[tuple[int, float]]]:
     """A JSON-lines log (one object per line, a step key and numbers; nested objects flatten
-    to `a/b`), as `spikewatch watch` reads it."""
+    to `a/b`), as `spikewatch follow` reads it."""
     series: dict[str, dict[int, float]] = {}
     with open(path) as f:
         for line_no, line in enumerate(f, start=1):

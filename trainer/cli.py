@@ -315,7 +315,16 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
             undo()
 
 
-def cmd_watch(args: argparse.Namespace) -> int:
+def cmd_watch_old_name(args: argparse.Namespace) -> int:
+    print(  # noqa: T201 - the CLI's own note
+        "spikewatch: `spikewatch watch` is the old name of `spikewatch follow` (the follower of "
+        "logs; the Watch is the in-loop API): following",
+        file=sys.stderr,
+    )
+    return cmd_follow(args)
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from spikewatch.observatory.alerts import Alerter, urls_from
     from spikewatch.observatory.follow import Follower, FollowError, default_state_path
@@ -325,7 +334,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
     paths = [Path(p) for p in args.paths]
     if missing := [str(p) for p in paths if not p.exists()]:
-        raise ConfigError(f"nothing to watch at {', '.join(missing)}")
+        raise ConfigError(f"nothing to follow at {', '.join(missing)}")
     url = resolve_url(args.db)
     upgrade(url)
     spool = Path(args.spool) if args.spool else Path.home() / ".cache" / "spikewatch" / "spool"
@@ -631,26 +640,29 @@ def _add_sweeps(sub: Any) -> None:
 
 def _add_tools(sub: Any) -> None:
     """advise, alert-test, serve, scan, logbook, db."""
-    watch = sub.add_parser(
-        "watch", help="follow TensorBoard / CSV / JSON-lines / MLflow / W&B logs, live"
+    follow = sub.add_parser(
+        "follow", help="follow TensorBoard / CSV / JSON-lines / MLflow / W&B logs, live"
     )
-    watch.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files")
-    watch.add_argument("--db", default=None, help="store URL (default as for serve)")
-    watch.add_argument("--metric", default=None, help="the loss tag (default: recognised)")
-    watch.add_argument("--run", default=None, help="run name (default: from the path)")
-    watch.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
-    watch.add_argument("--once", action="store_true", help="import what is there, then stop")
-    watch.add_argument("--spool", default=None, help="spool directory (default ~/.cache/...)")
-    watch.add_argument(
-        "--state",
-        default=None,
-        help="where the offsets read so far are kept, so that a restart goes on from there "
-        "(default: in the spool directory, one file per store and set of paths)",
-    )
-    watch.add_argument(
-        "--alert-url", action="append", default=[], metavar="URL", help="webhook (repeatable)"
-    )
-    watch.set_defaults(func=cmd_watch)
+    old = sub.add_parser("watch", help="the old name of `spikewatch follow` (says so)")
+    for watch in (follow, old):
+        watch.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files")
+        watch.add_argument("--db", default=None, help="store URL (default as for serve)")
+        watch.add_argument("--metric", default=None, help="the loss tag (default: recognised)")
+        watch.add_argument("--run", default=None, help="run name (default: from the path)")
+        watch.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+        watch.add_argument("--once", action="store_true", help="import what is there, then stop")
+        watch.add_argument("--spool", default=None, help="spool directory (default ~/.cache/...)")
+        watch.add_argument(
+            "--state",
+            default=None,
+            help="where the offsets read so far are kept, so that a restart goes on from there "
+            "(default: in the spool directory, one file per store and set of paths)",
+        )
+        watch.add_argument(
+            "--alert-url", action="append", default=[], metavar="URL", help="webhook (repeatable)"
+        )
+    follow.set_defaults(func=cmd_follow)
+    old.set_defaults(func=cmd_watch_old_name)
     test = sub.add_parser("alert-test", help="send a test alert to a webhook")
     test.add_argument("url", nargs="*", help="webhook URL(s) (default $SPIKEWATCH_ALERT_URLS)")
     test.set_defaults(func=cmd_alert_test)

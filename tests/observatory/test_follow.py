@@ -180,15 +180,19 @@ def test_csv_and_json_lines_files_are_followed(tmp_path: Path) -> None:
     assert [n.data["kind"] for n in notes] == ["corrupt_record"] and "not a row" in notes[0].message
 
 
-def test_the_watch_command_imports_a_log_directory(tmp_path: Path) -> None:
+def test_the_follow_command_imports_a_log_directory(tmp_path: Path, capsys) -> None:
     from spikewatch.trainer.cli import main
 
     _event_file(tmp_path)  # tmp_path/src holds a 50-step log
     url = _url(tmp_path)
-    args = ["watch", str(tmp_path / "src"), "--once", "--db", url, "--spool", str(tmp_path / "s")]
+    args = ["follow", str(tmp_path / "src"), "--once", "--db", url, "--spool", str(tmp_path / "s")]
     assert main(args) == 0
     assert _counts(url, "src")[0]["train/loss"] == list(range(50))
-    assert main(["watch", str(tmp_path / "nope"), "--once", "--db", url]) == 2
+    assert main(["follow", str(tmp_path / "nope"), "--once", "--db", url]) == 2
+    capsys.readouterr()
+    # the old name still follows, and says it is the old name
+    assert main(["watch", *args[1:]]) == 0
+    assert "`spikewatch watch` is the old name of `spikewatch follow`" in capsys.readouterr().err
 
 
 def test_a_follower_stopped_with_sigterm_marks_its_run_stopped(tmp_path: Path) -> None:
@@ -203,7 +207,7 @@ def test_a_follower_stopped_with_sigterm_marks_its_run_stopped(tmp_path: Path) -
     url = _url(tmp_path)
     log = tmp_path / "metrics.csv"
     log.write_text("step,loss\n" + "".join(f"{s},{3.0 - s / 100}\n" for s in range(1, 21)))
-    cmd = [sys.executable, "-m", "spikewatch.trainer.cli", "watch", str(log), "--db", url,
+    cmd = [sys.executable, "-m", "spikewatch.trainer.cli", "follow", str(log), "--db", url,
            "--spool", str(tmp_path / "spool"), "--interval", "0.2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip

@@ -97,12 +97,12 @@ def test_bad_urls_are_refused_with_a_reason(
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["db", "upgrade"], ["serve"], ["watch", "LOG"], ["runs"]])
+@pytest.mark.parametrize("command", [["db", "upgrade"], ["serve"], ["follow", "LOG"], ["runs"]])
 def test_an_unreachable_store_is_one_line_in_every_command(
     command: list[str], capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:
     """A refused port: one line naming the store and the driver's reason, exit 2 (it was a
-    134-line traceback from inside the Alembic environment in serve and watch)."""
+    134-line traceback from inside the Alembic environment in serve and follow)."""
     log = tmp_path / "loss.csv"
     log.write_text("step,loss\n1,2.0\n")
     args = [str(log) if a == "LOG" else a for a in command]

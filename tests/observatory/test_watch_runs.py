@@ -66,7 +66,7 @@ def test_every_loss_tag_of_the_table_is_the_loss_for_scan_and_watch(tag, tmp_pat
 
 
 def test_the_table_is_the_one_in_the_docs() -> None:
-    doc = (Path(__file__).parents[2] / "docs" / "watch.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "follow.md").read_text()
     for tag in (*M.FOREIGN_LOSS_TAGS, *M.FOREIGN_GRAD_NORM_TAGS, *M.FOREIGN_STEP_KEYS):
         assert f"`{tag}`" in doc, tag
 
