@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
+
 from spikewatch.observatory.alerts import ALERT_KINDS, Alerter, urls_from
 from spikewatch.observatory.store.backlog import Backlog
 from spikewatch.observatory.store.db import make_engine, redact, resolve_url
@@ -68,6 +70,7 @@ __all__ = ["BaseSink", "DbSink", "NullSink", "RecordError", "open_run_sink"]
 
 log = logging.getLogger(__name__)
 
+REACH_WAIT_S = 10.0  # a resume waits this long at most for the spool before asking the store
 PERSIST_MAX_S = 0.1  # the most a checkpoint waits for a store that keeps pace (then: spool)
 PERSIST_MIN_S = 0.005
 # A store slower than a checkpoint may wait (a busy local SQLite's fsync) takes the records a
@@ -228,6 +231,12 @@ class BaseSink:
         if self.alerts is not None and status == "failed":
             self.alerts.notify({"run_id": run_id, "kind": "failed", "message": "the run failed"})
 
+    def reach(self, run_id: str, branch: int, after: int) -> tuple[int | None, int | None]:
+        """What the store holds of a run a resume takes over: the last step stored on
+        `branch` past `after` (None: nothing past it) and the highest branch number stored
+        (None: unknown). A store that cannot say (none, or unreachable) says (None, None)."""
+        return None, None
+
     def heartbeat(self, run_id: str, period_s: float) -> None:
         """The run's process is alive, and says so every `period_s` seconds: a run whose last
         heartbeat is older than two periods and that never ended reads "gone"."""
@@ -322,6 +331,30 @@ class DbSink(BaseSink):
     def queued(self) -> int:
         """Records waiting in memory for the writer thread (benchmarks pace themselves by it)."""
         return self._backlog.queued
+
+    def reach(self, run_id: str, branch: int, after: int) -> tuple[int | None, int | None]:
+        # what the process before left in the spool goes in first (the replay comes before
+        # anything new); a store that does not answer within seconds: unknown
+        if not self.flush(timeout=REACH_WAIT_S):
+            return None, None
+        q = text(
+            "SELECT (SELECT MAX(c.last_step) FROM series s JOIN point_windows c "
+            "ON c.series_id = s.id WHERE s.run_id = r.id AND s.branch = :branch), "
+            "(SELECT MAX(b.number) FROM branches b WHERE b.run_id = r.id) "
+            "FROM runs r WHERE r.key = :key"
+        )
+        try:
+            with self._writer.engine.connect() as conn:
+                row = conn.execute(q, {"branch": branch, "key": run_id}).first()
+        except Exception as e:  # unreachable now: the resume goes on without it
+            log.debug("the store's reach of run %s is unknown: %s", run_id, e)
+            return None, None
+        if row is None:
+            return None, None
+        last, top = row
+        return (int(last) if last is not None and int(last) > after else None), (
+            None if top is None else int(top)
+        )
 
     def _put(self, rec: Record) -> None:
         if self._closed:

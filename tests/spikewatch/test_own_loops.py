@@ -323,3 +323,55 @@ def test_two_saved_states_the_newer_wins_and_it_is_said(tmp_path, said) -> None:
             "(state=) at step 20; resuming from the state given, the newer")  # fmt: skip
     assert line in said.text
     watch.close()
+
+
+def test_a_resume_keeps_what_the_process_before_did_past_its_checkpoint_as_a_branch(
+    tmp_path, said
+) -> None:
+    """A process that ends between two checkpoints (killed, or crashed as here) leaves steps
+    in the record that the resume trains again: they stay as they were, an abandoned branch
+    forked at the restored step, as a rollback's; the resume goes on in a branch of its own,
+    and its one line says how far the process before got."""
+    from sqlalchemy.orm import Session
+
+    from spikewatch.observatory import store
+    from spikewatch.observatory.store.db import make_engine
+
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    settings = {"checkpoint": {"memory_interval": None, "interval": 5}}
+
+    def loop(crash_at: int | None) -> Watch:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = AdamW(model.parameters(), lr=1e-3)
+        watch = Watch(model, opt, run_dir=tmp_path / "out", db=db, max_steps=20,
+                      settings=settings, resume="auto")  # fmt: skip
+        with watch:
+            while not watch.should_stop:
+                if watch.step_count == crash_at:
+                    raise RuntimeError("the node went away")
+                watch.begin_step()
+                watch.step(model(torch.ones(2, 4)).square().mean())
+        return watch
+
+    with pytest.raises(RuntimeError, match="node went away"):
+        loop(crash_at=13)  # checkpoints at 5 and 10; steps 11-13 recorded past the last
+    said.clear()
+    resumed = loop(crash_at=None)
+    assert resumed.step_count == 20
+    (line,) = [m for m in said.messages if m.startswith("resumed run")]
+    assert line.endswith(
+        "the process before reached step 13: 3 steps trained again (its points stay in the "
+        "record as an abandoned branch)"
+    )
+    with Session(make_engine(db)) as s:
+        run = resumed.core.run.run_id
+        forks = [(b.number, b.parent, b.fork_step) for b in store.branches(s, run_id=run)]
+        own = {
+            d.branch: [b.start for b in d.buckets]
+            for d in store.series(s, run_id=run, metric="train/loss", branch="all")
+        }
+        notes = [e.message for e in store.events(s, run_id=run, kinds=["note"])]
+    assert forks == [(0, None, None), (1, 0, 10)]
+    assert own == {0: list(range(1, 14)), 1: list(range(11, 21))}  # the crashed process's kept
+    assert any("the process before reached step 13" in n for n in notes)

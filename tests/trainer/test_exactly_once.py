@@ -1,7 +1,8 @@
 """After a SIGKILL at any moment and a resume, the store holds every step's metrics and every
-event exactly once: the same rows as an uninterrupted run of the same config, in its own
-store. The run rolls back once (a shifted-labels fault), so branches and rollback events are
-part of what must survive."""
+event of the live history exactly once: the same rows as an uninterrupted run of the same
+config, in its own store; what the killed process did past the checkpoint it resumed from
+stays, as an abandoned branch (the run page draws it as a rollback's). The run rolls back once
+(a shifted-labels fault), so branches and rollback events are part of what must survive."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _finish(proc: subprocess.Popen) -> None:
 
 
 def _store(run_dir: Path) -> dict[str, Counter]:
-    """Every point (with its value unless it measures time), branch and event of the store."""
+    """Every point (with its value unless it measures time), branch and event of the live
+    history (`_live`): what a run's record holds once, killed or not."""
     engine = create_engine(f"sqlite:///{run_dir.parent / 'runs' / 'spikewatch.db'}")
     with engine.connect() as conn:
         windows = conn.execute(
@@ -80,14 +82,55 @@ def _store(run_dir: Path) -> dict[str, Counter]:
             for e in conn.execute(text("SELECT kind, branch, step, message FROM events")).all()
             if e[0] not in PACE and not (e[0] == "note" and "the pace is back" in e[3])
         ]
-        branches = conn.execute(text("SELECT number, parent, fork_step FROM branches")).all()
+        branches = conn.execute(
+            text("SELECT number, parent, fork_step, reason FROM branches")
+        ).all()
     engine.dispose()
+    live, logical, resumes = _live(branches)
     keyed = Counter(
-        (name, b, layer, head, step, None if name in TIMING else value)
+        (name, logical[b], layer, head, step, None if name in TIMING else value)
         for name, b, layer, head, step, value in points
-        if name not in AFTER_COMMIT
+        if name not in AFTER_COMMIT and live(b, step)
     )
-    return {"points": keyed, "events": Counter(events), "branches": Counter(branches)}
+    return {
+        "points": keyed,
+        "events": Counter((k, logical[b], st, m) for k, b, st, m in events if live(b, st)),
+        "branches": Counter(
+            (logical[n], None if p is None else logical[p], f)
+            for n, p, f, _ in branches
+            if n in logical and n not in resumes
+        ),
+        "resumes": Counter(  # (the abandoned branch's points past its fork, the fork step)
+            (sum(1 for _, b, *_r, st, _v in points if b == p and st > f), f)
+            for n, p, f, _ in branches
+            if n in resumes
+        ),
+    }
+
+
+def _live(branches: list) -> tuple:
+    """The live history of a record: a resume after a kill forks a branch of its own at the
+    step it restored, and what the killed process did past it stays as it was, abandoned
+    (its branch's tail, the branches it forked). Leave those out, and take each resume's
+    branch as the one it continued: then a killed and resumed run's record is the
+    uninterrupted run's. Returns (is (branch, step) live, logical branch numbers, the
+    resumes' branches)."""
+    tree = {n: (p, f) for n, p, f, _ in branches}
+    resumes = {n for n, _, _, reason in branches if (reason or "").startswith("resumed at step")}
+    lineage, cur = [], max(tree, default=0)
+    while cur is not None:
+        lineage.append(cur)
+        cur = tree.get(cur, (None, None))[0]
+    cut = {tree[n][0]: tree[n][1] for n in resumes if n in lineage}  # parent -> resumed at
+    logical: dict[int, int] = {}
+    for n in sorted(lineage):
+        parent = tree.get(n, (None, None))[0]
+        logical[n] = logical[parent] if n in resumes else len(set(logical.values()))
+
+    def live(branch: int, step: int | None) -> bool:
+        return branch in logical and (step is None or step <= cut.get(branch, step))
+
+    return live, logical, resumes
 
 
 def _diff(a: Counter, b: Counter) -> str:
@@ -124,6 +167,8 @@ def test_sigkill_and_resume_store_every_row_exactly_once(tmp_path) -> None:
             del got["events"][e]
         for what in ("branches", "events", "points"):
             assert got[what] == want[what], f"trial {trial}, {what}: {_diff(want[what], got[what])}"
+        # the killed process's steps past the restored checkpoint are kept, abandoned
+        assert sum(got["resumes"].values()) <= 1 and all(n > 0 for n, _ in got["resumes"])
 
 
 def test_a_rollback_taken_again_after_a_resume_is_stored_once(tmp_path) -> None:

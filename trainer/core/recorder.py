@@ -50,6 +50,7 @@ class Recorder(Callback):
         self.branch = 0
         self.forks: list[dict[str, Any]] = []  # every branch started: number, parent, fork_step
         self._branch_of: dict[str, int] = {}  # checkpoint path -> the branch that wrote it
+        self.reached: int | None = None  # a resume: the step the process before recorded last
 
     def on_fit_start(self, state: FitState) -> None:
         self.run_id = state.run_id
@@ -68,13 +69,22 @@ class Recorder(Callback):
         if len(self.forks) < self.branch:  # a checkpoint from before forks were kept
             self.sink.know_branches(state.run_id, range(1, self.branch + 1))
         if state.resumed_from is not None:  # in the logbook: where this process took over
+            abandoned = self._fork_past(state.step)
+            message = f"resumed at step {state.step} from {state.resumed_from}"
+            data: dict[str, Any] = {"kind": "resume", "from": state.resumed_from}
+            if abandoned is not None:
+                message += (
+                    f"; the process before reached step {self.reached}: its steps after "
+                    f"{state.step} stay as abandoned branch {abandoned}"
+                )
+                data.update(reached=self.reached, abandoned_branch=abandoned)
             self.sink.log_event(
                 state.run_id,
                 "note",
                 step=state.step,
                 branch=self.branch,
-                message=f"resumed at step {state.step} from {state.resumed_from}",
-                data=tagged({"kind": "resume", "from": state.resumed_from}),
+                message=message,
+                data=tagged(data),
                 source="trainer",
             )
         url = getattr(self.sink, "url", None)
@@ -84,6 +94,25 @@ class Recorder(Callback):
             self.poller = RequestPoller(self.requests_from, state.run_id)
             self.poller.seen.update(self.handled)
             self.poller.start()
+
+    def _fork_past(self, step: int) -> int | None:
+        """A resume at `step` where the store holds what the process before did past it (its
+        points on this branch, or branches it forked): this process goes on in a branch of its
+        own forked at `step`, so that the killed process's steps stay as they were, an
+        abandoned branch the run page draws as a rollback's. Returns that abandoned branch."""
+        last, top = self.sink.reach(self.run_id, self.branch, step)
+        if last is None and (top is None or top <= self.branch):
+            return None
+        old, self.branch = self.branch, max(top or 0, self.branch) + 1
+        self.reached = last
+        reason = f"resumed at step {step} after the process before ended"
+        if last is not None:
+            reason += f" at step {last}"
+        fork: dict[str, Any] = {"branch": self.branch, "parent": old, "fork_step": step}
+        fork["reason"] = reason
+        self.forks.append(fork)
+        self.sink.start_branch(self.run_id, **fork)
+        return old
 
     def on_step(self, state: StepState) -> Action:
         """A request from the dashboard becomes the step's action (taken without waiting)."""

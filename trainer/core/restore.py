@@ -40,7 +40,6 @@ from spikewatch.trainer.core.state import (
     set_rng_states,
     split_optimizer,
 )
-from spikewatch.trainer.core.world import say
 
 if TYPE_CHECKING:
     from spikewatch.trainer.checkpoints.tiers import Tiers
@@ -82,6 +81,7 @@ class Checkpointed:
     measure_rows: Measure | None
     skip_samples: bool
     config_changes: dict[str, list[Any]]
+    resume_line: str | None
 
     if TYPE_CHECKING:
 
@@ -202,11 +202,10 @@ class Checkpointed:
         self.run.resumed_from = str(path)
         (self.run.run_dir / ENDED).unlink(missing_ok=True)  # it goes on: no longer ended
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-        say(
-            log,
+        # said at the start, once the record has told how far the process before got
+        self.resume_line = (
             f"resumed run {self.run.run_id} at step {step} from its disk checkpoint {path}"
             + (f", with changed settings: {shown}" if shown else "")
-            + "; steps after it are trained again",
         )
         self.config_changes = changes
         return step

@@ -143,6 +143,7 @@ class StepCore(Checkpointed):
     outcome: str = APPLIED
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
+    resume_line: str | None = None  # a resume's one line, said at the start (`_say_resume`)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
     late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
     _late: _Read | None = None  # the step whose values are read at the next step's end
@@ -219,6 +220,7 @@ class StepCore(Checkpointed):
         self._started = True
         for cb in self.callbacks:
             cb.on_fit_start(self.fit_state())
+        self._say_resume()
         if self.config_changes:
             for cb in self.callbacks:
                 cb.on_config_change(self.step_count, self.config_changes)
@@ -235,6 +237,25 @@ class StepCore(Checkpointed):
                 on_heartbeat=self._tell("on_heartbeat"),
             )  # fmt: skip
             self.watchdog.start()
+
+    def _say_resume(self) -> None:
+        """A resume's one line: from where, and what is trained again (how far the process
+        before got, where the run's record knows it: `Recorder.reached`)."""
+        line, self.resume_line = self.resume_line, None
+        if line is None or not self.world.is_main:
+            return
+        reached = [r for cb in self.callbacks if (r := getattr(cb, "reached", None)) is not None]
+        step = self.step_count
+        if reached and max(reached) > step:
+            lost = max(reached) - step
+            line += (
+                f"; the process before reached step {max(reached)}: {lost} step"
+                f"{'s' if lost != 1 else ''} trained again (its points stay in the record as an "
+                "abandoned branch)"
+            )
+        else:
+            line += "; steps after it are trained again"
+        say(log, line)
 
     def _tell(self, hook: str) -> Callable[[Mapping[str, Any]], None]:
         def tell(info: Mapping[str, Any]) -> None:
