@@ -1,0 +1,264 @@
+"""A run that stops or slows is noticed: each fault injected into a Watch loop on this CPU (the
+plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a webhook on
+127.0.0.1), and what the record and the webhook got. One row per fault, then one JSON line.
+
+- stall: the batch function sleeps `--hang` seconds at step 40; the bound is 1 s here
+  (`guard.stall.min_s`; 120 s by default). Detected within the bound plus the watchdog's wake
+  (1 s) is the budget; the stall event's stack must name the sleeping frame; one alert.
+- slowdown: from step 200 every step sleeps as long as a step takes (2x); one `slowdown`
+  event and one alert, and the step it came at.
+- gone: a Watch loop in a process of its own, heartbeat every 0.5 s, SIGKILLed; the time from
+  the kill until the store's rule (`queries.run_state`) reads "gone": budget two periods.
+- clean: the same loop with no fault, checkpoints on disk and in host memory, an evaluation
+  inside `watch.paused()`, and a rollback: stall and slowdown events must be 0.
+- rank faults (a barrier one of two gloo ranks never reaches; a rank slowed 2x): not measured:
+  per-rank heartbeats naming the rank behind are not built yet (docs/stalls.md).
+
+    python benchmarks/stalls.py [--hang 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
+
+import plain_loop as ex  # noqa: E402
+
+from spikewatch import Watch  # noqa: E402
+from spikewatch.corpus import text_corpus, windows  # noqa: E402
+from spikewatch.observatory import store  # noqa: E402
+from spikewatch.observatory.store.db import make_engine  # noqa: E402
+from spikewatch.trainer.core.actions import Continue, Rollback  # noqa: E402
+from spikewatch.trainer.core.callbacks import Callback  # noqa: E402
+
+FAST = {"min_s": 1.0, "factor": 10.0}  # steps of ~10 ms: a 1 s bound
+
+
+class Hook:
+    """A webhook on 127.0.0.1 that keeps the kinds it is sent."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                hook.kinds.append(str(body.get("kind")))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+class RollbackAt(Callback):
+    def __init__(self, at: int, to: int) -> None:
+        self.at, self.to, self.done = at, to, False
+
+    def on_step(self, state: Any) -> Any:
+        if state.step == self.at and not self.done:
+            self.done = True
+            return Rollback(to_step=self.to, reason="a rollback in a clean run")
+        return Continue()
+
+
+def loop(tmp: Path, steps: int, *, hang_at: int | None = None, hang_s: float = 0.0,
+         slow_from: int | None = None, clean: bool = False) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    db = f"sqlite:///{tmp / 'sw.db'}"
+    settings = {"guard": {"stall": FAST}, "checkpoint": {"interval": 50, "memory_interval": 10}}
+    hook = Hook()
+    os.environ["SPIKEWATCH_ALERT_URLS"] = hook.url
+    callbacks = [RollbackAt(150, 120)] if clean else []
+    watch = Watch(model, opt, run_dir=tmp / "run", db=db, max_steps=steps, settings=settings,
+                  callbacks=callbacks)  # fmt: skip
+    train, val = text_corpus()
+    took: list[float] = []
+    hung_at: list[float] = []
+
+    def the_loader_hangs_here(i: int) -> None:
+        hung_at.append(time.monotonic())
+        time.sleep(hang_s)
+
+    def batch_at(i: int) -> Any:
+        if i == hang_at:
+            the_loader_hangs_here(i)
+        return windows(train, i, 8, 32)
+
+    try:
+        for x, y in watch.batches(batch_at):
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+            took.append(time.perf_counter() - t0)
+            if slow_from is not None and watch.step_count >= slow_from:
+                time.sleep(sorted(took[:100])[len(took[:100]) // 2])  # as long as a step: 2x
+            if clean and watch.step_count % 100 == 0:
+                with watch.paused(), torch.no_grad():  # an evaluation
+                    model(*windows(val, 0, 8, 32))
+                    time.sleep(1.5)
+        watch.close()
+        time.sleep(1.0)  # the alerts' thread
+    finally:
+        hook.close()
+        os.environ.pop("SPIKEWATCH_ALERT_URLS", None)
+    with Session(make_engine(db)) as s:
+        (run,) = store.list_runs(s)
+        events = store.events(s, run_id=run.run_id)
+    return {"events": events, "alerts": hook.kinds, "hung_at": hung_at}
+
+
+def stall(tmp: Path, hang: float) -> dict[str, Any]:
+    out = loop(tmp, 60, hang_at=40, hang_s=hang)
+    (ev,) = [e for e in out["events"] if e.kind == "stall"] or [None]
+    if ev is None:
+        return {"fault": "stall", "detected": False}
+    late = ev.data["idle_s"] - ev.data["bound_s"]
+    return {
+        "fault": "stall (a batch function asleep)",
+        "detected": True,
+        "bound_s": ev.data["bound_s"],
+        "past_bound_s": round(late, 3),
+        "within_budget": late <= 1.0,
+        "frame_named": "the_loader_hangs_here" in ev.data["loop_stack"],
+        "alerts": out["alerts"].count("stall"),
+        "resumed": any(e.kind == "resumed" for e in out["events"]),
+    }
+
+
+def slowdown(tmp: Path) -> dict[str, Any]:
+    out = loop(tmp, 300, slow_from=200)
+    found = [e for e in out["events"] if e.kind == "slowdown"]
+    after = [e for e in found if e.step >= 200]
+    return {
+        "fault": "slowdown (every step 2x from step 200)",
+        "detected": bool(after),
+        "at_step": after[0].step if after else None,
+        "ratio": after[0].data.get("ratio") if after else None,
+        "false_before": len(found) - len(after),  # before the fault: false alarms
+        "alerts": out["alerts"].count("slowdown"),
+        "stalls": sum(e.kind == "stall" for e in out["events"]),
+    }
+
+
+SCRIPT = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[3])
+import plain_loop as ex
+from spikewatch import Watch
+from spikewatch.corpus import text_corpus, windows
+torch.manual_seed(0)
+model = ex.GPT(32, 2, 4, 32)
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+train, _ = text_corpus()
+settings = {"guard": {"stall": {"heartbeat_s": float(sys.argv[4])}}}
+with Watch(model, opt, run_dir=sys.argv[1], db=sys.argv[2], max_steps=10**6,
+           settings=settings) as watch:
+    for x, y in watch.batches(lambda i: windows(train, i, 8, 32)):
+        loss = model(x, y)
+        loss.backward()
+        watch.step(loss)
+        if watch.step_count == 20:
+            print("ready", flush=True)
+        time.sleep(0.01)
+"""
+
+
+def gone(tmp: Path, period: float = 0.5) -> dict[str, Any]:
+    db = f"sqlite:///{tmp / 'sw.db'}"
+    (tmp / "loop.py").write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp / "loop.py"), str(tmp / "run"), db, str(REPO / "examples"),
+         str(period)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(2 * period)
+        proc.send_signal(signal.SIGKILL)
+        killed = datetime.now(UTC)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    engine = make_engine(db)
+    while True:
+        with Session(engine) as s:
+            (run,) = store.list_runs(s)
+        now = datetime.now(UTC)
+        if store.run_state(run, now) == "gone":
+            break
+        time.sleep(0.02)
+        if (now - killed).total_seconds() > 60:
+            return {"fault": "gone (SIGKILL)", "detected": False}
+    after = (now - killed).total_seconds()
+    return {
+        "fault": "gone (SIGKILL, heartbeat every 0.5 s)",
+        "detected": True,
+        "seconds_after_kill": round(after, 3),
+        "within_budget": after <= 2 * period + 0.1,  # (the reads here poll every 20 ms)
+        "status_in_store": run.status,
+    }
+
+
+def clean(tmp: Path) -> dict[str, Any]:
+    out = loop(tmp, 400, clean=True)
+    kinds = [e.kind for e in out["events"]]
+    return {
+        "fault": "none (checkpoints, paused evaluations, a rollback)",
+        "stalls": kinds.count("stall"),
+        "slowdowns": kinds.count("slowdown"),
+        "rollbacks": kinds.count("rollback"),
+        "alerts": len(out["alerts"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hang", type=float, default=4.0, help="seconds the batch function sleeps")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for name, fn in (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
+                     ("gone", gone), ("clean", clean)):  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix=f"stalls-{name}-") as d:
+            row = fn(Path(d))
+        rows.append(row)
+        print(" | ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+    rows.append({"fault": "rank faults (barrier, a rank 2x slower)", "measured": False,
+                 "why": "per-rank heartbeats naming the rank behind are not built"})  # fmt: skip
+    print(rows[-1])
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
