@@ -532,10 +532,15 @@ class Watch(Replaying):
         self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True
 
-    def observe_loss(self, loss: torch.Tensor, *, share: bool = False) -> None:
+    def observe_loss(self, loss: torch.Tensor, *, share: bool = False, tokens: Any = None) -> None:
         """The loss of one forward (one micro-batch); the step's loss is their mean. With
         `share`, the loss was already divided by the whole step's token count (Hugging Face's
-        `num_items_in_batch`), so the step's loss is the sum of the shares."""
+        `num_items_in_batch`), so the step's loss is the sum of the shares. `tokens`: the
+        micro-batch's inputs (their size is its tokens, on each rank) or a count, for a loop
+        that draws its batches itself: the run's token count and tokens a second."""
+        if tokens is not None:
+            n = tokens.numel() if torch.is_tensor(tokens) else int(tokens)
+            self._ntok += n * self._c.world.size
         value = loss.detach().float()
         if share:
             self._loss_share = value if self._loss_share is None else self._loss_share + value

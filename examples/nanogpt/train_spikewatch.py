@@ -161,7 +161,7 @@ while True:
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps
-            watch.observe_loss(loss, share=True)  # spikewatch
+            watch.observe_loss(loss, share=True, tokens=X)  # spikewatch
         X, Y = get_batch("train")
         scaler.scale(loss).backward()
     if grad_clip != 0.0:

@@ -68,3 +68,35 @@ def test_a_clip_of_other_parameters_or_another_norm_is_torchs() -> None:
     finally:
         watch.close()
     assert torch.nn.utils.clip_grad_norm_ is original
+
+
+def test_a_loop_that_draws_its_own_batches_tells_their_tokens_with_the_loss(tmp_path) -> None:
+    """nanoGPT's shape: the loop draws each micro-batch itself, so the Watch never sees it;
+    `observe_loss(..., tokens=x)` counts them (two micro-batches a step here): the run's
+    tokens and its tokens a second are the loop's, not half of them or none."""
+
+    class _Tokens(Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, bool]] = []
+
+        def post_step(self, state: StepState) -> None:
+            self.seen.append((state.tokens, state.metrics.get("perf/tokens_per_s", 0) > 0))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(64, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    told = _Tokens()
+    watch = Watch(model, opt, max_steps=3, run_dir=tmp_path, db="none", callbacks=[told])
+    watch.route(opt)
+    for _ in range(3):
+        for _micro in range(2):
+            x = torch.randint(0, 50, (4, 8))
+            loss = model(x).square().mean() / 2
+            watch.observe_loss(loss, share=True, tokens=x)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    watch.close()
+    assert told.seen == [(64, True), (128, True), (192, True)]  # 2 x 4 x 8 a step
