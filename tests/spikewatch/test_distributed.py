@@ -330,3 +330,25 @@ def test_an_accelerate_loop_on_two_processes_decides_alike_and_resumes_in_order(
         resumed = json.loads(Path(f"{killed}.rank{r}.json").read_text())
         assert resumed["steps"] == 120 and len(resumed["fed"]) == 140  # steps 51..120
         assert resumed["fed"] == ranks[r]["fed"][-140:]
+
+
+def test_a_stall_under_torchrun_names_the_rank_the_others_wait_for(tmp_path) -> None:
+    """tests/spikewatch/stall_script.py: rank 1's loader hangs 4 s at step 31, rank 0 waits
+    for it in the step's all-reduce; rank 0 records the stall, and the stall names rank 1
+    (each rank's watchdog publishes where its loop is through the rendezvous store)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script = str(REPO / "tests" / "spikewatch" / "stall_script.py")
+    done = subprocess.run([*cmd, script, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    if done.returncode and TEARDOWN_ABORT in done.stdout + done.stderr:
+        pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    with Session(make_engine(f"sqlite:///{tmp_path / 'runs.db'}")) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id, kinds=["stall", "resumed"])
+    assert [e.kind for e in events] == ["stall", "resumed"]
+    stall = events[0]
+    assert stall.data["behind"] == [1]
+    assert stall.data["ranks"] == {"0": [31, 1], "1": [30, 0]}  # rank 0 has its batch
+    assert "rank 1 behind (step 30 ended; the others at step 31, batch in hand)" in stall.message

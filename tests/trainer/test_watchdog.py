@@ -120,3 +120,42 @@ def test_the_heartbeat_is_told_once_a_period_stalled_or_not() -> None:
                    on_heartbeat=beats.append, clock=clock)  # fmt: skip
     off.heartbeat()
     assert len(beats) == 4
+
+
+class _Store:
+    """torch.distributed's store, as the watchdog uses it: set, check, get."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.kv[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+
+def test_a_stall_names_the_ranks_the_others_wait_for() -> None:
+    """Each rank publishes (step, phase); a stall reads them all. The loop thread only marks
+    its phase; publishing is the watchdog thread's, and only when the progress changed."""
+    from spikewatch.trainer.core.watchdog import BEGUN, GATED, RankBeats, behind, ranks_said
+
+    shared = _Store()
+    clock, stalls = Clock(), []
+    w = Watchdog(StallConfig(min_s=1.0), stalls.append, lambda i: None, clock=clock,
+                 ranks=RankBeats(shared, 0, 3))  # fmt: skip
+    w._last = clock()
+    steps(w, clock, 10, 0.05)
+    RankBeats(shared, 1, 3).publish((10, GATED))  # rank 1 at step 10's gate
+    RankBeats(shared, 2, 3).publish((10, 0))  # rank 2 never got its next batch
+    w.mark(11, GATED)
+    clock.now += 5.0
+    (info,) = [w.check()]
+    assert info["behind"] == [2] and info["ranks"] == {"0": [11, 2], "1": [10, 2], "2": [10, 0]}
+    assert behind({0: (11, BEGUN), 1: (11, BEGUN)}) == []  # all alike: none named
+    assert ranks_said({0: (11, GATED), 1: (10, 0)}, [1]) == (
+        "rank 1 behind (step 10 ended; the others at step 11, at the gate)"
+    )

@@ -21,6 +21,7 @@ from spikewatch.observatory.store.sink import BaseSink
 from spikewatch.observatory.strict_json import tagged
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Note, Rollback
 from spikewatch.trainer.core.callbacks import Callback, EvalState, FitState, StepState
+from spikewatch.trainer.core.watchdog import ranks_said
 from spikewatch.trainer.core.world import say
 
 __all__ = ["Recorder"]
@@ -190,6 +191,9 @@ class Recorder(Callback):
             f"stall: no step has ended for {info['idle_s']:.0f} s after step {info['step']} "
             f"(bound {info['bound_s']:.0f} s)"
         )
+        if info.get("ranks"):  # under torchrun: who the others wait for
+            progress = {int(r): (p[0], p[1]) for r, p in info["ranks"].items()}
+            message += "; " + ranks_said(progress, list(info.get("behind") or []))
         self.sink.log_event(self.run_id, "stall", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 

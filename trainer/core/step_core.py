@@ -61,7 +61,7 @@ from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
 from spikewatch.trainer.core.same_step import SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
-from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
+from spikewatch.trainer.core.watchdog import BEGUN, GATED, RankBeats, StallConfig, Watchdog
 from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.optim.factor import StepFactor, factor_optimizer, optimizer_name
 
@@ -235,6 +235,7 @@ class StepCore(Checkpointed):
                 on_slowdown=self._tell("on_slowdown"),
                 on_pace_back=self._tell("on_pace_back"),
                 on_heartbeat=self._tell("on_heartbeat"),
+                ranks=RankBeats.of_process_group() if self.world.size > 1 else None,
             )  # fmt: skip
             self.watchdog.start()
 
@@ -282,6 +283,8 @@ class StepCore(Checkpointed):
         data flow this is the client's (the framework's) data position."""
         self.start()
         self.run.index = index
+        if self.watchdog is not None:  # for the other ranks: this one has its batch
+            self.watchdog.mark(self.step_count + 1, BEGUN)
         if self.data_flow == "forward":
             self.run.data.batch_index = max(self.run.data.batch_index, index + 1)
 
@@ -292,6 +295,8 @@ class StepCore(Checkpointed):
         with the factor folded in, and the values are read in `conclude`. Otherwise (the host
         path) they are read now and the callbacks decide before the update."""
         step = self.step_count + 1
+        if self.watchdog is not None:  # at the step's reductions (others may wait here)
+            self.watchdog.mark(self.step_count + 1, GATED)
         t = self.world.reduce(t, stop=self.stop_asked)
         ahead = self._late.tier if self._late is not None else None
         if self.same_step is not None and ahead is not None:  # the step before is on the device

@@ -77,6 +77,79 @@ class StallConfig(BaseModel):
     )
 
 
+# Where a rank's loop is within a step, in order: its last step ended, the next step's batch
+# is in hand (`begin_step`), it reached the gate (the step's reductions). A rank stuck in its
+# loader stays at ENDED while a rank waiting for it in a collective is past it.
+ENDED, BEGUN, GATED = 0, 1, 2
+PHASES = ("ended", "batch in hand", "at the gate")
+
+
+class RankBeats:
+    """Each rank's progress (step, phase) under torchrun, through the rendezvous store: every
+    rank's watchdog thread publishes its own once a wake when it changed (one small `set`), and
+    a stall reads them all, so that it names the ranks that are behind. The loop thread only
+    sets an int pair (`Watchdog.mark`): no store call on it."""
+
+    PREFIX = "spikewatch/progress/"
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self._sent: tuple[int, int] | None = None
+
+    @classmethod
+    def of_process_group(cls) -> RankBeats | None:
+        """The default process group's store (torchrun's rendezvous store), or None."""
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+                return None
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to be had: the stall is told without the ranks
+            return None
+        return cls(store, dist.get_rank(), dist.get_world_size())
+
+    def publish(self, progress: tuple[int, int]) -> None:
+        if progress != self._sent:
+            self.store.set(f"{self.PREFIX}{self.rank}", f"{progress[0]} {progress[1]}")
+            self._sent = progress
+
+    def read(self) -> dict[int, tuple[int, int]]:
+        """Every rank's last published progress (a rank that never published is left out)."""
+        out = {}
+        for r in range(self.size):
+            key = f"{self.PREFIX}{r}"
+            if self.store.check([key]):
+                step, phase = self.store.get(key).decode().split()
+                out[r] = (int(step), int(phase))
+        return out
+
+
+def behind(progress: dict[int, tuple[int, int]]) -> list[int]:
+    """The ranks the others wait for: those least far along, when not all are as far."""
+    if len(set(progress.values())) < 2:
+        return []
+    least = min(progress.values())
+    return sorted(r for r, p in progress.items() if p == least)
+
+
+def ranks_said(progress: dict[int, tuple[int, int]], late: list[int]) -> str:
+    """'rank 1 behind (step 30, batch in hand; the others at step 30, at the gate)'."""
+    if not late:
+        return "every rank at the same point (" + _at(next(iter(progress.values()))) + ")"
+    others = sorted({p for r, p in progress.items() if r not in late})
+    names = ", ".join(str(r) for r in late)
+    return (
+        f"rank{'s' if len(late) > 1 else ''} {names} behind ({_at(progress[late[0]])}; "
+        f"the others at {'; '.join(_at(p) for p in others)})"
+    )
+
+
+def _at(p: tuple[int, int]) -> str:
+    step, phase = p
+    return f"step {step} ended" if phase == ENDED else f"step {step}, {PHASES[phase]}"
+
+
 def thread_stacks(skip: int | None = None) -> dict[str, str]:
     """Every thread's Python stack, by thread name (the watchdog's own, `skip`, left out)."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -103,6 +176,7 @@ class Watchdog:
         on_slowdown: Callable[[dict[str, Any]], None] = lambda info: None,
         on_pace_back: Callable[[dict[str, Any]], None] = lambda info: None,
         on_heartbeat: Callable[[dict[str, Any]], None] = lambda info: None,
+        ranks: RankBeats | None = None,
         clock: Callable[[], float] = time.monotonic,
         wake_s: float = 1.0,
     ) -> None:
@@ -110,6 +184,8 @@ class Watchdog:
         self.on_stall, self.on_resume, self.on_exit = on_stall, on_resume, on_exit
         self.on_slowdown, self.on_pace_back = on_slowdown, on_pace_back
         self.on_heartbeat = on_heartbeat
+        self.ranks = ranks
+        self.progress = (0, ENDED)  # this rank's (step, phase); the loop thread sets it
         self._heartbeat_at: float | None = None  # the last heartbeat told
         self.baseline: collections.deque[float] = collections.deque(maxlen=256)
         self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
@@ -148,6 +224,7 @@ class Watchdog:
                 took = max(0.0, now - self._last - self._excluded)
                 self.durations.append(took)
             self._last, self._excluded, self.step = now, 0.0, step
+            self.progress = (step, ENDED)
             stalled, self._stalled = self._stalled, None
         if took is not None and stalled is None:  # a stall's step is the stall's, not pace
             self._pace(step, took)
@@ -157,6 +234,11 @@ class Watchdog:
             log.warning("steps resumed at step %d after a stall of %.1f s", step,
                         info["stalled_s"])  # fmt: skip
             self.on_resume(info)
+
+    def mark(self, step: int, phase: int) -> None:
+        """The loop thread is at `phase` of `step` (BEGUN, GATED): one tuple set, nothing more;
+        the watchdog's thread publishes it to the other ranks."""
+        self.progress = (step, phase)
 
     def _pace(self, step: int, took: float) -> None:
         """The slowdown rule, on the loop thread: the recent steps' median against the run's
@@ -247,7 +329,7 @@ class Watchdog:
                 return None
             self._stalled = {"since": self.clock() - idle, "step": self.step}
         stacks = thread_stacks(skip=self._thread.ident if self._thread is not None else None)
-        info = {
+        info: dict[str, Any] = {
             "step": self.step,
             "idle_s": round(idle, 3),
             "bound_s": round(bound, 3),
@@ -255,13 +337,39 @@ class Watchdog:
             "stacks": stacks,
             "loop_stack": stacks.get(_name(self.loop_thread), ""),
         }
+        where = ""
+        if self.ranks is not None:
+            progress = self._rank_progress()
+            if progress:
+                info["ranks"] = {str(r): list(p) for r, p in sorted(progress.items())}
+                info["behind"] = behind(progress)
+                where = "; " + ranks_said(progress, info["behind"])
         log.warning(
             "stall: no step has ended for %.1f s (bound %.1f s, %.0fx the median step) after "
-            "step %d; the loop is at:\n%s", idle, bound, self.cfg.factor, self.step,
+            "step %d%s; the loop is at:\n%s", idle, bound, self.cfg.factor, self.step, where,
             info["loop_stack"],
         )  # fmt: skip
         self.on_stall(info)
         return info
+
+    def _rank_progress(self) -> dict[int, tuple[int, int]]:
+        """Every rank's progress, this rank's own as of now (empty if the store fails)."""
+        assert self.ranks is not None
+        try:
+            self.ranks.publish(self.progress)
+            return self.ranks.read()
+        except Exception as e:  # the store: the stall is told without the ranks
+            log.debug("the ranks' progress could not be read: %s", e)
+            return {}
+
+    def publish(self) -> None:
+        """This rank's progress to the others (under torchrun), when it changed."""
+        if self.ranks is None:
+            return
+        try:
+            self.ranks.publish(self.progress)
+        except Exception as e:  # the store went away (the job ends): not the watchdog's end
+            log.debug("progress not published: %s", e)
 
     def heartbeat(self) -> None:
         """Tell the record the process is alive, once a `heartbeat_s` period."""
@@ -276,6 +384,7 @@ class Watchdog:
         while not self._stop.wait(min(self.wake_s, self.cfg.heartbeat_s or self.wake_s)):
             try:
                 self.heartbeat()
+                self.publish()
                 self.check()
                 self._maybe_exit()
             except Exception:  # the watchdog never takes the run down by mistake

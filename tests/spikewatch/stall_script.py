@@ -1,0 +1,49 @@
+"""Two gloo ranks under torchrun, a DDP model in a Watch loop; rank 1's batch function sleeps
+4 s at step 30 (its loader hangs), so rank 0 waits for it in the step's all-reduce. The stall
+bound is 1 s. Run: torchrun --nproc_per_node=2 stall_script.py OUT."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from spikewatch import Watch
+
+
+def stuck_in_rank_1s_loader(i: int) -> None:
+    time.sleep(4.0)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(32, 16), torch.nn.Flatten(), torch.nn.Linear(128, 1)
+    )
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_at(i: int) -> torch.Tensor:
+        if i == 30 and rank == 1:
+            stuck_in_rank_1s_loader(i)
+        return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
+
+    settings = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}
+    with Watch(ddp, opt, max_steps=40, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
+               settings=settings) as watch:  # fmt: skip
+        for x in watch.batches(batch_at):
+            loss = ddp(x).square().mean()
+            loss.backward()
+            watch.step(loss)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
