@@ -79,3 +79,32 @@ def test_a_rollback_abandons_an_undecided_save(tmp_path) -> None:
     disk.wait()
     assert sorted(ck.list_checkpoints(disk.root)) == [10] and disk.last_saved == 10
     assert not disk.due(11, 1.0)
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from spikewatch import Watch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+settings = {"checkpoint": {"interval": 7, "memory_interval": None},
+            "probes": {"read": "next_step"}}
+w = Watch(model, opt, run_dir=sys.argv[1], db="none", max_steps=100, settings=settings)
+for i in range(7):
+    w.begin_step()
+    w.step(model(torch.ones(2, 4)).square().mean())
+# no close: the interpreter's exit closes the run
+"""
+
+
+def test_a_run_closed_by_the_interpreters_exit_still_writes_its_last_checkpoint(tmp_path) -> None:
+    """Step 7's file is taken while the step is in flight and written once it is decided,
+    here by the exit handler that closes the run: after the checkpoint threads have shut down
+    for the interpreter's exit (the job runs on the closing thread then)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "loop.py").write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "loop.py"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr[-2000:]
+    assert sorted(ck.list_checkpoints(tmp_path / "run" / "checkpoints")) == [0, 7]

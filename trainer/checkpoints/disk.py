@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from spikewatch.observatory.retention import keep
 from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
 from spikewatch.trainer.checkpoints.staging import Live, Queued, Stager, has_cuda, stage_tensors
-from spikewatch.trainer.checkpoints.worker import worker
+from spikewatch.trainer.checkpoints.worker import Worker, worker
 from spikewatch.trainer.config import CheckpointConfig
 
 __all__ = ["AUTO_FIRST_SAVE", "Checkpointer"]
@@ -211,7 +211,7 @@ class Checkpointer:
                 self._copied.set()
 
     @staticmethod
-    def _writer() -> ThreadPoolExecutor:
+    def _writer() -> Worker:
         """The long-lived thread that copies and writes, in order (worker.py)."""
         return worker("ckpt-writer")
 

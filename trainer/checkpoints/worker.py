@@ -11,22 +11,45 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-__all__ = ["worker"]
+__all__ = ["Worker", "worker"]
 
-_WORKERS: dict[str, ThreadPoolExecutor] = {}
+
+class Worker:
+    """`submit(fn, *args)` -> a Future, run on the long-lived threads; once the interpreter is
+    shutting down (a run closed by its exit handler: the pools were shut down before exit
+    handlers run), run right here instead, so that a last checkpoint is still written."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        try:
+            return self.pool.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            done: Future[Any] = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:
+                done.set_exception(e)
+            return done
+
+
+_WORKERS: dict[str, Worker] = {}
 _LOCK = threading.Lock()
 
 
-def worker(name: str, threads: int = 1) -> ThreadPoolExecutor:
+def worker(name: str, threads: int = 1) -> Worker:
     """The threads for `name`'s jobs (made on first use; one thread runs them in order)."""
     pool = _WORKERS.get(name)
     if pool is None:
         with _LOCK:
             pool = _WORKERS.get(name)
             if pool is None:
-                pool = _WORKERS[name] = ThreadPoolExecutor(threads, thread_name_prefix=name)
+                pool = _WORKERS[name] = Worker(name, threads)
     return pool
 
 

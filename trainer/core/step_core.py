@@ -296,7 +296,7 @@ class StepCore(Checkpointed):
         path) they are read now and the callbacks decide before the update."""
         step = self.step_count + 1
         if self.watchdog is not None:  # at the step's reductions (others may wait here)
-            self.watchdog.mark(self.step_count + 1, GATED)
+            self.watchdog.mark(step, GATED)
         t = self.world.reduce(t, stop=self.stop_asked)
         ahead = self._late.tier if self._late is not None else None
         if self.same_step is not None and ahead is not None:  # the step before is on the device
