@@ -367,3 +367,17 @@ def test_many_steps_in_one_series_record_store_like_step_by_step(
     got = [stored_points(db.make_engine(url)) for url in urls]
     assert len(got[0]) == 14 and repr(got[0]) == repr(got[1])  # repr: NaN equals NaN
     assert {v for _, step, v in got[1] if step == 2} == {0.2, 0.4}  # step 2's first values
+
+
+def test_reach_says_how_far_a_run_got_on_a_branch(db_url: str, tmp_path: Path) -> None:
+    """What a resume asks the store (trainer/core/recorder.py): the last step stored on a
+    branch past a step, and the highest branch; (None, None) for a run the store lacks."""
+    with DbSink(db_url, spool_dir=tmp_path / "spool", linger_s=0.01) as sink:
+        sink.start_run("r", name="r", config={})
+        for step in range(1, 14):
+            sink.log_metrics("r", 0, step, {"train/loss": 2.0})
+        sink.start_branch("r", 1, parent=0, fork_step=5)
+        assert sink.reach("r", 0, 10) == (13, 1)  # steps 11-13 past 10, on branch 0
+        assert sink.reach("r", 0, 13) == (None, 1)  # nothing past 13
+        assert sink.reach("r", 1, 5) == (None, 1)  # branch 1 holds nothing yet
+        assert sink.reach("other", 0, 0) == (None, None)
