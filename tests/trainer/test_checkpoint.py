@@ -189,7 +189,7 @@ def test_pins_survive_retention_and_restarts(tmp_path) -> None:
     steps = ck.list_checkpoints(tmp_path / "checkpoints")
     assert anchor in steps
     assert ck.read_meta(steps[anchor])["pins"] == ["pre-spike anchor"]
-    assert len(steps) <= 2 + 6 + 1
+    assert sorted(steps) == [0, anchor, 20, 28, 36, 38, 39, 40]  # the schedule's, and the pin
     again = build_trainer(tr.cfg, run_dir=tmp_path, resume=True)
     assert again.core.checkpointer.pins == {anchor: {"pre-spike anchor"}}
 
