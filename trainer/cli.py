@@ -273,7 +273,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         rows = [
-            dict(run_id=r.run_id, name=r.name, status=r.status, steps=r.last_step,
+            dict(run_id=r.run_id, name=r.name, status=r.status, state=r.state, steps=r.last_step,
                  spikes=r.spikes, rollbacks=r.rollbacks, run_dir=r.run_dir,
                  created_at=r.created_at.isoformat())
             for r in runs
@@ -282,9 +282,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
     print(f"{len(runs)} run{'s' if len(runs) != 1 else ''} in {redact(url)}")  # noqa: T201
     if runs:
-        head = ("run", "status", "steps", "spikes", "rollbacks", "run directory")
-        table = [head] + [
-            (r.run_id, r.status, "-" if r.last_step is None else str(r.last_step),
+        head = ("run", "state", "steps", "spikes", "rollbacks", "run directory")
+        table = [head] + [  # live, stalled, gone (killed), silent, or how it ended
+            (r.run_id, r.state, "-" if r.last_step is None else str(r.last_step),
              str(r.spikes), str(r.rollbacks), r.run_dir or "-")
             for r in runs
         ]  # fmt: skip
@@ -688,7 +688,7 @@ def _add_tools(sub: Any) -> None:
     scan.add_argument("--json", action="store_true", help="one JSON object on stdout")
     scan.set_defaults(func=cmd_scan)
 
-    runs = sub.add_parser("runs", help="the runs in the store: status, steps, spikes, rollbacks")
+    runs = sub.add_parser("runs", help="the runs in the store: state, steps, spikes, rollbacks")
     runs.add_argument("--db", default=None, help="store URL (default as for train)")
     runs.add_argument("--status", default=None, help="only runs with this status")
     runs.add_argument("--limit", type=int, default=200, help="newest N runs")

@@ -198,16 +198,16 @@ def test_spikewatch_runs_lists_the_runs_and_logbook_takes_a_run_directory(tmp_pa
     capsys.readouterr()
     assert main(["runs", "--db", db, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    got = {r["run_id"]: (r["status"], r["steps"], r["run_dir"]) for r in listed["runs"]}
+    got = {r["run_id"]: (r["status"], r["state"], r["steps"], r["run_dir"]) for r in listed["runs"]}
     assert got == {
-        runs[0].run_id: ("completed", 8, str(tmp_path / "rNone")),
-        runs[1].run_id: ("stopped", 4, str(tmp_path / "r4")),
+        runs[0].run_id: ("completed", "completed", 8, str(tmp_path / "rNone")),
+        runs[1].run_id: ("stopped", "stopped", 4, str(tmp_path / "r4")),
     }
     assert main(["runs", "--db", db]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("2 runs in sqlite:///") and table[1].split()[:3] == [
         "run",
-        "status",
+        "state",
         "steps",
     ]
     assert main(["logbook", str(tmp_path / "r4"), "--db", db]) == 0
