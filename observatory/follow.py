@@ -43,7 +43,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterator
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,11 @@ class _Tail:
             at += len(line) + 1
 
 
+STALL_MIN_S = 120.0  # as the Watch's watchdog: a followed log silent this long at least
+STALL_FACTOR = 10.0  # ... and 10x the interval at which it usually grows
+STALL_GROWTHS = 3  # growths seen before its pace is judged
+
+
 @dataclass
 class _Run:
     """One run being followed: its store key, detector and where it is."""
@@ -109,6 +117,9 @@ class _Run:
     grad_at: dict[int, float] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
     reported: set[tuple[str, int]] = field(default_factory=set)
+    grew_at: float | None = None  # when a poll last found its log grown (the follower's clock)
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # between growths
+    stalled_at: float | None = None  # a stall said, no growth since
 
 
 def _mlflow_runs(root: Path) -> list[Path]:
@@ -192,9 +203,13 @@ class Follower:
         run_name: str | None = None,
         detector: DetectorConfig | None = None,
         state_path: Path | None = None,
+        stall_min_s: float = STALL_MIN_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`state_path`: where to keep what has been read (each source's byte offset, each
-        run's detector), so that a restarted watch goes on from there instead of the start."""
+        run's detector), so that a restarted watch goes on from there instead of the start.
+        `stall_min_s`: a log that has not grown for max(this, STALL_FACTOR x its usual interval)
+        is a stalled run (`stall` event, alerted); its next growth, `resumed`."""
         self.paths = [Path(p) for p in paths]
         self.sink = sink
         self.metric = metric
@@ -211,6 +226,8 @@ class Follower:
         if self.state_path is not None and self.state_path.is_file():
             self._load_state(json.loads(self.state_path.read_text()))
         self.values = 0  # stored so far
+        self.stall_min_s, self.clock = stall_min_s, clock
+        self._grew: set[str] = set()  # runs whose log grew in this poll
 
     # -- discovery ------------------------------------------------------------------------
     def _sources(self) -> Iterator[tuple[str, str, Path, Path]]:
@@ -284,6 +301,7 @@ class Follower:
                 self._read_mlflow(run, path, source)
             else:
                 self._read_lines(run, kind, path)
+        self._judge_pace()
         if self.state_path is not None and self.values > before:
             self.save_state()
         return self.values - before
@@ -453,6 +471,7 @@ class Follower:
         self._detect(run, named.get(M.LOSS), named.get(M.GRAD_NORM))
         self.sink.log_series(run.key, 0, named)
         self.values += sum(len(steps) for steps, _ in named.values())
+        self._grew.add(run.key)
 
     def _name(self, run: _Run, tag: str) -> str:
         name = run.names.get(tag)
@@ -508,6 +527,47 @@ class Follower:
         else:
             what = f"slow divergence at step {v.step}: {v.message}"
         log.warning("watch: %s: %s", run.name or run.key, what)
+
+    def _judge_pace(self) -> None:
+        """A log that stopped growing: once it has grown a few times, no growth for longer
+        than max(stall_min_s, STALL_FACTOR x the median interval between its growths) records
+        a `stall` for its run (the runs list says "stalled"; alerted as the Watch's); its
+        next growth records `resumed` with the stall's length."""
+        now = self.clock()
+        grew, self._grew = self._grew, set()
+        for run in self.runs.values():
+            if run.key in grew:
+                if run.stalled_at is not None:
+                    lasted = now - (run.grew_at or now)
+                    log.warning("watch: %s: the log grows again after %.0f s", run.name, lasted)
+                    self.sink.log_event(
+                        run.key, "resumed", step=run.last_step,
+                        message=f"the log grows again after {lasted:.0f} s",
+                        data={"stalled_s": round(lasted, 3)}, source="watch",
+                    )  # fmt: skip
+                    run.stalled_at = None
+                elif run.grew_at is not None:
+                    run.gaps.append(now - run.grew_at)
+                run.grew_at = now
+                continue
+            if run.grew_at is None or run.stalled_at is not None or len(run.gaps) < STALL_GROWTHS:
+                continue
+            usual = statistics.median(run.gaps)
+            bound = max(self.stall_min_s, STALL_FACTOR * usual)
+            idle = now - run.grew_at
+            if idle > bound:
+                run.stalled_at = now
+                message = (
+                    f"stall: the log has not grown for {idle:.0f} s (it grew every {usual:.1f} s; "
+                    f"bound {bound:.0f} s)"
+                )
+                log.warning("watch: %s: %s", run.name, message)
+                self.sink.log_event(
+                    run.key, "stall", step=run.last_step, message=message,
+                    data={"idle_s": round(idle, 3), "bound_s": round(bound, 3),
+                          "usual_s": round(usual, 3)},
+                    source="watch",
+                )  # fmt: skip
 
     def summary(self) -> list[dict[str, Any]]:
         """Per run: its id, name, loss steps read, spikes and the first spike's onset."""

@@ -343,7 +343,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
     if urls:
         sink.alerts = Alerter(urls)
     state = Path(args.state) if args.state else default_state_path(spool, url, paths)
-    follower = Follower(paths, sink, metric=args.metric, run_name=args.run, state_path=state)
+    follower = Follower(paths, sink, metric=args.metric, run_name=args.run, state_path=state,
+                        stall_min_s=args.stall_min_s)  # fmt: skip
     log.info("watching %s into %s", ", ".join(map(str, paths)), redact(url))
     try:
         with _sigterm_as_ctrl_c():  # systemd and Kubernetes stop a process with SIGTERM
@@ -660,6 +661,13 @@ def _add_tools(sub: Any) -> None:
         )
         watch.add_argument(
             "--alert-url", action="append", default=[], metavar="URL", help="webhook (repeatable)"
+        )
+        watch.add_argument(
+            "--stall-min-s",
+            type=float,
+            default=120.0,
+            metavar="S",
+            help="a log silent for max(S, 10x its usual interval) is a stalled run (default 120)",
         )
     follow.set_defaults(func=cmd_follow)
     old.set_defaults(func=cmd_watch_old_name)

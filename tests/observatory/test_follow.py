@@ -227,3 +227,45 @@ def test_a_follower_stopped_with_sigterm_marks_its_run_stopped(tmp_path: Path) -
     with store.session_factory(url)() as s:
         (run,) = store.list_runs(s)
     assert run.status == "stopped"
+
+
+def test_a_log_that_stops_growing_is_a_stalled_run_until_it_grows_again(tmp_path: Path) -> None:
+    """The follower's own pace rule: a log that grew every second and then not for longer than
+    max(stall_min_s, 10x that) reads "stalled" (a `stall` event, as the Watch's watchdog
+    records); its next growth records `resumed` and the run reads live again."""
+    url = _url(tmp_path)
+    sink = DbSink(url, spool_dir=tmp_path / "spool", linger_s=0.01)
+    now = [1000.0]
+    log_path = tmp_path / "metrics.csv"
+    log_path.write_text("step,loss\n")
+    follower = Follower([log_path], sink, stall_min_s=5.0, clock=lambda: now[0])
+    step = 0
+
+    def grow() -> None:
+        nonlocal step
+        step += 1
+        with open(log_path, "a") as f:
+            f.write(f"{step},{3.0 - step / 100}\n")
+
+    for _ in range(6):  # a row a second
+        grow()
+        follower.poll()
+        now[0] += 1.0
+    now[0] += 4.0  # 5 s without a row: within max(5, 10 x 1 s)
+    follower.poll()
+    now[0] += 7.0  # 11 s: past it
+    follower.poll()
+    follower.poll()  # said once
+    assert sink.flush(timeout=30)
+    with store.session_factory(url)() as s:
+        (run,) = store.list_runs(s)
+    assert run.state == "stalled"
+    grow()
+    follower.poll()
+    sink.close(timeout=30)
+    with store.session_factory(url)() as s:
+        (run,) = store.list_runs(s)
+        events = store.events(s, run_id=run.run_id, kinds=["stall", "resumed"])
+    assert [(e.kind, e.step) for e in events] == [("stall", 6), ("resumed", 7)]
+    assert events[0].data["bound_s"] == 10.0 and events[1].data["stalled_s"] == 12.0
+    assert run.state == "live"
