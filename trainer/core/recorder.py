@@ -75,7 +75,10 @@ class Recorder(Callback):
             data: dict[str, Any] = {"kind": "resume", "from": state.resumed_from}
             if abandoned is not None:
                 message += (
-                    f"; the process before reached step {self.reached}: its steps after "
+                    f"; what the process before did after step {state.step} stays as "
+                    f"abandoned branch {abandoned}"
+                    if self.reached is None
+                    else f"; the process before reached step {self.reached}: its steps after "
                     f"{state.step} stay as abandoned branch {abandoned}"
                 )
                 data.update(reached=self.reached, abandoned_branch=abandoned)
