@@ -536,10 +536,11 @@ class Watch(Replaying):
         """The loss of one forward (one micro-batch); the step's loss is their mean. With
         `share`, the loss was already divided by the whole step's token count (Hugging Face's
         `num_items_in_batch`), so the step's loss is the sum of the shares. `tokens`: the
-        micro-batch's inputs (their size is its tokens, on each rank) or a count, for a loop
-        that draws its batches itself: the run's token count and tokens a second."""
+        micro-batch (its tokens counted as `batches` counts a batch's, on each rank) or a
+        count, for a loop that draws its batches itself: the run's token count and tokens a
+        second."""
         if tokens is not None:
-            n = tokens.numel() if torch.is_tensor(tokens) else int(tokens)
+            n = int(tokens) if isinstance(tokens, int) else tokens_in(tokens)
             self._ntok += n * self._c.world.size
         value = loss.detach().float()
         if share:
