@@ -327,6 +327,7 @@ class Probes:
         self._early: tuple[int, HostTransfer] | None = None  # `start_pending`'s copy
         self._on_host: _StateOnHost | None = None  # the one pass's per-layer reduction
         self._one_pass: Any = None  # kernels.adam_state.AdamState, once it can take the state
+        self._prepared = False  # the one pass's plan built ahead (`_prepare_one_pass`)
         self._one_pass_step: int | None = None  # the state step it takes (no parameter copy)
         # [from, to]: the state step `stagger_state` moved (saved with a checkpoint: a resume
         # or a rollback to it takes the state step where the run took it)
@@ -391,6 +392,8 @@ class Probes:
         prev, self._prev = self._prev, None  # parameter-sized: not kept past this step
         one_pass, self._one_pass_step = self._one_pass_step == step, None
         if not (self.state_active(step) and applied):
+            if applied and not self._prepared:
+                self._prepare_one_pass()
             return
         if one_pass:
             self.pending = self._one_pass_stats(step)
@@ -429,6 +432,18 @@ class Probes:
                 return False
             self._one_pass = AdamState(self.params, optimizer, local)
         return bool(self._one_pass) and self._one_pass.refusal() is None
+
+    def _prepare_one_pass(self) -> None:
+        """Once, on the first step that is not a state step after the optimizer's state exists:
+        what the first state step would otherwise build on top of its own work (the one pass's
+        chunk plan and its per-layer names and sample sizes: ~5 ms of host at 124M on meta)."""
+        if not self.cfg.enabled or not inner_optimizer(self.optimizer).state:
+            return
+        self._prepared = True
+        if self._one_pass_ready():
+            self._one_pass.prepare()
+            if self._on_host is None:
+                self._on_host = _StateOnHost(self)
 
     def _one_pass_stats(self, step: int) -> Pending:
         """The same statistics as the op-by-op form, in the same order: the one pass's

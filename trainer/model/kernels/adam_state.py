@@ -165,6 +165,10 @@ class AdamState:
                     return "state that is not contiguous float32 on one device"
         return None
 
+    def prepare(self) -> None:
+        """Build the chunk plan ahead (once a shape), on a step with nothing else to do."""
+        self._plan_for(self.local(self.params[0]).device)
+
     def _plan_for(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         numel = [self.local(p).numel() for p in self.params]
         shape = (tuple(numel), device)
