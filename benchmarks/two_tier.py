@@ -55,13 +55,15 @@ def _train(args: tuple[list[str], str]) -> dict:
     torch.set_num_threads(1)
     r = fit(load_config("tiny_cpu", overrides), run_dir=run_dir)
     kinds = [i["kind"] for i in r.interventions]
-    tier = sum(1 for i in r.interventions if str(i.get("reason", "")).startswith("same-step"))
+    why = [i for i in r.interventions if str(i.get("reason", "")).startswith("same-step")]
+    tier = len(why)
     return {
         "val": r.final_val_loss,
         "same_step_refusals": tier,
         "other_skips": kinds.count("skip_update") - tier,
         "rollbacks": kinds.count("rollback"),
         "halted": r.halted is not None,
+        "refused": [f"step {i.get('step')}: {i['reason']}" for i in why],  # how far above
     }
 
 

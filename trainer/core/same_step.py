@@ -41,7 +41,13 @@ __all__ = ["SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
 
 log = logging.getLogger(__name__)
 
-GRAD_FLOOR = math.log(2) / 6  # with sigma 6: a gradient norm refused at twice its mean at least
+# With sigma 6, the floors make the smallest excursion refused: a loss at 1.75x its rolling mean,
+# a gradient norm at 16x. A bad batch shows in its own loss (shifted labels 2.1x, random bytes
+# 4x on tiny_cpu), where a small model's own instabilities in clean runs reached 1.2-1.44x with
+# gradient norms 7.7-12x (benchmarks/false_refusals.py, docs/recovery.md); an update that only
+# its gradient norm marks, below that, is the rollback tier's to judge.
+LOSS_FLOOR = math.log(1.75) / 6
+GRAD_FLOOR = math.log(16) / 6
 
 
 class SameStepConfig(BaseModel):
@@ -57,15 +63,18 @@ class SameStepConfig(BaseModel):
         2, ge=1, description="Refusals in a row; the next extreme update goes through."
     )
     floor: float = Field(
-        0.01, gt=0, description="Smallest deviation in log units (a perfectly flat history)."
+        LOSS_FLOOR,
+        gt=0,
+        description="Smallest deviation of the loss in log units: ln 1.75 / 6, so that with "
+        "sigma 6 a refusal by the loss needs it at 1.75x its rolling mean at least (a bad batch "
+        "shows in its own loss; a small model's own instabilities in clean runs reached 1.44x).",
     )
     grad_floor: float = Field(
         GRAD_FLOOR,
         gt=0,
-        description="Smallest deviation of the gradient norm in log units: ln 2 / 6, so that "
-        "with sigma 6 a refusal by the gradient norm needs it at twice its rolling mean at "
-        "least (late in a run its spread narrows, and 6 deviations came down to ~1.3x: 26 "
-        "refusals in 9,000 clean steps, benchmarks/false_refusals.py).",
+        description="Smallest deviation of the gradient norm in log units: ln 16 / 6, so that "
+        "with sigma 6 a refusal by the gradient norm alone needs it at 16x its rolling mean at "
+        "least (clean runs' own instabilities reached 12x; below that the rollback tier judges).",
     )
 
     @property
@@ -202,24 +211,30 @@ class SameStepGate:
 
     def z(self, loss: float, grad_norm: float) -> tuple[float, float]:
         """Deviations of the two log-values above their rolling means (0 without history)."""
+        (z_loss, _), (z_grad, _) = self.excess(loss, grad_norm)
+        return z_loss, z_grad
+
+    def excess(self, loss: float, grad_norm: float) -> tuple[tuple[float, float], ...]:
+        """(deviations above the rolling mean, times the rolling mean) of the loss and of the
+        gradient norm, in the tier's log space: ((0, 1), (0, 1)) without history."""
         x = [_log(loss), _log(grad_norm)]
         if self.count < 2 or not all(math.isfinite(v) for v in x):
-            return 0.0, 0.0
-        z = []
+            return (0.0, 1.0), (0.0, 1.0)
+        out = []
         for i, series in enumerate(self.values):
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            z.append((x[i] - mean) / max(math.sqrt(var), self.cfg.floors[i]))
-        return z[0], z[1]
+            out.append(((x[i] - mean) / max(math.sqrt(var), self.cfg.floors[i]),
+                        math.exp(x[i] - mean)))  # fmt: skip
+        return out[0], out[1]
 
     def observe(self, loss: float, grad_norm: float, refused: bool) -> str:
         """After the step's read: `refused` is what the device decided for a finite step. The
         window learns a normal value or one let through; returns the refusal's reason."""
         reason = ""
         if refused:
-            z_loss, z_grad = self.z(loss, grad_norm)
-            reason = self.reason(z_loss, z_grad, self.cfg.sigma)
+            reason = self.reason(*self.excess(loss, grad_norm), sigma=self.cfg.sigma)
         x = [_log(loss), _log(grad_norm)]
         if all(math.isfinite(v) for v in x) and not refused:
             for series, v in zip(self.values, x, strict=True):
@@ -248,12 +263,14 @@ class SameStepGate:
         self.count = self.pos = self.refused = 0
 
     @staticmethod
-    def reason(z_loss: float, z_grad: float, sigma: float) -> str:
+    def reason(loss: tuple[float, float], grad: tuple[float, float], sigma: float) -> str:
+        """Why a step was refused, from `excess`: each series above its limit, how many times
+        its rolling mean and how many deviations."""
         what = [
-            f"{name} {z:.1f} deviations above its rolling mean"
-            for name, z in (("loss", z_loss), ("grad norm", z_grad))
+            f"{name} {ratio:.2f}x its rolling mean ({z:.1f} deviations)"
+            for name, (z, ratio) in (("loss", loss), ("grad norm", grad))
             if z > sigma
-        ] or [f"loss {z_loss:.1f} / grad norm {z_grad:.1f} deviations at the threshold"]
+        ] or [f"loss {loss[0]:.1f} / grad norm {grad[0]:.1f} deviations at the threshold"]
         return f"same-step tier: {' and '.join(what)}: update refused"
 
     def state_dict(self) -> dict[str, Any]:
