@@ -305,6 +305,49 @@ def test_a_snapshot_that_fails_its_check_is_not_restored(tmp_path) -> None:
     assert fell["step"] == 30 and "1 of" in fell["why"] and "changed" in fell["why"]
 
 
+def test_a_restore_that_does_not_reproduce_the_next_steps_loss_takes_the_next_older_target(
+    tmp_path, monkeypatch
+) -> None:
+    """The second proof of a restore (issue: a restore that is checked): the step after the
+    target, replayed on the restored state, must give the loss the run recorded for it. Here
+    the restore of step 30 puts back a weight other than the one saved (the snapshot's block is
+    intact, its sums pass: what a wrong copy plan or a stray write after the copy would do), so
+    step 31's loss does not come back; the rollback takes step 20, whose step 21 does, and the
+    record says both. Without the proof the run trains on from the wrong state."""
+    from spikewatch.trainer.core.actions import Action, Continue, Rollback
+    from spikewatch.trainer.core.callbacks import Callback, StepState
+
+    class Ask(Callback):
+        asked = False
+
+        def on_step(self, state: StepState) -> Action:
+            if state.step == 34 and not self.asked:
+                self.asked = True
+                return Rollback(to_step=30, reason="test")
+            return Continue()
+
+    load, loads = MemoryTier.load_tensors, []
+
+    def wrong_first(self: MemoryTier, step: int) -> None:
+        load(self, step)
+        loads.append(step)
+        if len(loads) == 1:  # the first restore: one weight is not what was saved
+            with torch.no_grad():
+                list(self.model.parameters())[-1].mul_(1.5)
+
+    monkeypatch.setattr(MemoryTier, "load_tensors", wrong_first)
+    cfg = tiny_config("train.max_steps=40", "eval.interval=none", "checkpoint.memory_interval=10",
+                      "guard.rollback=false")  # fmt: skip
+    r = fit(cfg, run_dir=tmp_path, callbacks=[Ask()])
+    (rb,) = [i for i in r.interventions if i["kind"] == "rollback"]
+    assert (rb["tier"], rb["to_step"]) == ("memory", 20)
+    (fell,) = rb["restore_fallbacks"]
+    assert fell["step"] == 30 and "does not reproduce step 31's loss" in fell["why"]
+    proof = rb["replay_proof"]
+    assert proof["step"] == 21 and proof["reproduced"] and proof["loss"] == proof["recorded"]
+    assert loads[0] == 30 and 20 in loads[1:]
+
+
 def test_an_intact_snapshot_passes_its_check(tmp_path) -> None:
     """The sums of a snapshot, taken again, are the ones taken when it landed; a changed word
     anywhere in the block is found."""

@@ -52,6 +52,11 @@ __all__ = ["Checkpointed", "Replay", "Swap"]
 
 log = logging.getLogger(__name__)
 
+# The replay proof's tolerance: the step after a rollback's target, replayed on the restored
+# state, gives its recorded loss to within this (relative). On a CPU it comes back to the bit;
+# on a GPU a forward may reorder its sums (bf16 autocast, split-K): a few 1e-4 at most.
+REPLAY_RTOL = 1e-3
+
 # Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
 # backward, and the function that applies its update. None: the client cannot draw it again.
 Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
@@ -94,8 +99,13 @@ class Checkpointed:
         ck = self.checkpointer
         from_step, t0 = self.run.step, time.perf_counter()
         fallbacks: list[dict[str, Any]] = []
-        while True:  # a host-memory snapshot that fails its check: the next older target
-            step, where, abandoned = ck.rollback_point(action.to_step)
+        # the steps a replay may prove a target on: recorded on this branch before the spike's
+        # onset (rank 0's guard's; taken before a restore puts the target's own windows back)
+        onset = action.spike.onset_step if action.spike is not None else from_step + 1
+        seen = self.world.agree(self._recorded(min(action.to_step + 1, onset - 1)))
+        limit, proof = action.to_step, None
+        while True:  # a target that fails its check or its replay: the next older one
+            step, where, abandoned = ck.rollback_point(limit)
             why = None
             try:
                 loaded = ck.read(where)
@@ -111,15 +121,37 @@ class Checkpointed:
                 assert ck.memory is not None
                 ck.memory.drop(step)
                 continue
-            break
+            tier = ck.last_tier
+            self.restore(loaded, resume=False)
+            proof = self._replay_proof(step, seen, loaded)
+            if proof is None or proof["reproduced"]:
+                break
+            why = (
+                f"the restored step {step} does not reproduce step {proof['step']}'s loss "
+                f"({proof['loss']:.6g} replayed, {proof['recorded']:.6g} recorded)"
+            )
+            disk_twin = tier == MEMORY and ck.disk.enabled and ck.disk.latest(step) is not None
+            if ck.latest(step - 1) is None and not disk_twin:
+                log.warning("%s, and no older target is kept: it stays restored", why)
+                proof["kept"] = "no older target"
+                break
+            log.warning("%s: the rollback takes the next older target", why)
+            fallbacks.append({"step": step, "tier": tier, "why": why})
+            if tier == MEMORY:  # unreliable: dropped (the disk's copy of its step may serve)
+                assert ck.memory is not None
+                ck.memory.drop(step)
+            limit = step if tier == MEMORY else step - 1
+        if proof is not None:  # the replay's draws, gradients and buffers undone
+            self.restore(ck.read(where), resume=False)
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
-        self.restore(loaded, resume=False)
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         if fallbacks:
             record["restore_fallbacks"] = fallbacks
         if ck.last_tier == MEMORY and ck.memory is not None:  # the snapshot's check, timed
             record["check_s"] = ck.memory.last_check_s
+        if proof is not None:
+            record["replay_proof"] = proof
         spike = action.spike
         if spike is not None and self.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
@@ -242,6 +274,63 @@ class Checkpointed:
             log.warning(
                 "rank(s) %s: repeated spikes without a data cause: suspect devices", suspects
             )
+
+    def _recorded(self, until: int) -> tuple[dict[int, float], dict[int, int]]:
+        """The loss and the batch index of each step up to `until` that the spike guard still
+        holds, as this branch recorded them (copies). The guard is rank 0's: `agree` gives them
+        to every rank, so that all replay alike."""
+        for cb in self.callbacks:
+            loss_of, batch_of = getattr(cb, "loss_of", None), getattr(cb, "batch_of", None)
+            if isinstance(loss_of, dict) and isinstance(batch_of, dict):
+                return (
+                    {s: v for s, v in loss_of.items() if s <= until},
+                    {s: v for s, v in batch_of.items() if s <= until},
+                )
+        return {}, {}
+
+    def _replay_proof(
+        self, step: int, seen: tuple[dict[int, float], dict[int, int]], loaded: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """A restore's second proof, beside the snapshot's checksums: the step after the target
+        replayed on the restored state (its batch drawn again, forward and backward, no update)
+        must give the loss this branch recorded for it. Where the run draws again what it drew
+        (data "rewind": its RNGs are restored with the target), the step lies before the
+        spike's onset and its loss was finite and recorded; else None (not told). The replay
+        draws with the target's RNG states (a dropout mask as the step drew it); a run whose data
+        flows forward gets its own back after."""
+        loss_of, batch_of = seen  # (steps before the spike's onset alone)
+        nxt = step + 1
+        want, index = loss_of.get(nxt), batch_of.get(nxt)
+        if (
+            self.replay is None
+            or "rng.pt" not in loaded
+            or want is None
+            or index is None
+            or not math.isfinite(want)
+        ):
+            return None
+        t1 = time.perf_counter()
+        live = rng_states() if self.data_flow != "rewind" else None  # (rewind: restored already)
+        set_rng_states(loaded["rng.pt"], loaded["trainer.json"]["rng"])
+        try:
+            t, _apply = self.replay(nxt, index)
+            t = self.world.reduce(t, stop=False)
+            got = float(t.loss)  # a rollback's path: one read
+        except NotAtHand:
+            return None
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            if live is not None:
+                set_rng_states(*live)
+        ok = math.isfinite(got) and abs(got - want) <= REPLAY_RTOL * max(abs(want), 1e-12)
+        return {
+            "step": nxt,
+            "batch_index": index,
+            "loss": got,
+            "recorded": want,
+            "reproduced": ok,
+            "seconds": time.perf_counter() - t1,
+        }
 
     def _replay_losses(self, pairs: Iterable[tuple[int, int]], from_step: int) -> dict[int, float]:
         """The losses of (step, batch index) pairs replayed in order, each update applied as the
