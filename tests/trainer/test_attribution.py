@@ -183,3 +183,32 @@ def test_the_shrunk_batch_line_speaks_of_compiling_only_for_a_compiled_model(cap
     assert len(lines) == 2
     assert "compile" not in lines[0] and "batch 7 trains on 2 of its 4 rows" in lines[0]
     assert "the compiled model compiles once more" in lines[1]
+
+
+def test_a_batch_as_transformers_gives_it_is_taken_row_by_row_in_its_own_type() -> None:
+    """A tokenizer's or a collator's `BatchEncoding` is a `UserDict`, not a dict: accelerate's
+    own checkpointing loop feeds one (benchmarks/accelerate_public.py), and a rollback's row
+    attribution stopped with "cannot attribute a batch that holds no tensor". Every rule that
+    reads a dict batch takes any mapping, and one rebuilt keeps its type (`.to`, `**`)."""
+    from transformers import BatchEncoding
+
+    from spikewatch.trainer.core.attribution import (
+        id_of,
+        moved,
+        row_of,
+        rows_in,
+        select_rows,
+        tokens_in,
+        tokens_of,
+    )
+
+    ids = torch.arange(12).reshape(3, 4)
+    batch = BatchEncoding({"input_ids": ids, "labels": torch.tensor([0, 1, 0]), "id": [7, 8, 9]})
+    assert rows_in(batch) == 3 and tokens_in(batch) == 12
+    assert tokens_of(batch, 1) == [4, 5, 6, 7] and id_of(batch, 2) == "9"
+    one = row_of(batch, 1)
+    assert isinstance(one, BatchEncoding) and torch.equal(one["input_ids"], ids[1:2])
+    two = select_rows(batch, [0, 2])
+    assert isinstance(two, BatchEncoding) and two["id"] == [7, 9]
+    assert torch.equal(two["labels"], torch.tensor([0, 0]))
+    assert isinstance(moved(batch, "cpu"), BatchEncoding)

@@ -26,7 +26,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -277,8 +277,8 @@ def row_of(batch: Any, r: int) -> Any:
     """Row `r` of a batch (a tensor, a tuple or list of them, or a dict), as a batch of one."""
     if torch.is_tensor(batch):
         return batch[r : r + 1] if batch.dim() else batch
-    if isinstance(batch, dict):
-        return {k: row_of(v, r) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        return _like(batch, {k: row_of(v, r) for k, v in batch.items()})
     if isinstance(batch, tuple | list):
         return type(batch)(row_of(v, r) for v in batch)
     return batch
@@ -293,8 +293,8 @@ def select_rows(batch: Any, keep: list[int]) -> Any:
             if batch.dim()
             else batch
         )
-    if isinstance(batch, dict):
-        return {k: select_rows(v, keep) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        return _like(batch, {k: select_rows(v, keep) for k, v in batch.items()})
     if isinstance(batch, tuple | list):
         if batch and all(isinstance(v, str | int | float | bool) or v is None for v in batch):
             return type(batch)(batch[r] for r in keep)  # per-row values (ids, texts)
@@ -364,8 +364,8 @@ def moved(batch: Any, device: torch.device | str) -> Any:
     """The batch with its tensors on `device` (another rank's batch, received on the host)."""
     if torch.is_tensor(batch):
         return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: moved(v, device) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        return _like(batch, {k: moved(v, device) for k, v in batch.items()})
     if isinstance(batch, tuple | list):
         return type(batch)(moved(v, device) for v in batch)
     return batch
@@ -373,7 +373,7 @@ def moved(batch: Any, device: torch.device | str) -> Any:
 
 def id_of(batch: Any, r: int) -> str | None:
     """The data's own id of row `r`, from a dict batch's "id" / "ids" entry."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for k in ID_KEYS:
             if k in batch:
                 ids = batch[k]
@@ -384,7 +384,7 @@ def id_of(batch: Any, r: int) -> str | None:
 
 def tokens_of(batch: Any, r: int) -> list[int] | None:
     """Row `r` of the batch's inputs (a dict's "input_ids", else its first integer tensor)."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for k in _TOKEN_KEYS:
             if k in batch and torch.is_tensor(batch[k]):
                 return [int(v) for v in batch[k][r].reshape(-1).tolist()]
@@ -397,7 +397,7 @@ def tokens_of(batch: Any, r: int) -> list[int] | None:
 def tokens_in(batch: Any) -> int:
     """The tokens a batch feeds: the size of its inputs (a dict's "input_ids", else its first
     integer tensor); 0 when it holds none."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for k in _TOKEN_KEYS:
             if k in batch and torch.is_tensor(batch[k]):
                 return int(batch[k].numel())
@@ -407,10 +407,21 @@ def tokens_in(batch: Any) -> int:
     return 0
 
 
+def _like(batch: Mapping[str, Any], items: dict[str, Any]) -> Any:
+    """`items` in the mapping type the batch came in (transformers' `BatchEncoding`, a
+    `UserDict`), where that type is built from a dict; else a dict."""
+    if type(batch) is dict:
+        return items
+    try:
+        return type(batch)(items)
+    except Exception:  # a mapping type not built from a dict: a dict serves `model(**batch)`
+        return items
+
+
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
     if torch.is_tensor(batch):
         yield batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for v in batch.values():
             yield from _tensors(v)
     elif isinstance(batch, tuple | list):
