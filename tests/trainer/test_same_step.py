@@ -243,3 +243,28 @@ def test_the_floors_refuse_a_loss_at_1_75x_and_a_gradient_norm_alone_at_16x_thei
         refused, _, z_grad = _check(gate, loss, 0.5 * g)
         assert refused == want, (g, loss, z_grad, limits)
         assert (late.item() == 0.0) == want
+
+
+def test_a_loss_near_zero_is_refused_only_nats_above_its_mean() -> None:
+    """Near zero a loss's ratios are noise: accelerate's own checkpointing loop (a small BERT
+    that learns its task, benchmarks/accelerate_public.py) had a clean step refused at 0.006
+    nats against a rolling mean of 0.0001 (63x, 11 deviations). A refusal by the loss needs it
+    `min_loss_excess` (0.05) nats above its geometric mean too, where a bad batch's is nats
+    above. The host rule, the device's rule read late and `limits_after` agree."""
+    rng = np.random.default_rng(5)
+    history = 1e-4 * np.exp(0.3 * rng.standard_normal(40))
+    for loss, want in ((0.006, False), (0.04, False), (0.2, True), (3.0, True)):
+        gate = SameStepGate(CFG)
+        for v in history:
+            assert not _check(gate, float(v), 0.5)[0]
+        x = torch.tensor(loss), torch.tensor(0.5)
+        ahead = (torch.tensor(float(history[-1])), torch.tensor(0.5), torch.tensor(1.0), None)
+        twin = SameStepGate(CFG)
+        twin.load_state_dict(gate.state_dict())
+        twin.count, twin.pos = twin.count - 1, twin.pos - 1  # the last step still "in flight"
+        late = twin.factor_after(*x, ahead)  # the device's op, read late
+        lim, armed = twin.limits_after(*ahead)  # the same thresholds, op by op
+        refused = _check(gate, loss, 0.5)[0]
+        assert refused == want, loss
+        assert (late.item() == 0.0) == want
+        assert bool(armed) and (math.log(loss) > float(lim[0])) == want

@@ -77,6 +77,14 @@ class SameStepConfig(BaseModel):
         "least (clean runs' own instabilities reached 12x; below that the rollback tier judges).",
     )
 
+    min_loss_excess: float = Field(
+        0.05,
+        ge=0,
+        description="Nats a loss must lie above its rolling (geometric) mean at least to be "
+        "refused: near zero its ratios are noise (a converged classifier's 0.0001 -> 0.006 is "
+        "60x its mean and harmless; a bad batch's loss is nats above it).",
+    )
+
     @property
     def floors(self) -> tuple[float, float]:
         """The smallest deviation of each series (the loss's, the gradient norm's)."""
@@ -101,12 +109,20 @@ class SameStepGate:
         if self.count < max(cfg.min_history, 2) or self.refused >= cfg.max_refusals:
             return None
         out = []
-        for series, floor in zip(self.values, cfg.floors, strict=True):  # mean, deviation
+        for i, series in enumerate(self.values):  # mean, deviation
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            out.append(mean + cfg.sigma * max(math.sqrt(var), floor))
+            out.append(mean + cfg.sigma * max(math.sqrt(var), self._floor(i, mean)))
         return out[0], out[1]
+
+    def _floor(self, i: int, mean: float) -> float:
+        """Series i's smallest deviation (log units) at the log-mean `mean`: its floor, and for
+        the loss what `min_loss_excess` nats above the mean need (`loss_floor`)."""
+        cfg = self.cfg
+        if i == 0:
+            return max(cfg.floor, math.log1p(cfg.min_loss_excess * math.exp(-mean)) / cfg.sigma)
+        return cfg.grad_floor
 
     def limits_after(
         self,
@@ -155,7 +171,8 @@ class SameStepGate:
         mean = mean0 + s1 / nn
         var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
         sd = var.sqrt()
-        sd = torch.stack([sd[0].clamp_min(cfg.floor), sd[1].clamp_min(cfg.grad_floor)])
+        least = loss_floor(mean[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
+        sd = torch.stack([torch.maximum(sd[0], least), sd[1].clamp_min(cfg.grad_floor)])
         lim = mean + cfg.sigma * sd
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
         armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
@@ -197,7 +214,8 @@ class SameStepGate:
         prev_loss, prev_norm, prev_factor, overflow = ahead
         h = torch.tensor(
             [host[0][0], host[1][0], host[0][1], host[1][1], host[0][2], host[1][2],
-             float(n), float(n == cfg.window), float(self.refused), float(overflow is not None)],
+             float(n), float(n == cfg.window), float(self.refused), float(overflow is not None),
+             cfg.min_loss_excess],
             dtype=torch.float64,
         )  # fmt: skip
         dev = loss.device
@@ -225,7 +243,7 @@ class SameStepGate:
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            out.append(((x[i] - mean) / max(math.sqrt(var), self.cfg.floors[i]),
+            out.append(((x[i] - mean) / max(math.sqrt(var), self._floor(i, mean)),
                         math.exp(x[i] - mean)))  # fmt: skip
         return out[0], out[1]
 
@@ -314,6 +332,14 @@ def step_factor(
     return ok.float()
 
 
+def loss_floor(
+    mean: torch.Tensor, sigma: float, floor: float, excess: float | torch.Tensor
+) -> torch.Tensor:
+    """The loss's smallest deviation (log units) at its log-mean `mean`, on the device: its
+    floor, or what `excess` nats above the (geometric) mean need, the larger."""
+    return torch.log1p(excess * torch.exp(-mean)).div(sigma).clamp_min(floor)
+
+
 def _log(v: float) -> float:
     """log, with what has none (<= 0, nan) as nan: never learnt, never refused."""
     return math.log(v) if v > 0 else math.nan
@@ -331,9 +357,10 @@ def late_factor(
     """`limits_after` then `step_factor`, as one function of small tensors (so that it is
     one op, and one compiled kernel on CUDA). vs: six 0-dim float32 values on the device, the
     step before's loss, grad norm, factor and GradScaler overflow (its factor when there is no
-    scaler), then this step's loss and grad norm. h (10,) float64: the window's means, sums of
+    scaler), then this step's loss and grad norm. h (11,) float64: the window's means, sums of
     squared deviations and evicted values (each per series), its count, whether it is full,
-    the refusals in a row, and whether there is an overflow flag. Returns () float32, 1 or 0."""
+    the refusals in a row, whether there is an overflow flag, and `min_loss_excess`. Returns
+    () float32, 1 or 0."""
     v = torch.stack(vs)
     x = v[:2].double()  # the step before: (2,)
     fin = torch.isfinite(x)
@@ -354,7 +381,8 @@ def late_factor(
     mean = mean0 + s1 / nn
     var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
     sd = var.sqrt()
-    lim = mean + sigma * torch.stack([sd[0].clamp_min(floor), sd[1].clamp_min(grad_floor)])
+    least = loss_floor(mean[0], sigma, floor, h[10])
+    lim = mean + sigma * torch.stack([torch.maximum(sd[0], least), sd[1].clamp_min(grad_floor)])
     run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
     armed = (n_new >= min_history) & (run < refusals)
     y = v[4:6].double()  # this step: (2,)
