@@ -1,12 +1,13 @@
 """Screenshots of the run page and the compare page for README.md (docs/*.png).
 
     python docs/make_screenshots.py DB_URL RUN_ID [COMPARE_RUN ...]
-    python docs/make_screenshots.py DB_URL --group GROUP
+    python docs/make_screenshots.py DB_URL --group GROUP [--page-only]
     python docs/make_screenshots.py DB_URL --page PATH FILE.png=ELEMENT_ID ...
 
 The first form shoots the run page and the compare page of the given runs. The second shoots
 a sweep group's compare page (compare_page.png) and exports its charts, as the dashboard's
-chart functions draw them, for docs/ablations.md (ablation_*.png). The third opens any page of
+chart functions draw them, for docs/ablations.md (ablation_*.png; `--page-only`: the page
+alone, for a sweep other than that study's). The third opens any page of
 the dashboard (`/runs/RUN_ID`, `/compare?group=G`) and saves the listed elements (a chart's or a
 table's id) as docs/FILE.png, for docs/spikes.md.
 Serves the dashboard on a free local port and drives Debian's Chromium with Playwright.
@@ -43,12 +44,12 @@ SWEEP_CHARTS = {
 }
 
 
-def shoot_group(page, base: str, group: str, out: Path) -> None:
+def shoot_group(page, base: str, group: str, out: Path, charts: bool = True) -> None:
     page.goto(f"{base}/compare?group={group}")
     page.wait_for_selector("#chart-lr-loss .main-svg")
     page.wait_for_timeout(800)
     page.screenshot(path=str(out / "compare_page.png"), full_page=False)
-    for chart, name in SWEEP_CHARTS.items():
+    for chart, name in SWEEP_CHARTS.items() if charts else ():
         page.locator(f"#{chart}").screenshot(path=str(out / name))
 
 
@@ -90,7 +91,7 @@ def main() -> None:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         if group is not None:
-            shoot_group(page, base, group, out)
+            shoot_group(page, base, group, out, charts="--page-only" not in sys.argv)
             browser.close()
             served.stop()
             return

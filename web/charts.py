@@ -443,6 +443,7 @@ def small_multiples_figure(
             "domain": [max(0.0, y1 - height), y1],
             "anchor": f"x{ax}",
             "type": "log",
+            "dtick": 1,  # a label a decade (1, 10, 100...): no 2s and 5s between, crowded
             **({"matches": "y"} if i else {}),
         }
         layout["annotations"].append(

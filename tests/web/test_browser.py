@@ -100,6 +100,11 @@ def test_compare_page_renders_three_runs(server, browser) -> None:
     for chart in ("#chart-lr-loss", "#chart-lr-peak", "#chart-logits"):
         page.wait_for_selector(f"{chart} .main-svg")
     assert page.locator("#chart-lr-loss .scatterlayer .trace").count() >= 1
+    # the loss and the attention-logit panels (one per variant) each take the whole width
+    whole = page.evaluate("document.querySelector('#chart-compare').parentElement.clientWidth")
+    for chart in ("#chart-compare", "#chart-logits"):
+        box = page.locator(chart).bounding_box()
+        assert box is not None and box["width"] >= 0.95 * whole, (chart, box, whole)
     page.close()
 
 
