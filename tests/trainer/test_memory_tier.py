@@ -348,6 +348,51 @@ def test_a_restore_that_does_not_reproduce_the_next_steps_loss_takes_the_next_ol
     assert loads[0] == 30 and 20 in loads[1:]
 
 
+def test_a_replay_that_reproduces_no_target_keeps_the_newest_and_turns_the_proof_off(
+    tmp_path, caplog
+) -> None:
+    """Where the replay gives another loss than the loop recorded on every target (a `loss_fn`
+    that is not the loop's own loss, a run that is not deterministic), the proof cannot tell a
+    bad restore: after two targets that do not reproduce, the newest stands (not the oldest
+    the run keeps), the proof is off for the rest of the run, and the log says why."""
+    from dataclasses import replace
+
+    from spikewatch.trainer.core.actions import Action, Continue, Rollback
+    from spikewatch.trainer.core.callbacks import Callback, StepState
+
+    class Ask(Callback):
+        asked: set[int] = set()
+
+        def on_step(self, state: StepState) -> Action:
+            if state.step in (34, 44) and state.step not in self.asked:
+                self.asked.add(state.step)
+                return Rollback(to_step=state.step - 4, reason="test")
+            return Continue()
+
+    cfg = tiny_config("train.max_steps=50", "eval.interval=none", "checkpoint.memory_interval=10",
+                      "guard.rollback=false")  # fmt: skip
+    trainer = build_trainer(cfg, run_dir=tmp_path, callbacks=[Ask()])
+    replay = trainer.core.replay
+
+    calls: list[int] = []
+
+    def scaled(step: int, index: int):  # noqa: ANN202
+        calls.append(step)
+        t, apply = replay(step, index)
+        return replace(t, loss=t.loss * 1.01), apply  # not the loss the loop records
+
+    trainer.core.replay = scaled
+    with caplog.at_level("WARNING"):
+        r = trainer.fit()
+    first, second = [i for i in r.interventions if i["kind"] == "rollback"]
+    assert (first["tier"], first["to_step"]) == ("memory", 30)  # the newest, not 20 or 0
+    assert first["replay_proof"]["kept"].startswith("the replay proves nothing")
+    assert "restore_fallbacks" not in first
+    assert second["to_step"] == 40 and "replay_proof" not in second  # off from then on
+    assert calls == [31, 21]  # two targets tried, not every one the run keeps
+    assert sum("the replay cannot prove this run's restores" in m for m in caplog.messages) == 1
+
+
 def test_an_intact_snapshot_passes_its_check(tmp_path) -> None:
     """The sums of a snapshot, taken again, are the ones taken when it landed; a changed word
     anywhere in the block is found."""

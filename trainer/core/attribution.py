@@ -412,8 +412,9 @@ def _like(batch: Mapping[str, Any], items: dict[str, Any]) -> Any:
     `UserDict`), where that type is built from a dict; else a dict."""
     if type(batch) is dict:
         return items
+    factory: Any = type(batch)
     try:
-        return type(batch)(items)
+        return factory(items)
     except Exception:  # a mapping type not built from a dict: a dict serves `model(**batch)`
         return items
 

@@ -87,6 +87,7 @@ class Checkpointed:
     skip_samples: bool
     config_changes: dict[str, list[Any]]
     resume_line: str | None
+    _proof_off: bool
 
     if TYPE_CHECKING:
 
@@ -101,9 +102,10 @@ class Checkpointed:
         fallbacks: list[dict[str, Any]] = []
         # the steps a replay may prove a target on: recorded on this branch before the spike's
         # onset (rank 0's guard's; taken before a restore puts the target's own windows back)
-        onset = action.spike.onset_step if action.spike is not None else from_step + 1
-        seen = self.world.agree(self._recorded(min(action.to_step + 1, onset - 1)))
+        first_bad = action.spike.onset_step if action.spike is not None else from_step + 1
+        seen = self.world.agree(self._recorded(min(action.to_step + 1, first_bad - 1)))
         limit, proof = action.to_step, None
+        failed: list[tuple[int, Path | int, str | None, dict[str, Any], list[int]]] = []
         while True:  # a target that fails its check or its replay: the next older one
             step, where, abandoned = ck.rollback_point(limit)
             why = None
@@ -123,24 +125,39 @@ class Checkpointed:
                 continue
             tier = ck.last_tier
             self.restore(loaded, resume=False)
-            proof = self._replay_proof(step, seen, loaded)
+            proof = None if self._proof_off else self._replay_proof(step, seen, loaded)
             if proof is None or proof["reproduced"]:
+                for f_step, _, f_tier, f_proof, _ in failed:  # the restore's fault, not the loop's
+                    fallbacks.append({"step": f_step, "tier": f_tier, "why": f_proof["why"]})
+                    if f_tier == MEMORY and ck.memory is not None:
+                        ck.memory.drop(f_step)  # unreliable: no later rollback takes it
                 break
-            why = (
+            proof["why"] = (
                 f"the restored step {step} does not reproduce step {proof['step']}'s loss "
                 f"({proof['loss']:.6g} replayed, {proof['recorded']:.6g} recorded)"
             )
-            disk_twin = tier == MEMORY and ck.disk.enabled and ck.disk.latest(step) is not None
-            if ck.latest(step - 1) is None and not disk_twin:
-                log.warning("%s, and no older target is kept: it stays restored", why)
-                proof["kept"] = "no older target"
-                break
-            log.warning("%s: the rollback takes the next older target", why)
-            fallbacks.append({"step": step, "tier": tier, "why": why})
-            if tier == MEMORY:  # unreliable: dropped (the disk's copy of its step may serve)
-                assert ck.memory is not None
-                ck.memory.drop(step)
-            limit = step if tier == MEMORY else step - 1
+            failed.append((step, where, tier, proof, abandoned))
+            if len(failed) < 2 and ck.latest(step - 1) is not None:
+                log.warning("%s: the rollback takes the next older target", proof["why"])
+                limit = step - 1
+                continue
+            # two targets (or the only one) that do not reproduce: the replay cannot prove this
+            # run's restores (the loop's recorded loss is not what its loss_fn gives, or the run
+            # is not deterministic); the newest target stands, and the proof is off from now on
+            self._proof_off = True
+            step, where, tier, proof, abandoned = failed[0]
+            proof["kept"] = "the replay proves nothing in this run: off from now on"
+            log.warning(
+                "%s%s: the replay cannot prove this run's restores (is loss_fn the loop's own "
+                "loss? is the run deterministic?); step %d restored, the proof off from now on",
+                proof["why"],
+                f", and so does step {failed[1][0]}" if len(failed) > 1 else "",
+                step,
+            )
+            loaded = ck.read(where)
+            ck.last_tier = tier
+            self.restore(loaded, resume=False)
+            break
         if proof is not None:  # the replay's draws, gradients and buffers undone
             self.restore(ck.read(where), resume=False)
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position

@@ -232,7 +232,9 @@ class SameStepGate:
         (z_loss, _), (z_grad, _) = self.excess(loss, grad_norm)
         return z_loss, z_grad
 
-    def excess(self, loss: float, grad_norm: float) -> tuple[tuple[float, float], ...]:
+    def excess(
+        self, loss: float, grad_norm: float
+    ) -> tuple[tuple[float, float], tuple[float, float]]:
         """(deviations above the rolling mean, times the rolling mean) of the loss and of the
         gradient norm, in the tier's log space: ((0, 1), (0, 1)) without history."""
         x = [_log(loss), _log(grad_norm)]
@@ -252,7 +254,8 @@ class SameStepGate:
         window learns a normal value or one let through; returns the refusal's reason."""
         reason = ""
         if refused:
-            reason = self.reason(*self.excess(loss, grad_norm), sigma=self.cfg.sigma)
+            of_loss, of_grad = self.excess(loss, grad_norm)
+            reason = self.reason(of_loss, of_grad, self.cfg.sigma)
         x = [_log(loss), _log(grad_norm)]
         if all(math.isfinite(v) for v in x) and not refused:
             for series, v in zip(self.values, x, strict=True):

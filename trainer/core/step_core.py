@@ -144,6 +144,7 @@ class StepCore(Checkpointed):
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     resume_line: str | None = None  # a resume's one line, said at the start (`_say_resume`)
+    _proof_off: bool = False  # a rollback's replay proved nothing in this run (restore.py)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
     late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
     _late: _Read | None = None  # the step whose values are read at the next step's end
