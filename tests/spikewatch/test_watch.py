@@ -181,6 +181,7 @@ def test_a_resume_may_change_what_a_halt_advises_and_nothing_else(tmp_path) -> N
     (change,) = [d for k, _, d in sink.events if k == "note" and d.get("kind") == "config_change"]
     assert change["changes"]["max_steps"] == [20, 30]
     assert change["changes"]["grad_clip"] == [1.0, 0.5]
+    assert sorted(change["changes"]) == ["grad_clip", "max_steps"]  # each once (one name)
     with pytest.raises(ConfigError, match="model.n_layer"):
         _plain(tmp_path, resume=True, max_steps=40, layers=3)
 

@@ -314,3 +314,27 @@ def test_a_replaced_checkpoint_is_never_missing(tmp_path) -> None:
     ck.clean_temporaries(root)
     assert 8 in ck.list_checkpoints(root)
     ck.verify_checkpoint(root / "step00000008")
+
+
+def test_the_progress_bar_of_a_resumed_run_shows_its_last_evaluation(tmp_path) -> None:
+    """A resume's progress bar read "val nan" until the next evaluation, where the run's log
+    had said the last one; the run's last evaluation (restored with it) is its start."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from spikewatch.trainer.builtin.progress import ProgressBar
+
+    cfg = ("train.max_steps=12", "eval.interval=4", "eval.batches=2", *CK)
+    first = fit(tiny_config(*cfg, "train.stop_after=8"), run_dir=tmp_path / "run")
+    assert first.val_losses[-1][0] == 8
+    bar, seen = ProgressBar(Console(file=StringIO())), []
+    start = bar.on_fit_start
+
+    def at_start(state) -> None:  # noqa: ANN001
+        start(state)
+        seen.append(bar.val)
+
+    bar.on_fit_start = at_start  # type: ignore[method-assign]
+    build_trainer(tiny_config(*cfg), run_dir=tmp_path / "run", resume=True, callbacks=[bar]).fit()
+    assert seen == [first.val_losses[-1][1]]

@@ -27,6 +27,8 @@ class ProgressBar(Callback):
         self.events: dict[str, int] = {}
 
     def on_fit_start(self, state: FitState) -> None:
+        if state.val_loss is not None:  # a resumed run's last evaluation, until its next
+            self.val = state.val_loss
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),

@@ -59,6 +59,7 @@ class FitState:
     config: Mapping[str, Any]
     status: str = "running"  # at the end: completed | stopped | halted
     resumed_from: str | None = None  # the checkpoint this process resumed from, if it did
+    val_loss: float | None = None  # the run's last evaluation (after a resume: from before it)
 
 
 class Callback:

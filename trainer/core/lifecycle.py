@@ -141,6 +141,10 @@ def check_resumable(
             f"cannot resume {path}: the config differs in {shown}. A resume may change "
             f"{rules.shown()}"
         )
+    for k in [k for k in changes if "." in k]:  # one setting under two names: its short one
+        short = k.rsplit(".", 1)[1]
+        if changes.get(short) == changes[k]:
+            del changes[k]
     return changes
 
 

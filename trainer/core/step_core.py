@@ -697,6 +697,7 @@ class StepCore(Checkpointed):
             config=self.config(),
             status=status,
             resumed_from=self.run.resumed_from,
+            val_loss=self.run.val_losses[-1][1] if self.run.val_losses else None,
         )
 
     def summary(self) -> dict[str, Any]:
