@@ -178,3 +178,27 @@ def test_the_loader_loop_benchmark_runs_small() -> None:
     spec.loader.exec_module(bench)
     out = bench.main(["--smoke"])
     assert out["ratio"] > 0 and out["bare_ms"] > 0 and out["watched_ms"] > 0
+
+
+def test_accelerates_own_loop_takes_the_documented_patch(tmp_path) -> None:
+    """benchmarks/accelerate_public.py edits accelerate's installed checkpointing loop as text:
+    each line it replaces is there once (an accelerate that changed the loop fails here, not
+    mid-benchmark), the spikewatch patch adds 6 lines and changes 2 (docs/own_loop.md), and the
+    loops it writes compile. Its runs are the benchmark's, not a test's."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    path = REPO / "benchmarks/accelerate_public.py"
+    spec = importlib.util.spec_from_file_location("accelerate_public", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bare, _ = bench.build(tmp_path, watched=False)
+    watched, diff = bench.build(tmp_path, watched=True)
+    body = [ln for ln in diff.splitlines() if not ln.startswith(("+++", "---"))]
+    assert sum(ln.startswith("+") for ln in body) == 8
+    assert sum(ln.startswith("-") for ln in body) == 2
+    for loop in (bare, watched):
+        compile(loop.read_text(), str(loop), "exec")
+    assert "watch.batches(train_dataloader, loss_fn=model)" in watched.read_text()
