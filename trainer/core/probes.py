@@ -437,7 +437,10 @@ class Probes:
         """Once, on the first step that is not a state step after the optimizer's state exists:
         what the first state step would otherwise build on top of its own work (the one pass's
         chunk plan and its per-layer names and sample sizes: ~5 ms of host at 124M on meta)."""
-        if not self.cfg.enabled or not inner_optimizer(self.optimizer).state:
+        if not self.cfg.enabled:
+            self._prepared = True  # nothing to prepare, ever
+            return
+        if not inner_optimizer(self.optimizer).state:
             return
         self._prepared = True
         if self._one_pass_ready():

@@ -154,12 +154,11 @@ class Checkpointed:
                 f", and so does step {failed[1][0]}" if len(failed) > 1 else "",
                 step,
             )
-            loaded = ck.read(where)
-            ck.last_tier = tier
-            self.restore(loaded, resume=False)
+            ck.last_tier = tier  # (restored below)
             break
         if proof is not None:  # the replay's draws, gradients and buffers undone
-            self.restore(ck.read(where), resume=False)
+            loaded = ck.read(where)
+            self.restore(loaded, resume=False)
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
         record = self.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)

@@ -76,7 +76,6 @@ class SameStepConfig(BaseModel):
         "with sigma 6 a refusal by the gradient norm alone needs it at 16x its rolling mean at "
         "least (clean runs' own instabilities reached 12x; below that the rollback tier judges).",
     )
-
     min_loss_excess: float = Field(
         0.05,
         ge=0,
@@ -84,11 +83,6 @@ class SameStepConfig(BaseModel):
         "refused: near zero its ratios are noise (a converged classifier's 0.0001 -> 0.006 is "
         "60x its mean and harmless; a bad batch's loss is nats above it).",
     )
-
-    @property
-    def floors(self) -> tuple[float, float]:
-        """The smallest deviation of each series (the loss's, the gradient norm's)."""
-        return self.floor, self.grad_floor
 
 
 class SameStepGate:
