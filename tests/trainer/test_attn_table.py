@@ -67,6 +67,41 @@ def test_each_layer_maxes_into_its_row_over_micro_batches(monkeypatch) -> None:
     assert now[M.layer_attn_max(2)] == pytest.approx(float(want2.max()), abs=1e-5)
 
 
+def test_each_call_launches_for_its_own_shape_causality_and_scale(monkeypatch) -> None:
+    """The eager launch is planned once per q and k signature and reused: calls that differ
+    only in causality, scale, sequence length, strides or k's dtype each get their own, and
+    every row equals the float64 maxima of its own calls."""
+    monkeypatch.setattr(attention, "FUSED_OFF_GPU", True)
+    rec = AttnMax()
+    rec.reserve(5, 4, device="cpu")
+    rec.arm(True)
+    q, k = _qk(6)
+    g = torch.Generator().manual_seed(7)
+    q40, k40 = torch.randn(2, 4, 40, 16, generator=g), torch.randn(2, 4, 40, 16, generator=g)
+    k_strided = torch.randn(2, 4, 16, 24, generator=g).transpose(-1, -2)  # head dim not unit
+    calls = [  # (layer, q, k, causal, scale)
+        (0, q, k, True, None),
+        (1, q, k, False, None),  # the same shapes, not causal
+        (2, q, k, True, 0.5),  # the same shapes, another scale
+        (3, q40, k40, True, None),  # another length
+        (3, q, k, True, None),  # ... and the first one again, into another row
+        (4, q, k_strided, True, None),  # a copy first
+        (4, q, k.bfloat16(), True, None),  # a cast first
+        (4, q, k.double(), True, None),  # a dtype the fused pass refuses: the torch path
+    ]
+    for layer, qq, kk, causal, scale in calls:
+        rec.record_logits(layer, qq, kk, causal=causal, scale=scale)
+    taken = rec.take()
+    assert taken is not None
+    _layers, values = taken
+    for row in range(5):
+        want = torch.stack([
+            _reference(qq, kk.float(), causal, 16**-0.5 if scale is None else scale).amax(0)
+            for layer, qq, kk, causal, scale in calls if layer == row
+        ]).amax(0)  # fmt: skip
+        torch.testing.assert_close(values[row], want.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_a_probed_step_begins_with_the_table_cleared(monkeypatch) -> None:
     """What a compiled graph wrote on an unprobed step (it records every training forward) or
     a replay wrote is cleared when the next probed step is armed; an unprobed step gives none."""

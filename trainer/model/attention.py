@@ -212,6 +212,17 @@ def fused_table_into(
     return head_max_table_(table, q, k, layer, causal=causal, scale=scale, check=False)
 
 
+def table_launch(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float | None):
+    """`fused_table_into`'s launch for every call with q and k of this signature, worked out
+    once (`kernels.max_logits.TableLaunch`), for a call `fused_table_refusal` took; None where
+    q and k need a cast or a copy first (then `fused_table_into`, each call)."""
+    from spikewatch.trainer.model.kernels.max_logits import TableLaunch  # imports Triton
+
+    if not TableLaunch.fits(q, k):
+        return None
+    return TableLaunch(q, k, causal, q.size(-1) ** -0.5 if scale is None else float(scale))
+
+
 @torch.no_grad()
 def max_logits(
     q: torch.Tensor,
@@ -239,7 +250,7 @@ def max_logits(
     # one copy each of a strided q and k (torchtitan's (B, L, N, H) transposed): else every
     # block's matmul copies its part again
     qf = q.contiguous().flatten(0, 1)  # (B nh, Tq, hs)
-    kt = k.contiguous().flatten(0, 1).transpose(1, 2)  # (B nh, hs, Tk)
+    kt = k.to(q.dtype).contiguous().flatten(0, 1).transpose(1, 2)  # (B nh, hs, Tk), q's dtype
     n = qf.size(0)
     block = _scratch(n * min(chunk, T) * k.size(-2), q)
     for start in range(0, T, chunk):

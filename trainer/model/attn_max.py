@@ -33,6 +33,7 @@ __all__ = ["AttnMax"]
 log = logging.getLogger(__name__)
 
 _RECORDERS: weakref.WeakValueDictionary[int, AttnMax] = weakref.WeakValueDictionary()
+_UNPLANNED = object()
 _KEYS = itertools.count()
 
 
@@ -62,6 +63,8 @@ class AttnMax:
         self._shape: tuple[int, int] | None = None
         self._wrote = False  # the table holds a value since it was last cleared
         self._device: torch.device | None = None  # the model's, once the Watch opens
+        # eager launches into the table, one per q and k signature (None: the table refused it)
+        self._launches: dict[tuple, object] = {}
         self.key = next(_KEYS)  # how the compiled graph's operators find this recorder
         _RECORDERS[self.key] = self
 
@@ -99,6 +102,7 @@ class AttnMax:
         if dev.type == "cuda":  # a captured CUDA graph writes it in place, never a copy
             torch._dynamo.mark_static_address(table)
         self.table, self._wrote = table, False
+        self._launches.clear()  # planned for the table before
 
     def arm(self, active: bool) -> None:
         """Whether the next step's forwards record; a probed step's begin with the table
@@ -156,8 +160,40 @@ class AttnMax:
                 torch.is_grad_enabled(),
             )
         elif self.active and torch.is_grad_enabled() and not _recomputing():
+            table = self.table
+            if table is not None and mask is None and 0 <= layer < table.size(0):
+                # the table's eager launch, planned once per signature: a layer's Python is the
+                # lookup and the launch (the kernel reads q and k; no autograd graph)
+                sig = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device,
+                       causal, scale)  # fmt: skip
+                launch = self._launches.get(sig, _UNPLANNED)
+                if launch is _UNPLANNED:
+                    launch = self._plan(sig, table, q, k, causal, scale)
+                if launch is not None:
+                    launch(table, q, k, layer)  # type: ignore[operator]
+                    self._wrote = True
+                    return
             # a probe: no autograd graph over its score blocks
             self._record_logits(layer, q.detach(), k.detach(), mask, causal, scale, n_rep)
+
+    def _plan(
+        self,
+        sig: tuple,
+        table: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal: bool,
+        scale: float | None,
+    ) -> object:
+        """The eager launch for q and k of this signature (None: the table does not take it),
+        kept: a run sees a handful (one sequence length, or a few under padding)."""
+        launch = None
+        if attention.fused_table_refusal(table, q, k, 0) is None:
+            launch = attention.table_launch(q, k, causal=causal, scale=scale)
+        if len(self._launches) >= 64:  # varying lengths: keep the plans bounded
+            self._launches.clear()
+        self._launches[sig] = launch
+        return launch
 
     def sdpa(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True

@@ -32,7 +32,7 @@ from spikewatch.trainer.model.kernels.eligibility import (
     interpreting,
 )
 
-__all__ = ["fused_head_max_", "fused_max_logits", "head_max_table_", "refusal"]
+__all__ = ["TableLaunch", "fused_head_max_", "fused_max_logits", "head_max_table_", "refusal"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_GRID_Y = 65535
@@ -257,6 +257,44 @@ def _table_op(
     table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int, causal: bool, scale: float
 ) -> None:
     _launch(q, k, causal, table, scale, row=layer * q.size(1), kernel=wrap_triton(_max_kernel))
+
+
+class TableLaunch:
+    """`head_max_table_`'s eager launch for q and k of one signature (shapes, strides, dtypes,
+    device, causal, scale), its grid and arguments worked out once: a layer's call is then the
+    launch alone (the recorder keeps one per signature; trainer/model/attn_max.py). Built only
+    for a call the table takes (`table_refusal`) whose q and k need no cast and no copy."""
+
+    __slots__ = ("args", "consts", "empty", "grid", "heads", "strides")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> None:
+        B, H, T, D = q.shape
+        S = k.size(2)
+        bm, bn, warps, stages = _blocks(q.dtype)
+        nm = -(-T // bm)
+        if nm > MAX_GRID_Y:
+            raise ValueError(f"sequence too long for the fused max: {nm} blocks > {MAX_GRID_Y}")
+        self.empty = T == 0 or S == 0 or B == 0  # no score: nothing raises the maximum
+        self.grid = (B * H, nm)
+        self.heads = H
+        self.args = (float(scale), T, S, H, H // k.size(1), nm)
+        self.strides = (*q.stride()[:3], *k.stride()[:3])
+        self.consts = dict(
+            D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=1 << max(D - 1, 0).bit_length(), CAUSAL=causal,
+            UPCAST=INTERPRET, PRECISION=_precision(q.dtype), HEADS=True, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+
+    @staticmethod
+    def fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+        """q and k as the kernel reads them: one dtype, unit stride in the head dim."""
+        return q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
+
+    def __call__(self, table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int) -> None:
+        if not self.empty:
+            _max_kernel[self.grid](
+                q, k, table, table, *self.args, layer * self.heads, *self.strides, **self.consts
+            )
 
 
 def table_refusal(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layer: int) -> str | None:
