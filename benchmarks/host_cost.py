@@ -632,6 +632,20 @@ class Harness:
         gc.unfreeze()
         return self.rows
 
+    def bare_host_ms(self, steps: int = 5) -> float:
+        """The bare step's own host time on meta (forward, backward, clip, update), the median
+        of `steps` after two: this machine's speed at meta's dispatch, measured in the same
+        process, so that host figures from machines of other speeds can be set side by side."""
+        with fused_adamw_on_meta():
+            model, opt, (b, t) = build(self.shape)
+            times = []
+            for i in range(steps + 2):
+                t0 = time.perf_counter()
+                bare_step(model, opt, b, t)
+                if i >= 2:
+                    times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
     def bare_counts(self) -> tuple[int, int, int]:
         """(kernels, bytes, FLOPs) of one bare step."""
         with fused_adamw_on_meta():
@@ -788,6 +802,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     counted.run(count_every=1)
     crows = [r for r in counted.rows if r.step > 0]
     bare_k, bare_b, bare_f = counted.bare_counts()
+    bare_meta_ms = counted.bare_host_ms()
     k = statistics.mean(r.kernels for r in crows) - bare_k
     b = statistics.mean(r.bytes for r in crows) - bare_b
     f = statistics.mean(r.flops for r in crows) - bare_f
@@ -832,6 +847,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "predicted_h200_ratio": round(pred, 4),
         "predicted_h200_ratio_eager": round(pred_eager, 4),
         "host_ms_per_step_compiled": round(host_compiled, 3),
+        # this machine's speed: the bare step's own host time on meta; the host figures over it
+        "bare_meta_ms": round(bare_meta_ms, 1),
+        "host_per_bare_meta": round(s["host_ms_per_step"] / bare_meta_ms, 5),
+        "host_per_bare_meta_compiled": round(host_compiled / bare_meta_ms, 5),
         "events": {ev: {kk: round(v, 3) for kk, v in d.items()} for ev, d in s["events"].items()},
         "parts_ms_per_step": {kk: round(v, 3) for kk, v in s["parts_ms_per_step"].items()},
         "close_ms": round(timed.close_ms, 1),
@@ -846,7 +865,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "max_event_ms_compiled",
                 "waits_per_step", "waits_per_snapshot", "kernels_per_step", "flops_ratio",
                 "bytes_ratio", "predicted_h200_ratio", "predicted_h200_ratio_eager",
-                "host_ms_per_step_compiled"):  # fmt: skip
+                "host_ms_per_step_compiled", "bare_meta_ms"):  # fmt: skip
         print(f"| {key} | {out[key]} |")
     for ev, d in out["events"].items():
         print(f"| event {ev} | +{d['host_ms']:.2f} ms host (max {d['max_ms']:.2f}), "

@@ -223,6 +223,41 @@ def test_a_warning_pins_the_newest_snapshot_of_each_tier(tmp_path) -> None:
     assert core.checkpointer.memory.slots[15].pins and core.checkpointer.disk.pins[10]
 
 
+def test_only_the_newest_warnings_keep_their_anchors(tmp_path) -> None:
+    """A long run warns again and again: each warning's anchors would hold a snapshot for
+    ever. The newest MAX_ANCHORS (4) warnings keep theirs, in both tiers; an older warning's go
+    back to retention (its disk checkpoint's meta.json loses the pin), and a pin of another
+    kind (a rollback target) stays."""
+    from spikewatch.trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints.tiers import ANCHOR, MAX_ANCHORS
+
+    cfg = tiny_config("checkpoint.memory_interval=1", "checkpoint.interval=3", "train.max_steps=40")
+    tr = build_trainer(cfg, run_dir=tmp_path)
+    core = tr.core
+    core.start()
+    warned = {}
+    for step in range(1, 19):
+        tr._train_step()
+        core.save_if_due()
+        if step % 3 == 2:  # a warning at steps 2, 5, ..., 17: six of them
+            core.checkpointer.wait()
+            core.pin_newest(f"{ANCHOR}: warning {step}")
+            warned[step] = f"{ANCHOR}: warning {step}"
+            if step == 2:
+                core.checkpointer.pin(2, "rollback target")
+    core.checkpointer.wait()
+    pins = core.checkpointer.pins
+    reasons = {r for why in pins.values() for r in why if r.startswith(ANCHOR)}
+    assert reasons == {warned[s] for s in sorted(warned)[-MAX_ANCHORS:]}
+    assert pins[2] == {"rollback target"}  # its anchor went, the other pin stayed
+    disk = core.checkpointer.disk
+    first_disk = max(s for s in ck.list_checkpoints(tmp_path / "checkpoints") if s <= 2)
+    meta = ck.read_meta(ck.list_checkpoints(tmp_path / "checkpoints")[first_disk])
+    assert not any(r.startswith(ANCHOR) for r in meta.get("pins", [])), meta
+    assert not any(r.startswith(ANCHOR) for why in disk.pins.values() for r in why
+                   if r in (warned[2], warned[5]))  # fmt: skip
+
+
 def test_a_rollback_from_host_memory_restores_the_lr_schedule(tmp_path) -> None:
     """A host-memory snapshot copies the weights and the optimizer's tensors itself, and keeps
     the rest of the checkpoint: the LR scheduler comes back to the target step's."""

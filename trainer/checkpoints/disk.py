@@ -344,6 +344,19 @@ class Checkpointer:
         if exists:
             ck.write_pins(path, sorted(self.pins[step]))
 
+    def unpin(self, step: int, reason: str) -> None:
+        """Give the checkpoint of `step` back to retention for `reason` (other pins stay)."""
+        self.wait()
+        held = self.pins.get(step)
+        if held is None or reason not in held:
+            return
+        held.discard(reason)
+        if not held:
+            del self.pins[step]
+        path = ck.step_dir(self.root, step)
+        if (path / ck.META).exists():
+            ck.write_pins(path, sorted(held))
+
     def drop_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step`: after a rollback they hold the abandoned branch,
         and a later resume must never land on them."""

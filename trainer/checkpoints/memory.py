@@ -500,6 +500,10 @@ class MemoryTier:
         if step in self.slots:
             self.slots[step].pins.add(reason)
 
+    def unpin(self, step: int, reason: str) -> None:
+        if step in self.slots:
+            self.slots[step].pins.discard(reason)
+
     def drop_after(self, step: int) -> list[int]:
         self.before_mutation()
         dropped = [s for s in self.slots if s > step]

@@ -174,6 +174,16 @@ class ShardedCheckpointer(Checkpointer):
         else:
             self.pins.setdefault(step, set()).add(reason)
 
+    def unpin(self, step: int, reason: str) -> None:
+        if self.world.is_main:
+            super().unpin(step, reason)
+        else:
+            held = self.pins.get(step)
+            if held is not None:
+                held.discard(reason)
+                if not held:
+                    del self.pins[step]
+
     def drop_after(self, step: int) -> list[int]:
         dropped = super().drop_after(step) if self.world.is_main else []
         dropped = self.world.agree(dropped)  # also: nobody reads on before rank 0 deleted

@@ -47,6 +47,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DISK, MEMORY = "disk", "memory"
+# a leading signal's pin (trainer/core/guard.py), and how many warnings keep theirs
+ANCHOR = "pre-spike anchor"
+MAX_ANCHORS = 4
 
 
 def memory_path(step: int) -> str:
@@ -80,6 +83,7 @@ class DiskTier(Protocol):
     def wait(self) -> None: ...
     def take_changes(self) -> list[tuple[int, str, str]]: ...
     def pin(self, step: int, reason: str) -> None: ...
+    def unpin(self, step: int, reason: str) -> None: ...
     def has(self, step: int) -> bool: ...
     def drop_after(self, step: int) -> list[int]: ...
     def retained(self) -> list[int]: ...
@@ -231,7 +235,10 @@ class Tiers:
 
     def pin_newest(self, reason: str) -> None:
         """A leading signal's pre-spike anchor: the newest step of each tier (host memory may
-        not hold its newest for long, and a rollback may need to go further back than it)."""
+        not hold its newest for long, and a rollback may need to go further back than it).
+        Anchors are the newest `MAX_ANCHORS` warnings' only: an older one goes back to
+        retention, which keeps or drops it by age as any other (a long run's warnings would
+        otherwise hold a snapshot each for ever, and what the loop walks would grow)."""
         newest, disk = self.last_saved, self.disk
         if newest is None:
             return
@@ -241,6 +248,22 @@ class Tiers:
             disk.wait()
             if disk.has(older):
                 disk.pin(older, reason)
+        self._release_anchors()
+
+    def _release_anchors(self) -> None:
+        anchors = [
+            (s, r) for s, reasons in self.pins.items() for r in reasons if r.startswith(ANCHOR)
+        ]
+        newest: dict[str, int] = {}  # each warning's anchors (both tiers'), by its newest step
+        for s, r in anchors:
+            newest[r] = max(s, newest.get(r, s))
+        kept = set(sorted(newest, key=newest.__getitem__)[-MAX_ANCHORS:])
+        for s, r in anchors:
+            if r not in kept:
+                if self.memory is not None:
+                    self.memory.unpin(s, r)
+                if self.disk.enabled:
+                    self.disk.unpin(s, r)
 
     def drop_after(self, step: int) -> list[int]:
         dropped = set(self.disk.drop_after(step))
@@ -301,7 +324,7 @@ class Tiers:
 def describe(tiers: Tiers, per_snapshot: int, max_steps: int | None) -> str:
     """One line for the user at start: where rollback targets go, how often, how many and how
     big they get (exponential retention keeps about keep_last + log2(steps / interval) + 1
-    of a tier's saves, plus the pinned pre-spike anchors)."""
+    of a tier's saves, plus the newest MAX_ANCHORS warnings' pre-spike anchors)."""
     size = human_bytes(per_snapshot)
     parts = []
 

@@ -20,6 +20,7 @@ from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.detect import Detector, Verdict
 from spikewatch.observatory.policy import Policy
 from spikewatch.observatory.ranks import departed_ranks
+from spikewatch.trainer.checkpoints.tiers import ANCHOR
 from spikewatch.trainer.config import GuardConfig, TrainConfig
 from spikewatch.trainer.core.actions import (
     Action,
@@ -124,7 +125,7 @@ class SpikeGuard(Callback):
             if v.kind == "warning":
                 if self._new_episode(v):
                     self._record(v)
-                    pin = pin or f"pre-spike anchor: {v.message}"
+                    pin = pin or f"{ANCHOR}: {v.message}"
                 continue
             self._record(v)
             log.info("step %d: %s verdict (%s)", state.step, v.kind, v.message)
@@ -233,7 +234,7 @@ class SpikeGuard(Callback):
         for v in self.detector.observe(step, metrics):
             if self._new_episode(v):
                 self._record(v)
-                self._pin = f"pre-spike anchor: {v.message}"
+                self._pin = f"{ANCHOR}: {v.message}"
 
     def _record(self, v: Verdict) -> None:
         """A verdict for the summary and the record: spikes and non-finite values as such, the

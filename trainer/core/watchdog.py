@@ -10,7 +10,8 @@ recent step times) and, when no step has ended for longer than
 it reports a stall once (`on_stall`, from its own thread) with every thread's Python stack, and
 the loop's next beat reports its end (`on_resume`, the stall's length). The same beats judge
 the pace: when the median of the last 16 step times is more than 1.5x the run's own baseline
-(the median of up to 256 earlier ones), a slowdown is reported once (`on_slowdown`), and again
+(the median of up to 256 earlier ones) and at least 5 ms longer (a run of millisecond steps
+jitters by more than half with the machine), a slowdown is reported once (`on_slowdown`), and again
 when the pace is back (`on_pace_back`, within 1.2x). Work that is slow by
 nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
 `paused()`, and their time counts neither toward a stall nor into the pace.
@@ -63,6 +64,12 @@ class StallConfig(BaseModel):
         "slowdown lasts); None = off.",
     )
     slowdown_window: int = Field(16, ge=4, description="Recent steps a slowdown is judged on.")
+    slowdown_min_s: float = Field(
+        0.005,
+        ge=0,
+        description="... and at least this many seconds a step slower than the baseline: a run "
+        "of millisecond steps is not told of a millisecond of the machine's noise.",
+    )
     heartbeat_s: float | None = Field(
         10.0,
         gt=0,
@@ -256,7 +263,7 @@ class Watchdog:
         base = statistics.median(self.baseline)
         now = statistics.median(self.recent)
         if self._slow is None:
-            if base > 0 and now > factor * base:
+            if base > 0 and now > factor * base and now - base >= self.cfg.slowdown_min_s:
                 self._slow = {
                     "step": step,
                     "recent_s": round(now, 6),
