@@ -532,16 +532,24 @@ class Watch(Replaying):
         self.attn.active = core.probes.wants_attn_max(core.step_count + 1)
         self._began = True
 
-    def observe_loss(self, loss: torch.Tensor, *, share: bool = False, tokens: Any = None) -> None:
+    def observe_loss(
+        self, loss: torch.Tensor | float, *, share: bool = False, tokens: Any = None
+    ) -> None:
         """The loss of one forward (one micro-batch); the step's loss is their mean. With
         `share`, the loss was already divided by the whole step's token count (Hugging Face's
         `num_items_in_batch`), so the step's loss is the sum of the shares. `tokens`: the
         micro-batch (its tokens counted as `batches` counts a batch's, on each rank) or a
         count, for a loop that draws its batches itself: the run's token count and tokens a
-        second."""
+        second. `loss` may be a number, a loss the loop has read already (`loss.item()`, or
+        the sum of its micro-batches' as nano-gpt's `compute_loss` returns it)."""
         if tokens is not None:
             n = int(tokens) if isinstance(tokens, int) else tokens_in(tokens)
             self._ntok += n * self._c.world.size
+        if not isinstance(loss, torch.Tensor):
+            if isinstance(loss, bool) or not isinstance(loss, int | float):
+                raise TypeError(f"observe_loss takes a tensor or a number, not {type(loss)}")
+            # on the model's device, as the step's other values (the loop synchronised already)
+            loss = torch.tensor(float(loss), dtype=torch.float32, device=self._c.probes.device)
         value = loss.detach().float()
         if share:
             self._loss_share = value if self._loss_share is None else self._loss_share + value

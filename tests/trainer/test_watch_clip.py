@@ -100,3 +100,38 @@ def test_a_loop_that_draws_its_own_batches_tells_their_tokens_with_the_loss(tmp_
         opt.zero_grad(set_to_none=True)
     watch.close()
     assert told.seen == [(64, True), (128, True), (192, True)]  # 2 x 4 x 8 a step
+
+
+def test_a_loss_the_loop_read_already_is_taken_as_a_number(tmp_path) -> None:
+    """nano-gpt's `compute_loss` returns the step's loss as a float (it `.item()`s each
+    micro-batch): `observe_loss(2.3)` records the same loss as the tensor would, and anything
+    else is a clear error."""
+    import pytest
+
+    class _Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def post_step(self, state: StepState) -> None:
+            self.losses.append(state.loss)
+
+    recorded = []
+    for as_number in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        seen = _Losses()
+        watch = Watch(model, opt, max_steps=3, run_dir=tmp_path / str(as_number), db="none",
+                      callbacks=[seen])  # fmt: skip
+        watch.route(opt)
+        for i in range(3):
+            loss = model(torch.full((2, 4), float(i + 1))).square().mean()
+            watch.observe_loss(loss.item() if as_number else loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with pytest.raises(TypeError, match="a tensor or a number"):
+            watch.observe_loss("2.3")  # type: ignore[arg-type]
+        watch.close()
+        recorded.append(seen.losses)
+    assert len(recorded[0]) == 3 and recorded[0] == recorded[1]

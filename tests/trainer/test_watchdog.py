@@ -102,6 +102,27 @@ def test_a_slowdown_of_a_millisecond_is_not_told() -> None:
         assert bool(slow) is told, (base, slow)
 
 
+def test_the_pace_is_judged_per_token_where_the_steps_tokens_are_told() -> None:
+    """A sequence-length ramp: 100 steps of 4,096 tokens at 0.1 s, then 8,192 tokens at 0.2 s:
+    each step twice as long, the same tokens a second, no slowdown. Then the same 8,192
+    tokens at 0.4 s: half the tokens a second, told once, in tokens a second."""
+    slow: list = []
+    clock = Clock()
+    w = Watchdog(StallConfig(), lambda i: None, lambda i: None, clock=clock,
+                 on_slowdown=slow.append)  # fmt: skip
+    w._last = clock()
+    for s, (n, tokens, seconds) in enumerate([(100, 4096, 0.1), (60, 8192, 0.2), (30, 8192, 0.4)]):
+        for i in range(n):
+            clock.now += seconds
+            w.beat(1000 * s + i, tokens)
+        if s < 2:
+            assert slow == [], (s, slow)
+    (told,) = slow
+    assert told["step"] == 2008 and told["ratio"] == 2.0
+    assert told["tokens_per_s"] == 20480.0 and told["baseline_tokens_per_s"] == 40960.0
+    assert told["recent_s"] == 0.4 and told["baseline_s"] == 0.2  # at this step's tokens
+
+
 def test_no_slowdown_over_10000_noisy_clean_steps() -> None:
     """Step times jittering by 20% (log-normal) around 1 s for 10,000 steps: no slowdown."""
     import random

@@ -216,6 +216,12 @@ class Recorder(Callback):
             f"slowdown: the last steps take {info['recent_s']:.3g} s, {info['ratio']:.2f}x the "
             f"run's own {info['baseline_s']:.3g} s"
         )
+        if "tokens_per_s" in info:  # judged per token: the steps' lengths vary
+            message = (
+                f"slowdown: the last steps run at {info['tokens_per_s']:.4g} tokens/s, "
+                f"{info['ratio']:.2f}x slower than the run's own "
+                f"{info['baseline_tokens_per_s']:.4g}"
+            )
         self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 

@@ -152,6 +152,7 @@ class StepCore(Checkpointed):
     _awaiting: int | None = None  # late: a host-memory snapshot of the step still in flight
     _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
     _read: _Read | None = None
+    _step_tokens: int = 0  # the tokens of the step at the gate (0: not told)
     _applied: bool = False  # what the device did with the step's update
     _state: StepState | None = None
     _action: Action = field(default_factory=Continue)
@@ -320,6 +321,7 @@ class StepCore(Checkpointed):
         xfer.start()
         late_step = None if pending is None else pending.step
         tokens = self.run.tokens + ntok
+        self._step_tokens = ntok  # the pace's unit (the watchdog's, at `conclude`)
         tier = (t.loss, t.grad_norm, factor, t.overflow) if self.late else None
         self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens, tier)
         if self.host_path:
@@ -424,7 +426,7 @@ class StepCore(Checkpointed):
     def conclude(self) -> str:
         outcome = self._conclude()
         if self.watchdog is not None:
-            self.watchdog.beat(self.step_count)
+            self.watchdog.beat(self.step_count, self._step_tokens)
         return outcome
 
     def _conclude(self) -> str:

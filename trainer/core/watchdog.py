@@ -12,7 +12,8 @@ the loop's next beat reports its end (`on_resume`, the stall's length). The same
 the pace: when the median of the last 16 step times is more than 1.5x the run's own baseline
 (the median of up to 256 earlier ones) and at least 5 ms longer (a run of millisecond steps
 jitters by more than half with the machine), a slowdown is reported once (`on_slowdown`), and again
-when the pace is back (`on_pace_back`, within 1.2x). Work that is slow by
+when the pace is back (`on_pace_back`, within 1.2x); per token where the steps' tokens are
+told (`beat(step, tokens)`). Work that is slow by
 nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
 `paused()`, and their time counts neither toward a stall nor into the pace.
 
@@ -197,6 +198,7 @@ class Watchdog:
         self.baseline: collections.deque[float] = collections.deque(maxlen=256)
         self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
         self._slow: dict[str, Any] | None = None  # the slowdown under way
+        self._per_token = False  # the pace in seconds per token (the steps' tokens are told)
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -222,8 +224,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="spikewatch-watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self, step: int) -> None:
-        """A step ended."""
+    def beat(self, step: int, tokens: int | None = None) -> None:
+        """A step ended; `tokens`: how many it trained on, where the loop tells them (the pace
+        is then judged per token: a step twice as long over twice the tokens is no slowdown)."""
         now = self.clock()
         took = None
         with self._lock:
@@ -234,7 +237,7 @@ class Watchdog:
             self.progress = (step, ENDED)
             stalled, self._stalled = self._stalled, None
         if took is not None and stalled is None:  # a stall's step is the stall's, not pace
-            self._pace(step, took)
+            self._pace(step, took, tokens)
         if stalled is not None:
             info = {"step": step, "stalled_s": round(now - stalled["since"], 3),
                     "after_step": stalled["step"]}  # fmt: skip
@@ -247,13 +250,21 @@ class Watchdog:
         the watchdog's thread publishes it to the other ranks."""
         self.progress = (step, phase)
 
-    def _pace(self, step: int, took: float) -> None:
+    def _pace(self, step: int, took: float, tokens: int | None = None) -> None:
         """The slowdown rule, on the loop thread: the recent steps' median against the run's
-        own baseline; one report an episode, and one when the pace is back."""
+        own baseline; one report an episode, and one when the pace is back. Seconds per token
+        where the steps' tokens are told (varying sequence lengths, a batch-size ramp), else
+        per step; the floor is in seconds a step either way."""
         factor = self.cfg.slowdown
         if factor is None:
             return
-        self.recent.append(took)
+        per = tokens if tokens else 1  # this step's tokens: the unit's scale, for the floor
+        if bool(tokens) != self._per_token:  # the unit changes (tokens told now, or no more)
+            self._per_token = bool(tokens)
+            self.recent.clear()
+            self.baseline.clear()
+            self._slow = None
+        self.recent.append(took / per)
         # a step enters the baseline as it is about to leave the window (and only while no
         # slowdown is under way): the steps under judgement are never their own baseline
         if len(self.baseline) < 4 * self.cfg.slowdown_window:
@@ -263,25 +274,34 @@ class Watchdog:
         base = statistics.median(self.baseline)
         now = statistics.median(self.recent)
         if self._slow is None:
-            if base > 0 and now > factor * base and now - base >= self.cfg.slowdown_min_s:
+            if base > 0 and now > factor * base and (now - base) * per >= self.cfg.slowdown_min_s:
                 self._slow = {
                     "step": step,
-                    "recent_s": round(now, 6),
-                    "baseline_s": round(base, 6),
+                    "recent_s": round(now * per, 6),  # a step's seconds (at this step's tokens)
+                    "baseline_s": round(base * per, 6),
                     "ratio": round(now / base, 3),
                 }
-                log.warning(
-                    "slowdown at step %d: the last %d steps took %.3g s (median), %.2fx the "
-                    "run's own %.3g s", step, len(self.recent), now, now / base, base,
-                )  # fmt: skip
+                if self._per_token:
+                    self._slow["tokens_per_s"] = round(1 / now, 3)
+                    self._slow["baseline_tokens_per_s"] = round(1 / base, 3)
+                    log.warning(
+                        "slowdown at step %d: the last %d steps ran at %.4g tokens/s (median), "
+                        "%.2fx slower than the run's own %.4g", step, len(self.recent), 1 / now,
+                        now / base, 1 / base,
+                    )  # fmt: skip
+                else:
+                    log.warning(
+                        "slowdown at step %d: the last %d steps took %.3g s (median), %.2fx the "
+                        "run's own %.3g s", step, len(self.recent), now, now / base, base,
+                    )  # fmt: skip
                 self.on_slowdown(dict(self._slow))
             else:
                 self.baseline.append(self.recent[0])
         elif now <= 1.2 * base:
-            info = {"step": step, "since_step": self._slow["step"], "recent_s": round(now, 6),
-                    "baseline_s": round(base, 6)}  # fmt: skip
+            info = {"step": step, "since_step": self._slow["step"], "recent_s":
+                    round(now * per, 6), "baseline_s": round(base * per, 6)}  # fmt: skip
             self._slow = None
-            log.info("the pace is back at step %d (%.3g s a step)", step, now)
+            log.info("the pace is back at step %d (%.3g s a step)", step, now * per)
             self.on_pace_back(info)
 
     @contextlib.contextmanager
