@@ -352,3 +352,29 @@ def test_a_stall_under_torchrun_names_the_rank_the_others_wait_for(tmp_path) -> 
     assert stall.data["behind"] == [1]
     assert stall.data["ranks"] == {"0": [31, 1], "1": [30, 0]}  # rank 0 has its batch
     assert "rank 1 behind (step 30 ended; the others at step 31, batch in hand)" in stall.message
+
+
+def test_a_two_rank_job_stopped_with_sigterm_reads_stopped(tmp_path) -> None:
+    """torchrun forwards its SIGTERM (a scheduler's stop) to every rank: each ends its loop as
+    with Ctrl-C and closes with no collective, rank 0 records the end, and the run reads
+    "stopped", not "running" until its heartbeats lapse ("gone")."""
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    args = ("--steps", "100000", "--db", db, "--checkpoint-every", "5", "--run-dir", "run")
+    mark = tmp_path / "job" / "run" / "checkpoints" / "step00000010" / "meta.json"
+    proc = _torchrun(tmp_path / "job", "plain_loop", *args, probe=False)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not mark.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "never reached step 10"
+            time.sleep(0.05)
+        assert mark.exists(), (tmp_path / "job" / "log.txt").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # to torchrun alone, as a scheduler stops the job
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "job" / "log.txt").read_text()
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+    assert run.status == "stopped", (run.status, log[-3000:])
+    assert run.last_step is not None and run.last_step >= 10

@@ -258,12 +258,14 @@ class Watchdog:
         factor = self.cfg.slowdown
         if factor is None:
             return
-        per = tokens if tokens else 1  # this step's tokens: the unit's scale, for the floor
-        if bool(tokens) != self._per_token:  # the unit changes (tokens told now, or no more)
-            self._per_token = bool(tokens)
+        if tokens and not self._per_token:  # the loop tells its tokens: per token from now on
+            self._per_token = True
             self.recent.clear()
             self.baseline.clear()
             self._slow = None
+        elif self._per_token and not tokens:  # a step without its tokens (one drawn before a
+            return  # rollback and skipped): not judged, the baseline stays per token
+        per = tokens if tokens else 1  # this step's tokens: the unit's scale, for the floor
         self.recent.append(took / per)
         # a step enters the baseline as it is about to leave the window (and only while no
         # slowdown is under way): the steps under judgement are never their own baseline

@@ -263,7 +263,9 @@ class TableLaunch:
     """`head_max_table_`'s eager launch for q and k of one signature (shapes, strides, dtypes,
     device, causal, scale), its grid and arguments worked out once: a layer's call is then the
     launch alone (the recorder keeps one per signature; trainer/model/attn_max.py). Built only
-    for a call the table takes (`table_refusal`) whose q and k need no cast and no copy."""
+    for a call the table takes (`table_refusal`) whose q and k need no cast and no copy. An
+    fp32 call's precision (tf32 or ieee) is `torch.backends.cuda.matmul.allow_tf32` as it was
+    when the signature was first seen (reading it costs more than the rest of a call)."""
 
     __slots__ = ("args", "consts", "empty", "grid", "heads", "strides")
 
