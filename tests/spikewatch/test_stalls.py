@@ -265,3 +265,35 @@ def test_a_killed_run_reads_gone_on_the_api(tmp_path) -> None:
         page = client.get("/").text
     assert gone["state"] == "gone"
     assert 'class="state state-gone">gone' in page
+
+
+def test_a_hang_ends_the_process_and_torchrun_restarts_it_from_the_newest_checkpoint(
+    tmp_path,
+) -> None:
+    """The whole loop the stall's hard bound is for: a loader hangs at batch 25, the stall is
+    recorded, the process exits with EXIT_STALLED (75) two seconds on, `torchrun
+    --max-restarts=1` starts it again and `resume="auto"` takes the newest checkpoint (step 25):
+    the job ends with code 0 and the run completed, all 40 steps, the stall in its record."""
+    import os
+    import subprocess
+    import sys
+
+    from spikewatch.trainer.core.watchdog import EXIT_STALLED
+
+    from .conftest import REPO
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
+              "--nproc_per_node=1"]  # fmt: skip
+    cmd = [*launch, str(REPO / "tests/spikewatch/restart_script.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert f"exitcode: {EXIT_STALLED}" in log and "finished at step 40" in log, log[-3000:]
+    assert "resumed run" in log and "at step 25 from its disk checkpoint" in log, log[-3000:]
+    with Session(make_engine(f"sqlite:///{tmp_path}/runs.db")) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id)
+    assert run.status == "completed" and run.last_step == 40
+    (stall,) = [e for e in events if e.kind == "stall"]
+    assert stall.step == 25 and "batch_at" in stall.data["loop_stack"]
