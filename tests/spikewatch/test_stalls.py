@@ -130,6 +130,39 @@ def test_an_hf_evaluation_is_no_stall(tmp_path) -> None:
     assert watch.summary is not None and watch.summary["steps"] == 10
 
 
+def test_a_lightning_validation_is_no_stall(tmp_path) -> None:
+    """Lightning validates after step 6 for 3.5 s (its validation step held up), with a 1 s
+    bound: the callback leaves the validation out; the run records no stall."""
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
+
+    from spikewatch.lightning import SpikewatchCallback
+
+    from .test_lightning import Bigram
+
+    class SlowValidation(Bigram):
+        def validation_step(self, batch: torch.Tensor, idx: int) -> None:
+            time.sleep(3.5 / 2)  # two validation batches
+            self.log("val_loss", self.training_step(batch, idx))
+
+    g = torch.Generator().manual_seed(0)
+    batches = list(torch.randint(0, 256, (80, 17), generator=g).split(8))
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    cb = SpikewatchCallback(db=db, settings=FAST)
+    trainer = pl.Trainer(
+        max_steps=10, val_check_interval=6, check_val_every_n_epoch=None, limit_val_batches=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
+        callbacks=[cb],
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trainer.fit(SlowValidation(), loader, loader)
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id)
+    assert [e.kind for e in events if e.kind in ("stall", "resumed")] == []
+    assert cb.summary is not None and cb.summary["steps"] == 10
+
+
 def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
     tmp_path, monkeypatch
 ) -> None:
