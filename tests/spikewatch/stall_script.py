@@ -1,6 +1,7 @@
 """Two gloo ranks under torchrun, a DDP model in a Watch loop; rank 1's batch function sleeps
 4 s at step 30 (its loader hangs), so rank 0 waits for it in the step's all-reduce. The stall
-bound is 1 s. Run: torchrun --nproc_per_node=2 stall_script.py OUT."""
+bound is 1 s. Run: torchrun --nproc_per_node=2 stall_script.py OUT. With `straggle` after OUT,
+rank 1's batches take 60 ms each from batch 10 on (a slow loader on one node), for 80 steps."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def stuck_in_rank_1s_loader(i: int) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    straggle = sys.argv[2:] == ["straggle"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -31,12 +33,15 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_at(i: int) -> torch.Tensor:
-        if i == 30 and rank == 1:
+        if straggle and i >= 10 and rank == 1:
+            time.sleep(0.06)
+        elif i == 30 and rank == 1 and not straggle:
             stuck_in_rank_1s_loader(i)
         return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
 
     settings = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}
-    with Watch(ddp, opt, max_steps=40, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
+    steps = 80 if straggle else 40
+    with Watch(ddp, opt, max_steps=steps, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
                settings=settings) as watch:  # fmt: skip
         for x in watch.batches(batch_at):
             loss = ddp(x).square().mean()

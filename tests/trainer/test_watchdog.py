@@ -195,3 +195,40 @@ def test_a_stall_names_the_ranks_the_others_wait_for() -> None:
     assert ranks_said({0: (11, GATED), 1: (10, 0)}, [1]) == (
         "rank 1 behind (step 10 ended; the others at step 11, at the gate)"
     )
+
+
+def test_a_rank_whose_batches_keep_the_others_waiting_is_named_once() -> None:
+    """Three ranks publish their median wait for their batches; rank 0 judges once a wake.
+    Rank 2 waits 60 ms a step where the others wait 2 ms: named after three wakes running,
+    once, with its wait and the others'; back within 1.2x, a later straggler is told anew. A
+    rank 1.4x slower, or 2x slower by a millisecond, is not named."""
+    from spikewatch.trainer.core.watchdog import BEGUN, RankBeats, straggler
+
+    shared = _Store()
+    clock, told = Clock(), []
+    w = Watchdog(StallConfig(), lambda i: None, lambda i: None, clock=clock,
+                 on_straggler=told.append, ranks=RankBeats(shared, 0, 3))  # fmt: skip
+    w._last = clock()
+    for s in range(1, 17):  # rank 0's own waits, timed by its loop thread's marks
+        clock.now += 0.002
+        w.mark(s, BEGUN)
+        clock.now += 0.05
+        w.beat(s)
+    w.publish()
+    assert shared.kv["spikewatch/pace/0"] == b"0.002"
+    RankBeats(shared, 1, 3).publish_pace(0.0021)
+    RankBeats(shared, 2, 3).publish_pace(0.06)
+    assert [w.judge_ranks() for _ in range(3)][:2] == [None, None]  # two wakes: not yet
+    (info,) = told
+    assert info["rank"] == 2 and info["batch_wait_s"] == 0.06
+    assert info["others_batch_wait_s"] == 0.00205
+    assert w.judge_ranks() is None and len(told) == 1  # once an episode
+    RankBeats(shared, 2, 3).publish_pace(0.0022)  # back in step
+    w.judge_ranks()
+    RankBeats(shared, 1, 3).publish_pace(0.05)  # another rank falls behind
+    for _ in range(3):
+        w.judge_ranks()
+    assert [i["rank"] for i in told] == [2, 1]
+    assert straggler({0: 0.010, 1: 0.014}, 1.5, 0.005) is None  # 1.4x
+    assert straggler({0: 0.001, 1: 0.002}, 1.5, 0.005) is None  # 2x, a millisecond
+    assert straggler({0: 0.001}, 1.5, 0.005) is None  # one rank

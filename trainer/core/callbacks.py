@@ -118,6 +118,11 @@ class Callback:
     def on_pace_back(self, info: Mapping[str, Any]) -> None:
         """A slowdown is over: the recent steps within 1.2x the baseline again."""
 
+    def on_straggler(self, info: Mapping[str, Any]) -> None:
+        """Under torchrun, on rank 0, from the watchdog's thread: one rank waits for its batches
+        far longer than the others (`info`: its rank, its and the others' median wait), so the
+        job runs at its pace. Once per episode."""
+
     def on_checkpoint(self, step: int, path: str, pinned: bool) -> None:
         """A checkpoint of `step` was handed to the writer (written, or being written)."""
 

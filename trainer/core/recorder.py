@@ -225,6 +225,15 @@ class Recorder(Callback):
         self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 
+    def on_straggler(self, info: Mapping[str, Any]) -> None:
+        message = (
+            f"slowdown: rank {info['rank']} is the straggler, waiting "
+            f"{info['batch_wait_s']:.3g} s a step for its batches against "
+            f"{info['others_batch_wait_s']:.3g} s on the other ranks"
+        )  # a slowdown of the whole job, told with the rank that sets its pace
+        self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
+                            message=message, data=dict(info))  # fmt: skip
+
     def on_pace_back(self, info: Mapping[str, Any]) -> None:
         message = f"the pace is back ({info['recent_s']:.3g} s a step) after the slowdown"
         self.sink.log_event(self.run_id, "note", step=info["step"], branch=self.branch,

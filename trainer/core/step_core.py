@@ -237,6 +237,7 @@ class StepCore(Checkpointed):
                 on_slowdown=self._tell("on_slowdown"),
                 on_pace_back=self._tell("on_pace_back"),
                 on_heartbeat=self._tell("on_heartbeat"),
+                on_straggler=self._tell("on_straggler"),
                 ranks=RankBeats.of_process_group() if self.world.size > 1 else None,
             )  # fmt: skip
             self.watchdog.start()

@@ -103,6 +103,7 @@ class RankBeats:
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size = store, rank, size
         self._sent: tuple[int, int] | None = None
+        self._pace_sent: str | None = None
 
     @classmethod
     def of_process_group(cls) -> RankBeats | None:
@@ -122,6 +123,24 @@ class RankBeats:
             self.store.set(f"{self.PREFIX}{self.rank}", f"{progress[0]} {progress[1]}")
             self._sent = progress
 
+    PACE = "spikewatch/pace/"
+
+    def publish_pace(self, data_s: float) -> None:
+        """This rank's recent median wait for its batches (seconds), when it changed."""
+        said = f"{data_s:.4g}"
+        if said != self._pace_sent:
+            self.store.set(f"{self.PACE}{self.rank}", said)
+            self._pace_sent = said
+
+    def read_pace(self) -> dict[int, float]:
+        """Every rank's last published batch wait (a rank that never published is left out)."""
+        out = {}
+        for r in range(self.size):
+            key = f"{self.PACE}{r}"
+            if self.store.check([key]):
+                out[r] = float(self.store.get(key).decode())
+        return out
+
     def read(self) -> dict[int, tuple[int, int]]:
         """Every rank's last published progress (a rank that never published is left out)."""
         out = {}
@@ -131,6 +150,19 @@ class RankBeats:
                 step, phase = self.store.get(key).decode().split()
                 out[r] = (int(step), int(phase))
         return out
+
+
+def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int, float] | None:
+    """The rank whose batches keep the others waiting: its median wait for its batches above
+    `factor` times the other ranks' median and `min_s` longer; (rank, the others' median)."""
+    if len(pace) < 2:
+        return None
+    rank = max(pace, key=lambda r: pace[r])
+    others = statistics.median(v for r, v in pace.items() if r != rank)
+    slowest = pace[rank]
+    if slowest > factor * others and slowest - others >= min_s:
+        return rank, others
+    return None
 
 
 def behind(progress: dict[int, tuple[int, int]]) -> list[int]:
@@ -184,6 +216,7 @@ class Watchdog:
         on_slowdown: Callable[[dict[str, Any]], None] = lambda info: None,
         on_pace_back: Callable[[dict[str, Any]], None] = lambda info: None,
         on_heartbeat: Callable[[dict[str, Any]], None] = lambda info: None,
+        on_straggler: Callable[[dict[str, Any]], None] = lambda info: None,
         ranks: RankBeats | None = None,
         clock: Callable[[], float] = time.monotonic,
         wake_s: float = 1.0,
@@ -192,6 +225,7 @@ class Watchdog:
         self.on_stall, self.on_resume, self.on_exit = on_stall, on_resume, on_exit
         self.on_slowdown, self.on_pace_back = on_slowdown, on_pace_back
         self.on_heartbeat = on_heartbeat
+        self.on_straggler = on_straggler
         self.ranks = ranks
         self.progress = (0, ENDED)  # this rank's (step, phase); the loop thread sets it
         self._heartbeat_at: float | None = None  # the last heartbeat told
@@ -199,6 +233,11 @@ class Watchdog:
         self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
         self._slow: dict[str, Any] | None = None  # the slowdown under way
         self._per_token = False  # the pace in seconds per token (the steps' tokens are told)
+        # under torchrun: this rank's waits for its batches (step end to batch in hand), and
+        # on rank 0 the straggler under way and how many wakes in a row found one
+        self.data_waits: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        self._straggler: dict[str, Any] | None = None
+        self._straggling = 0
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -246,9 +285,12 @@ class Watchdog:
             self.on_resume(info)
 
     def mark(self, step: int, phase: int) -> None:
-        """The loop thread is at `phase` of `step` (BEGUN, GATED): one tuple set, nothing more;
-        the watchdog's thread publishes it to the other ranks."""
+        """The loop thread is at `phase` of `step` (BEGUN, GATED): one tuple set; under torchrun
+        a batch in hand also times this rank's wait for it. The watchdog's thread publishes
+        both to the other ranks."""
         self.progress = (step, phase)
+        if phase == BEGUN and self.ranks is not None and self._last is not None:
+            self.data_waits.append(max(0.0, self.clock() - self._last - self._excluded))
 
     def _pace(self, step: int, took: float, tokens: int | None = None) -> None:
         """The slowdown rule, on the loop thread: the recent steps' median against the run's
@@ -392,13 +434,56 @@ class Watchdog:
             return {}
 
     def publish(self) -> None:
-        """This rank's progress to the others (under torchrun), when it changed."""
+        """This rank's progress and batch wait to the others (under torchrun), when changed."""
         if self.ranks is None:
             return
         try:
             self.ranks.publish(self.progress)
+            if len(self.data_waits) == self.data_waits.maxlen:
+                self.ranks.publish_pace(statistics.median(self.data_waits))
         except Exception as e:  # the store went away (the job ends): not the watchdog's end
             log.debug("progress not published: %s", e)
+
+    def judge_ranks(self) -> dict[str, Any] | None:
+        """On rank 0, once a wake: a rank whose batches keep the others waiting (its median wait
+        above `slowdown` times the others' and `slowdown_min_s` longer) three wakes running is
+        a straggler, told once (`on_straggler`); within 1.2x again, it may be told anew."""
+        factor = self.cfg.slowdown
+        if self.ranks is None or self.ranks.rank != 0 or factor is None:
+            return None
+        try:
+            pace = self.ranks.read_pace()
+        except Exception as e:  # the store: no judgement this wake
+            log.debug("the ranks' pace could not be read: %s", e)
+            return None
+        found = straggler(pace, factor, self.cfg.slowdown_min_s)
+        if self._straggler is not None:
+            rank = self._straggler["rank"]
+            others = statistics.median(v for r, v in pace.items() if r != rank) if pace else 0.0
+            if rank in pace and pace[rank] <= 1.2 * others + self.cfg.slowdown_min_s:
+                log.info("rank %d keeps pace again (batches in %.3g s)", rank, pace[rank])
+                self._straggler, self._straggling = None, 0
+            return None
+        self._straggling = self._straggling + 1 if found else 0
+        if found is None or self._straggling < 3:
+            return None
+        rank, others = found
+        step_s = statistics.median(self.durations) if self.durations else None
+        self._straggler = info = {
+            "step": self.step,
+            "straggler": rank,
+            "rank": rank,
+            "batch_wait_s": round(pace[rank], 6),
+            "others_batch_wait_s": round(others, 6),
+            "ratio": round(pace[rank] / others, 3) if others > 0 else None,
+            "median_step_s": None if step_s is None else round(step_s, 6),
+        }
+        log.warning(
+            "straggler: rank %d waits %.3g s a step for its batches, the other ranks %.3g s: the "
+            "job runs at its pace", rank, pace[rank], others,
+        )  # fmt: skip
+        self.on_straggler(info)
+        return info
 
     def heartbeat(self) -> None:
         """Tell the record the process is alive, once a `heartbeat_s` period."""
@@ -414,6 +499,7 @@ class Watchdog:
             try:
                 self.heartbeat()
                 self.publish()
+                self.judge_ranks()
                 self.check()
                 self._maybe_exit()
             except Exception:  # the watchdog never takes the run down by mistake
