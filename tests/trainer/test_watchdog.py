@@ -232,3 +232,28 @@ def test_a_rank_whose_batches_keep_the_others_waiting_is_named_once() -> None:
     assert straggler({0: 0.010, 1: 0.014}, 1.5, 0.005) is None  # 1.4x
     assert straggler({0: 0.001, 1: 0.002}, 1.5, 0.005) is None  # 2x, a millisecond
     assert straggler({0: 0.001}, 1.5, 0.005) is None  # one rank
+
+
+def test_the_ranks_pace_is_read_in_two_store_calls_once_every_rank_has_published() -> None:
+    from spikewatch.trainer.core.watchdog import RankBeats
+
+    class Counted(_Store):
+        calls = 0
+
+        def check(self, keys: list[str]) -> bool:
+            Counted.calls += 1
+            return super().check(keys)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            Counted.calls += 1
+            return [self.kv[k] for k in keys]
+
+    shared = Counted()
+    beats = [RankBeats(shared, r, 64) for r in range(64)]
+    for b in beats[:63]:
+        b.publish_pace(0.001)
+    assert beats[0].read_pace() == {}  # rank 63 has not published yet
+    beats[63].publish_pace(0.05)
+    Counted.calls = 0
+    pace = beats[0].read_pace()
+    assert Counted.calls == 2 and len(pace) == 64 and pace[63] == 0.05

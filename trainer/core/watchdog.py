@@ -133,13 +133,14 @@ class RankBeats:
             self._pace_sent = said
 
     def read_pace(self) -> dict[int, float]:
-        """Every rank's last published batch wait (a rank that never published is left out)."""
-        out = {}
-        for r in range(self.size):
-            key = f"{self.PACE}{r}"
-            if self.store.check([key]):
-                out[r] = float(self.store.get(key).decode())
-        return out
+        """Every rank's last published batch wait; empty until every rank has published one.
+        Two store calls a wake, however many ranks (a `check` and a `multi_get`)."""
+        keys = [f"{self.PACE}{r}" for r in range(self.size)]
+        if not self.store.check(keys):
+            return {}
+        many = getattr(self.store, "multi_get", None)
+        values = many(keys) if many is not None else [self.store.get(k) for k in keys]
+        return {r: float(bytes(v).decode()) for r, v in enumerate(values)}
 
     def read(self) -> dict[int, tuple[int, int]]:
         """Every rank's last published progress (a rank that never published is left out)."""
