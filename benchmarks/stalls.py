@@ -11,9 +11,11 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   the kill until the store's rule (`queries.run_state`) reads "gone": budget two periods.
 - clean: the same loop with no fault, checkpoints on disk and in host memory, an evaluation
   inside `watch.paused()`, and a rollback: stall and slowdown events must be 0.
-- rank faults (a barrier one of two gloo ranks never reaches; a rank slowed 2x): not in this
-  benchmark; a rank that stops is named by tests/spikewatch/test_distributed.py, a straggler is
-  not detected yet (docs/stalls.md).
+- rank stops: two gloo ranks under torchrun (tests/spikewatch/stall_script.py), rank 1's loader
+  asleep 4 s at step 30 while rank 0 waits for it in the step's all-reduce: the stall must name
+  rank 1 as the rank behind, within the bound plus 1 s.
+- straggler: the same two ranks, rank 1's batches 60 ms each from batch 10 on (its loader
+  slow, the job at its pace): one slowdown naming rank 1 (`stall_script.py OUT straggle`).
 
     python benchmarks/stalls.py [--hang 4]
 """
@@ -243,6 +245,40 @@ def clean(tmp: Path) -> dict[str, Any]:
     }
 
 
+def ranks(tmp: Path, mode: str) -> dict[str, Any]:
+    """Two gloo ranks under torchrun (tests/spikewatch/stall_script.py), rank 0's record."""
+    from spikewatch.observatory import store
+    from spikewatch.observatory.store.db import make_engine
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc_per_node=2"]  # fmt: skip
+    script = str(REPO / "tests/spikewatch/stall_script.py")
+    cmd = [*launch, script, str(tmp), *([mode] if mode else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return {"fault": f"ranks {mode or 'stop'}", "failed": (done.stdout + done.stderr)[-500:]}
+    with Session(make_engine(f"sqlite:///{tmp}/runs.db")) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id, kinds=["stall", "slowdown"])
+    if mode == "straggle":
+        named = [e for e in events if "straggler" in e.data]
+        return {
+            "fault": "a rank's loader 60 ms a batch (2 gloo ranks)",
+            "named": [e.data["rank"] for e in named],
+            "at_step": [e.step for e in named],
+            "batch_wait_s": [e.data["batch_wait_s"] for e in named],
+            "others_s": [e.data["others_batch_wait_s"] for e in named],
+        }
+    stalls = [e for e in events if e.kind == "stall"]
+    return {
+        "fault": "a rank's loader asleep 4 s (2 gloo ranks)",
+        "stalls": len(stalls),
+        "behind": [e.data.get("behind") for e in stalls],
+        "past_bound_s": [round(e.data["idle_s"] - e.data["bound_s"], 3) for e in stalls],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hang", type=float, default=4.0, help="seconds the batch function sleeps")
@@ -250,15 +286,12 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for name, fn in (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
-                     ("gone", gone), ("clean", clean)):  # fmt: skip
+                     ("gone", gone), ("clean", clean), ("rank_stops", lambda t: ranks(t, "")),
+                     ("straggler", lambda t: ranks(t, "straggle"))):  # fmt: skip
         with tempfile.TemporaryDirectory(prefix=f"stalls-{name}-") as d:
             row = fn(Path(d))
         rows.append(row)
         print(" | ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
-    rows.append({"fault": "rank faults (barrier, a rank 2x slower)", "measured": False,
-                 "why": "not in this benchmark (a stopped rank: tests/spikewatch/"
-                        "test_distributed.py); stragglers are not detected yet"})  # fmt: skip
-    print(rows[-1])
     print(json.dumps({"rows": rows}))
 
 
