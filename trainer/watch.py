@@ -186,7 +186,7 @@ class Watch(Replaying):
         if self.core is None:
             self.core = build_watch_core(self)
             watch_for_uncaught()
-            self._undo_sigterm = sigterm_as_ctrl_c()
+            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()

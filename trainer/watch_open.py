@@ -192,15 +192,14 @@ def watch_for_uncaught() -> None:
     sys.excepthook = hook
 
 
-def sigterm_as_ctrl_c() -> Callable[[], None] | None:
-    """SIGTERM (how systemd, Kubernetes, job schedulers and torchrun's own shutdown stop a
-    process) ends a Watch loop as Ctrl-C does: a KeyboardInterrupt in the loop, and the run
-    closed "stopped" rather than left "running" for ever. Under torchrun every rank gets it
-    (the launcher forwards its SIGTERM): each closes with no collective (`close("abandoned")`,
-    its peers may be gone) and rank 0 records the end. Only where SIGTERM still has its default
-    action (a framework's or the user's own handler is theirs) and in the main thread. Returns
-    the undo, or None when nothing was installed."""
-    if threading.current_thread() is not threading.main_thread():
+def sigterm_as_ctrl_c(world_size: int) -> Callable[[], None] | None:
+    """SIGTERM (how systemd, Kubernetes and job schedulers stop a process) ends a one-process
+    Watch loop as Ctrl-C does: a KeyboardInterrupt in the loop, and the run closed "stopped"
+    rather than left "running" for ever. Only where SIGTERM still has its default action (a
+    framework's or the user's own handler is theirs), in the main thread, and in one process
+    (under torchrun the launcher's SIGTERM ends ranks whose peers may be gone). Returns the
+    undo, or None when nothing was installed."""
+    if world_size != 1 or threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
