@@ -300,6 +300,7 @@ def test_a_killed_run_reads_gone_on_the_api(tmp_path) -> None:
     assert 'class="state state-gone">gone' in page
 
 
+@pytest.mark.slow  # ~30 s, two launches: `make test-slow`, keeping `make test` in budget
 def test_a_hang_ends_the_process_and_torchrun_restarts_it_from_the_newest_checkpoint(
     tmp_path,
 ) -> None:
