@@ -108,7 +108,10 @@ class Adapter:
     def _close(self) -> None:
         self._slow_work_ends()
         if self.watch is not None and self.summary is None:
-            self.summary = self.watch.close("halted" if self.watch.halted else "completed")
+            w = self.watch
+            self.summary = w.close(
+                "halted" if w.halted else "stopped" if w.stop_agreed else "completed"
+            )
 
     def _eval(self, loss: float) -> None:
         """A validation loss: into the store while training, into the summary after it (the

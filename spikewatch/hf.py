@@ -262,7 +262,7 @@ class SpikewatchCallback(Adapter, TrainerCallback):
             control.should_log = control.should_save = control.should_evaluate = False
             if taken >= state.max_steps > updates:
                 control.should_training_stop = False
-        if self._w.halted is not None:
+        if self._w.halted is not None or self._w.stop_agreed:
             control.should_training_stop = True
         if control.should_evaluate or control.should_save:  # the Trainer does it next
             self._slow_work_begins()

@@ -208,7 +208,7 @@ class SpikewatchCallback(Adapter, L.Callback):  # type: ignore[name-defined]
         if watch._began and watch.scaler is not None and self._stepped(trainer, *args):
             watch.scaler_skipped()  # "16-mixed": GradScaler skipped the optimizer (overflow)
         self._extend(trainer)
-        if self._w.halted is not None:
+        if self._w.halted is not None or self._w.stop_agreed:
             trainer.should_stop = True
 
     @staticmethod

@@ -165,6 +165,7 @@ class Watch(Replaying):
         self._lr_scale = 1.0  # the LR scale of the step being decided
         self._began = self._closed = False
         self._undo_sigterm: Callable[[], None] | None = None  # SIGTERM as Ctrl-C, while open
+        self._stop_raised = False  # a signal's agreed stop, raised in the loop once
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loop_clip: LoopClip | None = None  # the loop's own clip, once routed
         self._undo_clip: Callable[[], None] | None = None
@@ -186,7 +187,7 @@ class Watch(Replaying):
         if self.core is None:
             self.core = build_watch_core(self)
             watch_for_uncaught()
-            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size)
+            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size, self.core.request_stop)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
@@ -250,6 +251,11 @@ class Watch(Replaying):
     @property
     def halted(self) -> str | None:
         return self.core.halted if self.core is not None else None
+
+    @property
+    def stop_agreed(self) -> bool:
+        """A SIGTERM's stop, agreed by every rank: a framework's loop ends after this step."""
+        return self.core is not None and self.core.stop_agreed
 
     @property
     def outcome(self) -> str:
@@ -518,6 +524,11 @@ class Watch(Replaying):
         """The step begun, the losses observed so far kept (the gate begins a step the loop
         did not: its micro-batches' losses are the step's)."""
         core = self._c
+        if core.stop_agreed and self.framework == "loop" and not self._stop_raised:
+            # a loop of its own (not `batches`, which ends by itself): every rank at this same
+            # call, so that none is left in a collective; closed "stopped" by `with` / atexit
+            self._stop_raised = True
+            raise KeyboardInterrupt(f"SIGTERM: every rank stops after step {core.step_count}")
         core.start()
         if save:
             core.save_if_due()

@@ -192,20 +192,30 @@ def watch_for_uncaught() -> None:
     sys.excepthook = hook
 
 
-def sigterm_as_ctrl_c(world_size: int) -> Callable[[], None] | None:
-    """SIGTERM (how systemd, Kubernetes and job schedulers stop a process) ends a one-process
-    Watch loop as Ctrl-C does: a KeyboardInterrupt in the loop, and the run closed "stopped"
-    rather than left "running" for ever. Only where SIGTERM still has its default action (a
-    framework's or the user's own handler is theirs), in the main thread, and in one process
-    (under torchrun the launcher's SIGTERM ends ranks whose peers may be gone). Returns the
-    undo, or None when nothing was installed."""
-    if world_size != 1 or threading.current_thread() is not threading.main_thread():
+def sigterm_as_ctrl_c(
+    world_size: int, request_stop: Callable[[], None]
+) -> Callable[[], None] | None:
+    """SIGTERM (how systemd, Kubernetes, job schedulers and torchrun's own shutdown stop a
+    process) ends a Watch loop as Ctrl-C does, and the run is closed "stopped" rather than left
+    "running" for ever. In one process: a KeyboardInterrupt in the loop. Under torchrun, where
+    the launcher forwards its SIGTERM to every rank: the first asks for a stop that rides the
+    next step's all-reduce (`request_stop`), so that every rank stops after the same step. A
+    rank inside a collective when the signal comes runs the handler when the collective
+    returns, its peers still there; none leaves alone. A second SIGTERM interrupts at once.
+    Only where SIGTERM still has its default action (a framework's or the user's own handler
+    is theirs) and in the main thread. Returns the undo, or None when nothing was installed."""
+    if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
+    asked: list[bool] = []
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+        if world_size == 1 or asked:
+            raise KeyboardInterrupt("SIGTERM")
+        asked.append(True)
+        log.warning("SIGTERM: every rank stops after the step they agree on (again: at once)")
+        request_stop()
 
     signal.signal(signal.SIGTERM, interrupt)
 

@@ -193,3 +193,40 @@ def test_the_trainer_logs_the_watchs_grad_norm_without_computing_it_again(
     assert plain_calls == 6 and len(plain) == 6 and max(plain) > 0.5
     assert watched_calls == 0
     assert watched == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_stop_every_rank_agreed_on_ends_the_trainer_after_that_step(tmp_path) -> None:
+    """A SIGTERM under torchrun is a stop every rank agrees on at one step's all-reduce
+    (tests/spikewatch/test_rank_faults.py shows it in a Watch loop): the Trainer's training
+    ends after that step, as Lightning's does (`trainer.should_stop`), and the run reads
+    "stopped" there. In one process `request_stop` is agreed at once."""
+    from sqlalchemy.orm import Session
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from spikewatch.hf import SpikewatchCallback
+    from spikewatch.observatory import store
+    from spikewatch.observatory.store.db import make_engine
+
+    model = _tiny_llama()
+    rows = [{"input_ids": torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(i))}
+            for i in range(80)]  # fmt: skip
+    for r in rows:
+        r["labels"] = r["input_ids"]
+    db = f"sqlite:///{tmp_path / 'sw.db'}"
+    watch = SpikewatchCallback(db=db, name="stopped")
+
+    class Signalled(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if state.global_step == 4:  # as the signal's handler does, mid-run
+                watch.watch.core.request_stop()
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=20, report_to=[],
+                             per_device_train_batch_size=4, save_strategy="no",
+                             learning_rate=1e-3, use_cpu=True)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      callbacks=[watch, Signalled()])  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 5  # the stop asked during step 4 ends step 5
+    with Session(make_engine(db)) as session:
+        (run,) = store.list_runs(session)
+    assert (run.status, run.last_step) == ("stopped", 5)

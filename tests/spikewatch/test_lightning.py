@@ -4,6 +4,9 @@ updates after a rollback; the user's own loader is warned about; the validation 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,3 +116,25 @@ def test_an_epoch_based_run_that_rolls_back_still_makes_its_planned_updates(
     assert trainer.global_step == 30 + lag and trainer.current_epoch > 3
     assert "not bit-exactly" in caplog.text  # the user's own loader, said at start
     assert cb.summary["val_losses"], "the validation metric named my_val was read"
+
+
+def test_a_stop_every_rank_agreed_on_ends_the_fit_after_that_step(tmp_path) -> None:
+    """A SIGTERM under torchrun is a stop every rank agrees on at one step's all-reduce
+    (tests/spikewatch/test_rank_faults.py): the fit ends after that step (`trainer.should_stop`)
+    and the run reads "stopped" there. In one process `request_stop` is agreed at once."""
+    data = torch.randint(0, 256, (80, 17), generator=torch.Generator().manual_seed(0))
+    cb = SpikewatchCallback(db="none")
+
+    class Signalled(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):  # noqa: ANN001, ANN002
+            if trainer.global_step == 4:  # as the signal's handler does, mid-run
+                cb.watch.core.request_stop()
+
+    trainer = pl.Trainer(max_steps=20, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), callbacks=[cb, Signalled()])  # fmt: skip
+    trainer.fit(Bigram(), torch.utils.data.DataLoader(list(data.split(4)), batch_size=None))
+    assert trainer.global_step == 5  # the stop asked during step 4 ends step 5
+    assert cb.summary is not None and cb.summary["steps"] == 5
+    ended = json.loads((Path(cb.summary["run_dir"]) / "ended.json").read_text())
+    assert ended["status"] == "stopped"

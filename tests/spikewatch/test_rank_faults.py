@@ -1,11 +1,16 @@
 """Rank faults under `torchrun --nproc_per_node=2` on gloo, apart from test_distributed.py so
-that the two test files run side by side: a rank whose loader is slow is named the straggler."""
+that the two test files run side by side: a rank whose loader is slow is named the straggler;
+a SIGTERM to the launcher stops every rank after one agreed step."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from sqlalchemy.orm import Session
@@ -39,3 +44,46 @@ def test_a_rank_whose_loader_is_slow_is_named_the_straggler(tmp_path) -> None:
     (event,) = named
     assert event.data["rank"] == 1 and "rank 1 is the straggler" in event.message
     assert event.data["batch_wait_s"] >= 0.05 > event.data["others_batch_wait_s"]
+
+
+@pytest.mark.parametrize("mode", ["own", pytest.param("batches", marks=pytest.mark.slow)])
+def test_a_sigterm_to_torchrun_stops_every_rank_after_one_step_and_reads_stopped(
+    tmp_path, mode: str
+) -> None:
+    """torchrun forwards its SIGTERM (a scheduler's stop) to every rank. Rank 0 is inside the
+    step's all-reduce most of the time (rank 1's batches are slow), where the signal's handler
+    waits for the collective to return; no rank may leave while the other waits there for it.
+    Each rank ends its loop after the same step (a loop of its own with a KeyboardInterrupt at
+    its next step; `watch.batches` by itself), the run reads "stopped" at that step, with its
+    final checkpoint there, not "running" until its heartbeats lapse."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script = str(REPO / "tests" / "spikewatch" / "sigterm_script.py")
+    log = tmp_path / "log.txt"
+    mark = tmp_path / "run" / "checkpoints" / "step00000010" / "meta.json"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*cmd, script, str(tmp_path), mode], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not mark.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "never reached step 10"
+            time.sleep(0.05)
+        assert mark.exists(), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # to torchrun alone, as a scheduler stops the job
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    if TEARDOWN_ABORT in text:
+        pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
+    ends = dict(re.findall(r"rank (\d) (?:ended|interrupted \(SIGTERM[^)]*\)) at step (\d+)", text))
+    assert sorted(ends) == ["0", "1"], text[-3000:]  # both ended their loops; neither was killed
+    assert ends["0"] == ends["1"], ends
+    step = int(ends["0"])
+    with Session(make_engine(f"sqlite:///{tmp_path / 'runs.db'}")) as session:
+        (run,) = store.list_runs(session)
+    assert (run.status, run.last_step) == ("stopped", step), text[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step{step:08d}" / "meta.json").exists()
+    assert json.loads((tmp_path / "run" / "ended.json").read_text())["status"] == "stopped"

@@ -140,6 +140,7 @@ class StepCore(Checkpointed):
     watchdog: Watchdog | None = None  # running from `start` to `settle`
     stop_asked: bool = False  # a signal arrived (under torchrun: not yet agreed on)
     stop_requested: bool = False
+    stop_agreed: bool = False  # a signal's stop, agreed by every rank (a loop must end now)
     outcome: str = APPLIED
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
@@ -352,7 +353,7 @@ class StepCore(Checkpointed):
         """A step's one host read (its copy was enqueued in its `gate`) -> StepState."""
         metrics, late = read.transfer.fetch()
         if metrics.pop(_STOP, 0.0) > 0:  # a rank was signalled: all stop after this step
-            self.stop_requested = True
+            self.stop_requested = self.stop_agreed = True
         refused = metrics.pop(_FACTOR) == 0.0
         loss, gnorm = metrics[M.LOSS], metrics[M.GRAD_NORM]
         # fp16: a GradScaler's overflow (finite loss, inf/nan gradients) is the scaler's to skip
@@ -546,7 +547,7 @@ class StepCore(Checkpointed):
         next step's all-reduce first, so that every rank stops after the same step."""
         self.stop_asked = True
         if not self.world.distributed:
-            self.stop_requested = True
+            self.stop_requested = self.stop_agreed = True
 
     def record_eval(self, val_loss: float) -> None:
         """A validation loss of the current step."""
