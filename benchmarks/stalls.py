@@ -16,8 +16,17 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   rank 1 as the rank behind, within the bound plus 1 s.
 - straggler: the same two ranks, rank 1's batches 60 ms each from batch 10 on (its loader
   slow, the job at its pace): one slowdown naming rank 1 (`stall_script.py OUT straggle`).
+- false alarms (`--false-alarms`): the demo and the four examples as a user runs them (their
+  default sizes and steps, each with its poisoned region, so a rollback, its checkpoints and
+  evaluations), each in a process of its own with the default stall settings: stall and
+  slowdown events must be 0.
+- watchdog cost (`--cost`): the plain-loop example at the demo's size (2 x 128) in this process;
+  the watchdog's own time (the loop thread's `beat` and `mark`, the thread's wakes) over the
+  loop's time: budget 0.2% of a step.
 
-    python benchmarks/stalls.py [--hang 4]
+    python benchmarks/stalls.py [--hang 4]     # the fault rows
+    python benchmarks/stalls.py --false-alarms # ~10 minutes
+    python benchmarks/stalls.py --cost
 """
 
 from __future__ import annotations
@@ -279,15 +288,114 @@ def ranks(tmp: Path, mode: str) -> dict[str, Any]:
     }
 
 
+CLEAN_RUNS = {  # what a user runs, at its defaults, recorded in the store given
+    "demo": ["-m", "spikewatch.trainer.cli", "demo", "--no-serve", "--no-clean-twin"],
+    "plain_loop": [str(REPO / "examples" / "plain_loop.py")],
+    "dataloader_loop": [str(REPO / "examples" / "dataloader_loop.py")],
+    "hf_trainer": [str(REPO / "examples" / "hf_trainer.py")],
+    "lightning_module": [str(REPO / "examples" / "lightning_module.py")],
+}
+
+
+def false_alarms(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
+    """One of CLEAN_RUNS in a process of its own, its events counted from its store."""
+    db = f"sqlite:///{tmp / 'sw.db'}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    args = [*CLEAN_RUNS[name], "--db", db, *extra]
+    if name == "demo":
+        args += ["--run-dir", str(tmp / "run")]
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, *args], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=3600)  # fmt: skip
+    if done.returncode:
+        raise SystemExit(f"{name} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    with Session(make_engine(db)) as s:
+        runs = store.list_runs(s)
+        kinds = [e.kind for r in runs for e in store.events(s, run_id=r.run_id)]
+        steps = sum(r.last_step or 0 for r in runs)
+    return {
+        "run": name,
+        "steps": steps,
+        "minutes": round((time.monotonic() - t0) / 60, 1),
+        "stalls": kinds.count("stall"),
+        "slowdowns": kinds.count("slowdown"),
+        "rollbacks": kinds.count("rollback"),
+        "checkpoints": kinds.count("checkpoint"),
+    }
+
+
+def cost(tmp: Path, steps: int = 300) -> dict[str, Any]:
+    """The watchdog's time over the loop's: the plain-loop example's GPT at the demo's size
+    (2 x 128, T = 64, B = 8 here), a Watch with the default stall settings."""
+    from spikewatch.trainer.core import watchdog as wd
+
+    spent = {"loop": 0.0, "wakes": 0.0}
+    n_wakes = [0]
+
+    def timed(fn: Any, key: str, count: bool = False) -> Any:
+        def inner(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+                n_wakes[0] += count
+
+        return inner
+
+    saved = {n: getattr(wd.Watchdog, n) for n in ("beat", "mark", "check", "publish",
+                                                  "judge_ranks", "heartbeat")}  # fmt: skip
+    for n, fn in saved.items():
+        setattr(wd.Watchdog, n, timed(fn, "loop" if n in ("beat", "mark") else "wakes",
+                                      count=n == "check"))  # fmt: skip
+    try:
+        torch.manual_seed(0)
+        model = ex.GPT(128, 2, 4, 64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train, _ = text_corpus()
+        watch = Watch(model, opt, run_dir=tmp / "run", db=f"sqlite:///{tmp / 'sw.db'}",
+                      max_steps=steps)  # fmt: skip
+        t0 = time.perf_counter()
+        for x, y in watch.batches(lambda i: windows(train, i, 8, 64)):
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+        wall = time.perf_counter() - t0
+        watch.close()
+    finally:
+        for n, fn in saved.items():
+            setattr(wd.Watchdog, n, fn)
+    own = spent["loop"] + spent["wakes"]
+    return {
+        "steps": steps,
+        "ms_per_step": round(wall / steps * 1e3, 2),
+        "watchdog_us_per_step_on_the_loop": round(spent["loop"] / steps * 1e6, 1),
+        "wakes": n_wakes[0],
+        "us_per_wake": round(spent["wakes"] / max(1, n_wakes[0]) * 1e6, 1),
+        "share_of_the_loop": round(own / wall, 5),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hang", type=float, default=4.0, help="seconds the batch function sleeps")
+    ap.add_argument(
+        "--false-alarms",
+        action="store_true",
+        help="the demo and the examples at their defaults: stall and slowdown events",
+    )
+    ap.add_argument("--cost", action="store_true", help="the watchdog's share of the loop")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for name, fn in (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
-                     ("gone", gone), ("clean", clean), ("rank_stops", lambda t: ranks(t, "")),
-                     ("straggler", lambda t: ranks(t, "straggle"))):  # fmt: skip
+    faults: Any = (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
+                   ("gone", gone), ("clean", clean), ("rank_stops", lambda t: ranks(t, "")),
+                   ("straggler", lambda t: ranks(t, "straggle")))  # fmt: skip
+    if args.false_alarms:
+        faults = [(n, lambda t, n=n: false_alarms(t, n)) for n in CLEAN_RUNS]
+    elif args.cost:
+        faults = [("cost", cost)]
+    for name, fn in faults:
         with tempfile.TemporaryDirectory(prefix=f"stalls-{name}-") as d:
             row = fn(Path(d))
         rows.append(row)

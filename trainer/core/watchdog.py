@@ -27,6 +27,7 @@ ends the job. `exit_after_s` (off by default) ends a process that stays stalled 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import logging
@@ -203,6 +204,37 @@ def thread_stacks(skip: int | None = None) -> dict[str, str]:
     return out
 
 
+class _Window:
+    """The last `maxlen` values and their median, kept sorted as they come and go (a step's
+    pace judged against 256 earlier steps without sorting them every step)."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self._order: collections.deque[float] = collections.deque()
+        self._sorted: list[float] = []
+
+    def append(self, x: float) -> None:
+        if len(self._order) == self.maxlen:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(x)
+        bisect.insort(self._sorted, x)
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._sorted.clear()
+
+    def median(self) -> float:
+        s, n = self._sorted, len(self._sorted)
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+    def __getitem__(self, i: int) -> float:
+        return self._order[i]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
 class Watchdog:
     """See the module docstring. `on_stall(info)` runs on the watchdog's thread, `on_resume`
     on the loop's; each is called once per stall."""
@@ -230,8 +262,8 @@ class Watchdog:
         self.ranks = ranks
         self.progress = (0, ENDED)  # this rank's (step, phase); the loop thread sets it
         self._heartbeat_at: float | None = None  # the last heartbeat told
-        self.baseline: collections.deque[float] = collections.deque(maxlen=256)
-        self.recent: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        self.baseline = _Window(256)
+        self.recent = _Window(cfg.slowdown_window)
         self._slow: dict[str, Any] | None = None  # the slowdown under way
         self._per_token = False  # the pace in seconds per token (the steps' tokens are told)
         # under torchrun: this rank's waits for its batches (step end to batch in hand), and
@@ -316,8 +348,8 @@ class Watchdog:
             if len(self.recent) == self.recent.maxlen:
                 self.baseline.append(self.recent[0])
             return
-        base = statistics.median(self.baseline)
-        now = statistics.median(self.recent)
+        base = self.baseline.median()
+        now = self.recent.median()
         if self._slow is None:
             if base > 0 and now > factor * base and (now - base) * per >= self.cfg.slowdown_min_s:
                 self._slow = {
