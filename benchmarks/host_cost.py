@@ -24,6 +24,7 @@ rollback's decision), against the same loop without spikewatch:
     python benchmarks/host_cost.py                # 124M, 120 steps; table, then one JSON line
     python benchmarks/host_cost.py --shape 1b
     python benchmarks/host_cost.py --smoke        # a tiny shape, seconds (the test suite's)
+    python benchmarks/host_cost.py --pauses --steps 10000   # a long run's pauses, ~12 minutes
 """
 
 from __future__ import annotations
@@ -449,6 +450,7 @@ class Harness:
         base = {"probes": {"read": "next_step"}, "checkpoint": ck}
         self.settings = _merge(base, settings or {})
         self.tmp = tempfile.TemporaryDirectory(prefix="host-cost-")
+        self.after_step: Any = None  # called with the step's row, once it is recorded
 
     # patched for the run only
     @contextlib.contextmanager
@@ -626,6 +628,8 @@ class Harness:
                 row.table = launched
                 row.flops = modes[1].get_total_flops() + kflops
             self.rows.append(row)
+            if self.after_step is not None:
+                self.after_step(row)
         close_t0 = time.perf_counter()
         watch.close()
         self.close_ms = 1e3 * (time.perf_counter() - close_t0)
@@ -762,6 +766,58 @@ def pin_threads() -> None:
     os.sched_setaffinity(0, {cpus[0]})
 
 
+def pauses(steps: int, shape: str = "smoke") -> dict[str, Any]:
+    """No pause that grows with the run, on meta: the Watch's loop (every cadence, disk
+    checkpoints) over `steps` steps; the longest step of spikewatch's host time, the longest
+    full (generation-2) collection and the objects the collector tracks, over the first tenth
+    and over the whole run. A tiny shape: the Watch's own work is the same at any size, and
+    meta's dispatch makes each step ~25x a CPU's (10,000 steps take ~12 minutes here)."""
+    h = Harness(shape, steps, disk=True)
+    tenth = steps // 10
+    full: list[tuple[int, float]] = []
+    started: list[float] = []
+    tracked: dict[str, int] = {}
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            full.append((h.step, 1e3 * (time.perf_counter() - started.pop())))
+
+    def after_step(row: StepRow) -> None:
+        if row.step in (tenth, steps):
+            tracked[str(row.step)] = len(gc.get_objects())
+
+    h.after_step = after_step
+    gc.callbacks.append(timed)
+    try:
+        rows = h.run()
+    finally:
+        gc.callbacks.remove(timed)
+    first = [r for r in rows[2:] if r.step <= tenth]
+
+    def longest(rs: list[StepRow]) -> dict[str, Any]:
+        top = max(rs, key=lambda r: r.host_ms)
+        return {"ms": round(top.host_ms, 2), "step": top.step, "events": sorted(top.events)}
+
+    return {
+        "shape": shape,
+        "steps": steps,
+        "longest_step_first_tenth": longest(first),
+        "longest_step_all": longest(rows[2:]),
+        "p99_ms_first_tenth": round(pct([r.host_ms for r in first], 0.99), 2),
+        "p99_ms_last_tenth": round(pct([r.host_ms for r in rows[-tenth:]], 0.99), 2),
+        "full_collections": len(full),
+        "longest_full_collection_ms_first_tenth": round(
+            max((ms for s, ms in full if s <= tenth), default=0.0), 2
+        ),
+        "longest_full_collection_ms_all": round(max((ms for _, ms in full), default=0.0), 2),
+        "tracked_objects": tracked,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="124m")
@@ -774,6 +830,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--settings", default="{}", help="Watch settings as JSON, merged")
     ap.add_argument("--detail", action="store_true", help="the base part split by what it does")
     ap.add_argument(
+        "--pauses",
+        action="store_true",
+        help="a long run (--steps, at the smoke shape): does the longest pause grow?",
+    )
+    ap.add_argument(
         "--pin",
         action="store_true",
         help="the loop thread on CPU 0, every other thread (checkpoint writer, copier, sealer, "
@@ -782,6 +843,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.pin:
         pin_threads()
+    if args.pauses:
+        torch.set_num_threads(1)
+        out = pauses(args.steps)
+        print(json.dumps(out))
+        return out
     if args.smoke:
         args.shape, args.steps = "smoke", 30
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Rollback, restore and resume, and the state a checkpoint holds: the step core's side of its
-checkpoints (trainer/core/step_core.py owns the step; this mixin, what a checkpoint of it
-carries and how the core goes back to one).
+checkpoints (trainer/core/step_core.py owns the step; the `Restorer` it holds, what a
+checkpoint of it carries and how the core goes back to one).
 
 One snapshot schema for every client (core/state.py): weights and optimizer (or, under
 torchrun, each rank's RNG and scheduler beside the sharded files), `trainer.json` with the
@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,14 +26,12 @@ from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.staging import NoTensors, Stager, to_host
 from spikewatch.trainer.checkpoints.tiers import MEMORY
 from spikewatch.trainer.core.actions import Rollback
-from spikewatch.trainer.core.attribution import Measure, attribute
-from spikewatch.trainer.core.callbacks import Callback
+from spikewatch.trainer.core.attribution import attribute
 from spikewatch.trainer.core.cause import NotAtHand, cause_of, device_of
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.decide import rescale
 from spikewatch.trainer.core.state import (
     ENDED,
-    RunState,
     callback_keys,
     join_optimizer,
     rng_states,
@@ -42,13 +40,10 @@ from spikewatch.trainer.core.state import (
 )
 
 if TYPE_CHECKING:
-    from spikewatch.trainer.checkpoints.tiers import Tiers
-    from spikewatch.trainer.core.probes import Probes
-    from spikewatch.trainer.core.same_step import SameStepGate
+    from spikewatch.trainer.core.step_core import StepCore
     from spikewatch.trainer.core.transfer import StepTensors
-    from spikewatch.trainer.core.world import World
 
-__all__ = ["Checkpointed", "Replay", "Swap"]
+__all__ = ["Replay", "Restorer", "Swap"]
 
 log = logging.getLogger(__name__)
 
@@ -65,45 +60,31 @@ Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
 Swap = Callable[[int, int], torch.Tensor]
 
 
-class Checkpointed:
-    """What StepCore (a dataclass with these fields) does with its checkpoints."""
+class Restorer:
+    """The step core's checkpoints seen from its side: what a snapshot of the core holds, and
+    how the core goes back to one (rollback, resume, a framework's state). StepCore holds one
+    (`core.restorer`) and hands it what a rollback needs; the fields it reads are the core's."""
 
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    probes: Probes
-    checkpointer: Tiers
-    world: World
-    run: RunState
-    callbacks: list[Callback]
-    config: Callable[[], dict[str, Any]]
-    data_flow: Literal["rewind", "forward"]
-    scheduler: Any
-    same_step: SameStepGate | None
-    replay: Replay | None
-    swap: Swap | None
-    _replayed_ranks: dict[tuple[int, int], list[float]]
-    _swapped_ranks: dict[tuple[int, int], list[float]]
-    measure_rows: Measure | None
-    skip_samples: bool
-    config_changes: dict[str, list[Any]]
-    resume_line: str | None
-    _proof_off: bool
-
-    if TYPE_CHECKING:
-
-        def save(self, tiers: list[str] | None = None) -> None: ...
+    def __init__(self, core: StepCore) -> None:
+        self.core = core
+        self.proof_off = False  # a rollback's replay proved nothing in this run: not tried again
+        # each rank's replayed losses and the swapped-rows losses of the spike's batches, for
+        # `device_of` (a rollback's cause under torchrun)
+        self._replayed_ranks: dict[tuple[int, int], list[float]] = {}
+        self._swapped_ranks: dict[tuple[int, int], list[float]] = {}
 
     # -- rollback, restore, resume ------------------------------------------------------------
     def rollback(self, action: Rollback) -> None:
         """Restore the newest intact checkpoint at or before `to_step`, in-process, then skip;
         the cause of a spike is told by replaying it first where the client can."""
-        ck = self.checkpointer
-        from_step, t0 = self.run.step, time.perf_counter()
+        core = self.core
+        ck = core.checkpointer
+        from_step, t0 = core.run.step, time.perf_counter()
         fallbacks: list[dict[str, Any]] = []
         # the steps a replay may prove a target on: recorded on this branch before the spike's
         # onset (rank 0's guard's; taken before a restore puts the target's own windows back)
         first_bad = action.spike.onset_step if action.spike is not None else from_step + 1
-        seen = self.world.agree(self._recorded(min(action.to_step + 1, first_bad - 1)))
+        seen = core.world.agree(self._recorded(min(action.to_step + 1, first_bad - 1)))
         limit, proof = action.to_step, None
         failed: list[tuple[int, Path | int, str | None, dict[str, Any], list[int]]] = []
         while True:  # a target that fails its check or its replay: the next older one
@@ -116,7 +97,7 @@ class Checkpointed:
                     raise  # a disk checkpoint is verified when found: not intact means none
                 why = str(e)
             # every rank alike: one rank's failed copy sends all to the next older target
-            if isinstance(where, int) and self.world.min_int(0 if why else 1) == 0:
+            if isinstance(where, int) and core.world.min_int(0 if why else 1) == 0:
                 why = why or f"another rank's host-memory snapshot of step {step} failed its check"
                 log.warning("%s: it is dropped, the rollback takes the next older target", why)
                 fallbacks.append({"step": step, "tier": MEMORY, "why": why})
@@ -125,7 +106,7 @@ class Checkpointed:
                 continue
             tier = ck.last_tier
             self.restore(loaded, resume=False)
-            proof = None if self._proof_off else self._replay_proof(step, seen, loaded)
+            proof = None if self.proof_off else self._replay_proof(step, seen, loaded)
             if proof is None or proof["reproduced"]:
                 for f_step, _, f_tier, f_proof, _ in failed:  # the restore's fault, not the loop's
                     fallbacks.append({"step": f_step, "tier": f_tier, "why": f_proof["why"]})
@@ -144,7 +125,7 @@ class Checkpointed:
             # two targets (or the only one) that do not reproduce: the replay cannot prove this
             # run's restores (the loop's recorded loss is not what its loss_fn gives, or the run
             # is not deterministic); the newest target stands, and the proof is off from now on
-            self._proof_off = True
+            self.proof_off = True
             step, where, tier, proof, abandoned = failed[0]
             proof["kept"] = "the replay proves nothing in this run: off from now on"
             log.warning(
@@ -160,7 +141,7 @@ class Checkpointed:
             loaded = ck.read(where)
             self.restore(loaded, resume=False)
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
-        record = self.run.interventions[-1]
+        record = core.run.interventions[-1]
         record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
         if fallbacks:
             record["restore_fallbacks"] = fallbacks
@@ -169,13 +150,13 @@ class Checkpointed:
         if proof is not None:
             record["replay_proof"] = proof
         spike = action.spike
-        if spike is not None and self.measure_rows is not None:  # on the restored weights
+        if spike is not None and core.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
             onset = [i for s, i in spike.replay if s >= spike.onset_step]  # the spike's own
             near = min(onset) if onset else record.get("batch_index")
-            record.update(attribute(batches, self.measure_rows, self.world, near))
-            self.optimizer.zero_grad(set_to_none=True)  # the rows' gradients are not the run's
-        if spike is not None and spike.replay and self.replay is not None:
+            record.update(attribute(batches, core.measure_rows, core.world, near))
+            core.optimizer.zero_grad(set_to_none=True)  # the rows' gradients are not the run's
+        if spike is not None and spike.replay and core.replay is not None:
 
             def reload() -> None:
                 self.restore(ck.read(where), resume=False)
@@ -191,29 +172,29 @@ class Checkpointed:
             record.update(replay_steps=n, replay_s=time.perf_counter() - t1)
             reload()
         self._flag_suspects(record)
-        self.checkpointer.pin(step, "rollback target")
-        named = record.get("samples") if self.skip_samples else None
+        core.checkpointer.pin(step, "rollback target")
+        named = record.get("samples") if core.skip_samples else None
         skips = () if named else action.skip_ranges  # the named rows alone, else whole batches
         if named:
-            self.run.data.block((s["batch"], s["row"]) for s in named)
+            core.run.data.block((s["batch"], s["row"]) for s in named)
             record.update(
                 skipped_samples=len(named), batches_kept=[list(r) for r in action.skip_ranges]
             )
         for start, end in skips:
-            self.run.data.add_skip(start, end)
-        self.run.lr_scale = rescale(self.run.lr_scale, action)
+            core.run.data.add_skip(start, end)
+        core.run.lr_scale = rescale(core.run.lr_scale, action)
         record.update(
             from_step=from_step,
             to_step=step,
             skip_ranges=[list(r) for r in skips],
             lr_scale=action.lr_scale,
-            lr_scale_after=self.run.lr_scale,  # the run's scale of its schedule from now on
+            lr_scale_after=core.run.lr_scale,  # the run's scale of its schedule from now on
             dropped_checkpoints=abandoned,
         )
         if named:
             record["skipped_rows"] = [[s["batch"], s["row"]] for s in named]
-        if self.data_flow == "forward":  # the data went on: what lay behind is not fed again
-            at = record["resumed_at_batch"] = self.run.data.batch_index
+        if core.data_flow == "forward":  # the data went on: what lay behind is not fed again
+            at = record["resumed_at_batch"] = core.run.data.batch_index
             bad = {i for a, b in action.skip_ranges for i in range(a, b)}
             record["passed_over"] = sum(1 for i in range(restored_at, at) if i not in bad)
         record["skipped"] = skipped(record)  # the one story every report tells
@@ -229,40 +210,41 @@ class Checkpointed:
             record["skipped"],
             f": {found}" if found else "",
         )
-        for cb in self.callbacks:
+        for cb in core.callbacks:
             cb.on_rollback(step, record)
         # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
         # scale, policy and detector states) as the next generation, which a resume prefers to
         # the abandoned newer steps; only then delete those. A crash at any moment must not
         # train the bad batches again.
-        self.run.generation += 1
-        self.save()
-        self.checkpointer.drop_after(step)
-        self.checkpointer.report(self.callbacks)
+        core.run.generation += 1
+        core.save()
+        core.checkpointer.drop_after(step)
+        core.checkpointer.report(core.callbacks)
 
     def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
         """Continue from the newest intact checkpoint; `check(path)` refuses a config that may
         not resume it and returns the changes it may make ({key: [then, now]}, announced to the
         callbacks at start). Returns the step."""
-        step, path = self.checkpointer.resume_point()
+        core = self.core
+        step, path = core.checkpointer.resume_point()
         changes = check(path)
-        self.restore(self.checkpointer.read(path), resume=True)
-        self.run.resumed_from = str(path)
-        (self.run.run_dir / ENDED).unlink(missing_ok=True)  # it goes on: no longer ended
+        self.restore(core.checkpointer.read(path), resume=True)
+        core.run.resumed_from = str(path)
+        (core.run.run_dir / ENDED).unlink(missing_ok=True)  # it goes on: no longer ended
         shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         # said at the start, once the record has told how far the process before got
-        self.resume_line = (
-            f"resumed run {self.run.run_id} at step {step} from its disk checkpoint {path}"
+        core.resume_line = (
+            f"resumed run {core.run.run_id} at step {step} from its disk checkpoint {path}"
             + (f", with changed settings: {shown}" if shown else "")
         )
-        self.config_changes = changes
+        core.config_changes = changes
         return step
 
     def _refused_on_branch(self, after: int) -> set[int]:
         """Steps after `after` whose update this branch refused (same-step tier, non-finite):
         the records since the branch began, this rollback's own (the last) aside."""
         out = set()
-        for rec in reversed(self.run.interventions[:-1]):
+        for rec in reversed(self.core.run.interventions[:-1]):
             if rec.get("kind") == "rollback":
                 break
             if rec.get("kind") == "skip_update" and int(rec.get("step", -1)) > after:
@@ -277,7 +259,7 @@ class Checkpointed:
         mine = record.get("device_ranks") or record.get("ranks") or []
         past = [
             i
-            for i in self.run.interventions
+            for i in self.core.run.interventions
             if i.get("kind") == "rollback" and i.get("cause") in ("device", "transient")
         ]
         suspects = [
@@ -295,7 +277,7 @@ class Checkpointed:
         """The loss and the batch index of each step up to `until` that the spike guard still
         holds, as this branch recorded them (copies). The guard is rank 0's: `agree` gives them
         to every rank, so that all replay alike."""
-        for cb in self.callbacks:
+        for cb in self.core.callbacks:
             loss_of, batch_of = getattr(cb, "loss_of", None), getattr(cb, "batch_of", None)
             if isinstance(loss_of, dict) and isinstance(batch_of, dict):
                 return (
@@ -314,11 +296,12 @@ class Checkpointed:
         spike's onset and its loss was finite and recorded; else None (not told). The replay
         draws with the target's RNG states (a dropout mask as the step drew it); a run whose data
         flows forward gets its own back after."""
+        core = self.core
         loss_of, batch_of = seen  # (steps before the spike's onset alone)
         nxt = step + 1
         want, index = loss_of.get(nxt), batch_of.get(nxt)
         if (
-            self.replay is None
+            core.replay is None
             or "rng.pt" not in loaded
             or want is None
             or index is None
@@ -326,16 +309,16 @@ class Checkpointed:
         ):
             return None
         t1 = time.perf_counter()
-        live = rng_states() if self.data_flow != "rewind" else None  # (rewind: restored already)
+        live = rng_states() if core.data_flow != "rewind" else None  # (rewind: restored already)
         set_rng_states(loaded["rng.pt"], loaded["trainer.json"]["rng"])
         try:
-            t, _apply = self.replay(nxt, index)
-            t = self.world.reduce(t, stop=False)
+            t, _apply = core.replay(nxt, index)
+            t = core.world.reduce(t, stop=False)
             got = float(t.loss)  # a rollback's path: one read
         except NotAtHand:
             return None
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            core.optimizer.zero_grad(set_to_none=True)
             if live is not None:
                 set_rng_states(*live)
         ok = math.isfinite(got) and abs(got - want) <= REPLAY_RTOL * max(abs(want), 1e-12)
@@ -352,24 +335,25 @@ class Checkpointed:
         """The losses of (step, batch index) pairs replayed in order, each update applied as the
         run applied it (a step it refused is refused again, a non-finite one never applied), and,
         under torchrun, each rank's own, for `device_of`."""
-        assert self.replay is not None
+        core = self.core
+        assert core.replay is not None
         losses = {}
         refused = self._refused_on_branch(from_step)
         for step, index in pairs:
             if step <= from_step:
                 continue
-            t, apply = self.replay(step, index)
-            t = self.world.reduce(t, stop=False)
+            t, apply = core.replay(step, index)
+            t = core.world.reduce(t, stop=False)
             if t.rank_losses is not None:
                 self._replayed_ranks[(step, index)] = t.rank_losses.tolist()
-                if self.swap is not None:  # on the same weights: before the update
-                    done = self.world.every(self.swap(step, index).float()).tolist()
+                if core.swap is not None:  # on the same weights: before the update
+                    done = core.world.every(core.swap(step, index).float()).tolist()
                     w = len(done)  # rank k computed rank k + 1's rows: by owner, k + 1's first
                     self._swapped_ranks[(step, index)] = [done[(o - 1) % w] for o in range(w)]
             loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
             if math.isfinite(loss) and math.isfinite(gnorm) and step not in refused:
                 apply()
-            self.optimizer.zero_grad(set_to_none=True)
+            core.optimizer.zero_grad(set_to_none=True)
             losses[step] = loss if math.isfinite(loss) else math.inf
         return losses
 
@@ -383,7 +367,8 @@ class Checkpointed:
         return {**self._counters(), **self._decided()}
 
     def _counters(self) -> dict[str, Any]:
-        run = self.run
+        core = self.core
+        run = core.run
         return {
             "run_id": run.run_id,
             "step": run.step,
@@ -391,19 +376,20 @@ class Checkpointed:
             "generation": run.generation,
             "data_state": run.data.to_dict(),
             "val_losses": run.val_losses,
-            "state_moved": self.probes.state_moved,  # a state step moved past a checkpoint
+            "state_moved": core.probes.state_moved,  # a state step moved past a checkpoint
         }
 
     def _decided(self) -> dict[str, Any]:
-        run = self.run
+        core = self.core
+        run = core.run
         return {
             "lr_scale": run.lr_scale,
             "interventions": run.interventions,
             "halted": run.halted,
-            "same_step": None if self.same_step is None else self.same_step.state_dict(),
+            "same_step": None if core.same_step is None else core.same_step.state_dict(),
             "callbacks": {
                 key: cb.state_dict()
-                for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True)
+                for key, cb in zip(callback_keys(core.callbacks), core.callbacks, strict=True)
             },
         }
 
@@ -411,24 +397,25 @@ class Checkpointed:
         """The current state as a checkpoint `Snapshot` (core/state.py's schema). `decided`
         False: the step is still in flight, and what its decision changes (DECIDED_KEYS) is
         left out, to be filled in once it is read (StepCore._settle_snapshot)."""
+        core = self.core
         rng_tensors, rng_json = rng_states()
-        run = self.run
-        sched = None if self.scheduler is None else self.scheduler.state_dict()
+        run = core.run
+        sched = None if core.scheduler is None else core.scheduler.state_dict()
         # the loop's loader (the Watch's batches): its position, for a resume only (a rollback
         # lets the data flow on), so host memory does without it
         stream = None if run.stream is None or isinstance(stage, NoTensors) else run.stream()
-        if self.world.distributed:  # weights and optimizer: sharded, by the checkpointer
+        if core.world.distributed:  # weights and optimizer: sharded, by the checkpointer
             own = {**rng_tensors, "json": rng_json}
             if sched is not None:
                 own["scheduler"] = sched
             if stream is not None:  # each rank's loader gives its own share
                 own["data"] = stream
-            torch_files = {f"rng.rank{self.world.rank}.pt": own}
+            torch_files = {f"rng.rank{core.world.rank}.pt": own}
         else:
             torch_files = {"rng.pt": rng_tensors}
             if not isinstance(stage, NoTensors):  # host memory copies the live tensors itself
-                torch_files["model.pt"] = to_host(self.model.state_dict(), stage, "model")
-                opt = to_host(self.optimizer.state_dict(), stage, "optimizer")
+                torch_files["model.pt"] = to_host(core.model.state_dict(), stage, "model")
+                opt = to_host(core.optimizer.state_dict(), stage, "optimizer")
                 torch_files.update(split_optimizer(opt))
             if sched is not None:
                 torch_files["scheduler.pt"] = sched
@@ -439,7 +426,7 @@ class Checkpointed:
             torch_files=torch_files,
             json_files={
                 "trainer.json": {**self.state_dict(decided), "rng": rng_json},
-                "config.json": self.config(),
+                "config.json": core.config(),
             },
             meta={
                 "run_id": run.run_id,
@@ -453,43 +440,45 @@ class Checkpointed:
     def restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
         """Load a checkpoint (as `Checkpointer.read` returns it) into the live objects. A resume
         takes everything back; a rollback keeps what the run has learned since."""
+        core = self.core
         state = loaded["trainer.json"]
         if "memory" in loaded:  # in place, from this rank's host buffers
-            assert self.checkpointer.memory is not None
-            self.checkpointer.memory.load_tensors(loaded["memory"])
+            assert core.checkpointer.memory is not None
+            core.checkpointer.memory.load_tensors(loaded["memory"])
         elif "sharded" in loaded:  # in place, every rank its part (torch.distributed.checkpoint)
             from spikewatch.trainer.checkpoints.sharded import load_sharded
 
-            load_sharded(self.model, self.optimizer, loaded["sharded"], self.world)
+            load_sharded(core.model, core.optimizer, loaded["sharded"], core.world)
         elif loaded.get("in_place"):  # a framework's own checkpointer loaded it already
             pass
         else:
-            self.model.load_state_dict(loaded["model.pt"])
-            self.optimizer.load_state_dict(join_optimizer(loaded))
-        if self.scheduler is not None and "scheduler.pt" in loaded:
-            self.scheduler.load_state_dict(loaded["scheduler.pt"])
+            core.model.load_state_dict(loaded["model.pt"])
+            core.optimizer.load_state_dict(join_optimizer(loaded))
+        if core.scheduler is not None and "scheduler.pt" in loaded:
+            core.scheduler.load_state_dict(loaded["scheduler.pt"])
         # the RNGs: a resume takes them back (bitwise equal to the uninterrupted run); so does a
         # rollback of a client that draws any batch again from its index (data "rewind"). With
         # data flowing forward (the Watch), a rollback leaves them going: a loop that samples
         # with the global RNG (nanoGPT's random windows) would otherwise draw again the very
         # batches the rollback skips
-        if "rng.pt" in loaded and (resume or self.data_flow == "rewind"):
+        if "rng.pt" in loaded and (resume or core.data_flow == "rewind"):
             set_rng_states(loaded["rng.pt"], state["rng"])
         if resume:
-            self.run.stream_saved = loaded.get("data.pt")  # until the loop's loader is met
+            core.run.stream_saved = loaded.get("data.pt")  # until the loop's loader is met
             last = loaded.get("meta", {}).get("loss")
-            self.run.resumed_loss = math.nan if last is None else float(last)
+            core.run.resumed_loss = math.nan if last is None else float(last)
         self.load_state_dict(state, resume=resume)
 
     def load_state_dict(self, state: Mapping[str, Any], *, resume: bool = True) -> None:
         """Counters and records from `trainer.json` (or a framework's copy of it). A resume takes
         everything back; a rollback keeps what the run has learned since (interventions, skip
         ranges, LR scale, callback states) and, with forward data flow, the data position."""
-        run = self.run
+        core = self.core
+        run = core.run
         run.step, run.tokens = int(state["step"]), int(state.get("tokens", 0))
-        self.probes.state_moved = state.get("state_moved")  # taken past the same checkpoint
-        if self.same_step is not None and state.get("same_step") is not None:
-            self.same_step.load_state_dict(state["same_step"])
+        core.probes.state_moved = state.get("state_moved")  # taken past the same checkpoint
+        if core.same_step is not None and state.get("same_step") is not None:
+            core.same_step.load_state_dict(state["same_step"])
         restored = DataState.from_dict(state["data_state"])
         if resume:
             run.run_id = str(state["run_id"])
@@ -500,14 +489,14 @@ class Checkpointed:
             run.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
             run.halted = state.get("halted")
             saved = state["callbacks"]
-            for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
+            for key, cb in zip(callback_keys(core.callbacks), core.callbacks, strict=True):
                 if key in saved:
                     cb.load_state_dict(saved[key])
         else:
             saved = state.get("callbacks") or {}
-            for key, cb in zip(callback_keys(self.callbacks), self.callbacks, strict=True):
+            for key, cb in zip(callback_keys(core.callbacks), core.callbacks, strict=True):
                 cb.on_restore(run.step, saved.get(key) or {})
-            if self.data_flow == "rewind":
+            if core.data_flow == "rewind":
                 ranges = sorted(set(restored.skip_ranges) | set(run.data.skip_ranges))
                 run.data = DataState(
                     restored.batch_index, ranges, restored.blocked | run.data.blocked

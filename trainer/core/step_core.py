@@ -38,13 +38,16 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.strict_json import write_json
+from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.memory import AUTO_BUDGET, AUTO_STEPS
+from spikewatch.trainer.checkpoints.staging import Stager
 from spikewatch.trainer.checkpoints.tiers import DISK, Tiers
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate
 from spikewatch.trainer.core.attribution import Measure
@@ -57,7 +60,7 @@ from spikewatch.trainer.core.callbacks import (
 )
 from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
 from spikewatch.trainer.core.probes import Probes
-from spikewatch.trainer.core.restore import Checkpointed, Replay, Swap
+from spikewatch.trainer.core.restore import Replay, Restorer, Swap
 from spikewatch.trainer.core.same_step import SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
@@ -113,10 +116,10 @@ class _Read:
 
 
 @dataclass
-class StepCore(Checkpointed):
+class StepCore:
     """Everything one step needs and every client shares. Built once, by core/setup.py's
     `open_core` for either client; the dataclass only assigns. Rollback, restore, resume and
-    the snapshot schema are `Checkpointed`'s (core/restore.py)."""
+    the snapshot schema are its `Restorer`'s (core/restore.py), which it holds."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -133,8 +136,6 @@ class StepCore(Checkpointed):
     measure_rows: Measure | None = None  # the client's per-row measure, for attribution
     skip_samples: bool = False  # the client leaves single rows out: a rollback skips just those
     swap: Swap | None = None  # the client computes another rank's rows (the device check)
-    _replayed_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    _swapped_ranks: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     max_steps: int | None = None
     stall: StallConfig | None = None  # the stall watchdog's settings (None: no watchdog)
     watchdog: Watchdog | None = None  # running from `start` to `settle`
@@ -145,7 +146,6 @@ class StepCore(Checkpointed):
     metric_names: set[str] = field(default_factory=set)
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     resume_line: str | None = None  # a resume's one line, said at the start (`_say_resume`)
-    _proof_off: bool = False  # a rollback's replay proved nothing in this run (restore.py)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
     late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
     _late: _Read | None = None  # the step whose values are read at the next step's end
@@ -164,6 +164,7 @@ class StepCore(Checkpointed):
 
     def __post_init__(self) -> None:
         self.callbacks = sorted(self.callbacks, key=lambda c: -c.priority)
+        self.restorer = Restorer(self)
         self._stepper = factor_optimizer(self.optimizer)
         before = [type(cb).__name__ for cb in self.callbacks if decides_before_update(cb)]
         mine = self._stepper is None or bool(before)
@@ -541,6 +542,26 @@ class StepCore(Checkpointed):
         elif isinstance(action, Halt):
             self.outcome = HALTED
         return self.outcome
+
+    # -- its checkpoints: the Restorer's (core/restore.py) ---------------------------------------
+    def rollback(self, action: Rollback) -> None:
+        """Carry out a rollback the step's callbacks decided and every rank agreed on."""
+        self.restorer.rollback(action)
+
+    def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
+        return self.restorer.resume(check)
+
+    def state_dict(self, decided: bool = True) -> dict[str, Any]:
+        return self.restorer.state_dict(decided)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resume: bool = True) -> None:
+        self.restorer.load_state_dict(state, resume=resume)
+
+    def snapshot(self, stage: Stager | None, *, decided: bool = True) -> Snapshot:
+        return self.restorer.snapshot(stage, decided=decided)
+
+    def restore(self, loaded: dict[str, Any], *, resume: bool) -> None:
+        self.restorer.restore(loaded, resume=resume)
 
     def request_stop(self) -> None:
         """From a signal handler: stop after this step. Under torchrun the request rides the
