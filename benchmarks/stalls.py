@@ -18,8 +18,8 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   slow, the job at its pace): one slowdown naming rank 1 (`stall_script.py OUT straggle`).
 - false alarms (`--false-alarms`): the demo and the four examples as a user runs them (their
   default sizes and steps, the examples with their poisoned region at batch 200 as their
-  docstrings run them: checkpoints, evaluations and a rollback), each in a process of its own with the default stall settings: stall and
-  slowdown events must be 0.
+  docstrings run them: checkpoints, evaluations and a rollback), each in a process of its
+  own with the default stall settings: stall and slowdown events must be 0.
 - watchdog cost (`--cost`): the plain-loop example at the demo's size (2 x 128) in this process;
   the watchdog's own time (the loop thread's `beat` and `mark`, the thread's wakes) over the
   loop's time: budget 0.2% of a step.

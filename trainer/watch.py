@@ -89,14 +89,14 @@ from spikewatch.trainer.watch_open import (
     sigterm_as_ctrl_c,
     watch_for_uncaught,
 )
-from spikewatch.trainer.watch_replay import Replaying
+from spikewatch.trainer.watch_replay import Replays
 
 __all__ = ["APPLIED", "HALTED", "REFUSED", "ROLLED_BACK", "SKIPPED_BATCH", "Watch"]
 
 log = logging.getLogger(__name__)
 
 
-class Watch(Replaying):
+class Watch:
     """Probes, spike guard, retained checkpoints and rollback for the user's own training.
 
     `with Watch(model, optimizer, scheduler) as watch:` is enough: the run goes to the store
@@ -169,11 +169,7 @@ class Watch(Replaying):
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loop_clip: LoopClip | None = None  # the loop's own clip, once routed
         self._undo_clip: Callable[[], None] | None = None
-        self._loss_fn: Callable[[Any], torch.Tensor] | None = None
-        self._run_step: Callable[[int], None] | None = None
-        self._batch_at: Callable[[int], Any] | None = None
-        self._decode: Callable[[list[int]], str] | None = None
-        self._row_backward = True
+        self.replays = Replays(self)  # a spike's batches again, for its cause and its rows
         self._accumulate = 1
         self._counter_told = self._attn_told = False
         self._loader: LoaderStream | None = None  # the loop's loader, once `batches` has it
@@ -292,6 +288,27 @@ class Watch(Replaying):
             self.cfg.max_steps is not None and core.step_count >= self.cfg.max_steps
         )
 
+    # -- batches it can draw again: a spike's replay and its rows (trainer/watch_replay.py) --
+    def replay_with(self, run_step: Callable[[int], None]) -> None:
+        """For a framework that runs its own micro-batches: `run_step(index)` runs the forwards
+        and backwards of the batch at data position `index` again (each loss through
+        `observe_loss`), so that a rollback tells a spike's cause by replaying it; it raises
+        `NotAtHand` for a batch it no longer holds."""
+        self.replays.replay_with(run_step)
+
+    def attribute_with(
+        self,
+        batch_at: Callable[[int], Any],
+        loss_fn: Callable[[Any], torch.Tensor],
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        drop: bool = False,
+    ) -> None:
+        """Name the rows behind a spike at each rollback: `loss_fn` on each row of
+        `batch_at(index)` on the restored weights. `drop`: the client leaves the named rows out
+        of their batches (else the rollback skips whole batches)."""
+        self.replays.attribute_with(batch_at, loss_fn, decode, drop=drop)
+
     # -- the user's loop ------------------------------------------------------------------
     def batches(
         self,
@@ -340,9 +357,10 @@ class Watch(Replaying):
 
             batch_at = share
 
-        self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
+        replays = self.replays
+        replays.batch_at, replays.loss_fn, replays.decode = batch_at, loss_fn, decode
         if loss_fn is not None:
-            self._classify(swap=True)
+            replays.classify(swap=True)
             # one process: the named rows are dropped from their batches (under torchrun a
             # rank could be left with none, so whole batches are skipped there)
             self.attribute_with(batch_at, loss_fn, decode, drop=not core.world.distributed)
@@ -401,7 +419,7 @@ class Watch(Replaying):
             # fed but for their named rows); the rows the rollback names are still recorded
             self.attribute_with(stream.batch_at, loss_fn, decode, drop=False)
             # each rank holds its own batches: a swap gathers them (one batch a step)
-            self._classify(swap=accumulate == 1)
+            self.replays.classify(swap=accumulate == 1)
         while not self.should_stop:
             core.start()
             core.save_if_due()  # the loader stands at the data position: a checkpoint agrees

@@ -23,62 +23,40 @@ from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.transfer import StepTensors
 
 if TYPE_CHECKING:
-    from spikewatch.trainer.config import WatchSettings
-    from spikewatch.trainer.core.guard import SpikeGuard
-    from spikewatch.trainer.core.step_core import StepCore
-    from spikewatch.trainer.model.attn_max import AttnMax
-    from spikewatch.trainer.watch_amp import Scaling
+    from spikewatch.trainer.watch import Watch
 
-__all__ = ["Replaying"]
+__all__ = ["Replays"]
 
 
-class Replaying:
-    """The Watch's replays and row attribution (a mixin: the Watch holds the state)."""
+class Replays:
+    """The Watch's replays and row attribution: an object the Watch holds (`watch.replays`),
+    with the batches it was given; the step it replays is the Watch's own (its losses, its
+    tensors, its update)."""
 
-    cfg: WatchSettings
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    attn: AttnMax
-    amp: Scaling
-    _batch_at: Callable[[int], Any] | None
-    _loss_fn: Callable[[Any], torch.Tensor] | None
-    _decode: Callable[[list[int]], str] | None
-    _run_step: Callable[[int], None] | None
-    _row_backward: bool
-    _accumulate: int  # micro-batches a step of `batches(loader, accumulate=k)`, whose
-    # backward the loop divides by k (accelerate's does)
-    _inner_step: Callable[..., Any] | None
-    _loss_sum: torch.Tensor | None
-    _loss_n: int
-    _loss_share: torch.Tensor | None
-    _lr_scale: float
-
-    if TYPE_CHECKING:
-
-        @property
-        def _c(self) -> StepCore: ...
-        @property
-        def guard(self) -> SpikeGuard | None: ...
-        def observe_loss(self, loss: torch.Tensor, *, share: bool = False) -> None: ...
-        def _tensors(self, scaled: bool = True) -> StepTensors: ...
-        def apply(self, optimizer_step: Callable[[], Any]) -> None: ...
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.batch_at: Callable[[int], Any] | None = None
+        self.loss_fn: Callable[[Any], torch.Tensor] | None = None
+        self.decode: Callable[[list[int]], str] | None = None
+        self.run_step: Callable[[int], None] | None = None
+        self.row_backward = True
 
     def replay_with(self, run_step: Callable[[int], None]) -> None:
         """For a framework that runs its own micro-batches: `run_step(index)` runs the forwards
         and backwards of the batch at data position `index` again (each loss through
         `observe_loss`, as in training), so that a rollback tells a spike's cause by replaying
         it (guard.classify_cause); it raises `NotAtHand` for a batch it no longer holds."""
-        self._run_step = run_step
-        self._classify(swap=False)
+        self.run_step = run_step
+        self.classify(swap=False)
 
-    def _classify(self, *, swap: bool) -> None:
-        core = self._c
-        if not self.cfg.guard.classify_cause:
+    def classify(self, *, swap: bool) -> None:
+        w = self.watch
+        core = w._c
+        if not w.cfg.guard.classify_cause:
             return
         core.replay = self._replay  # on every rank: a replay's collectives need them all
         core.swap = self._swap if swap and core.world.distributed else None
-        guard = self.guard  # rank 0's
+        guard = w.guard  # rank 0's
         if guard is not None:
             guard.classify = True
 
@@ -86,45 +64,45 @@ class Replaying:
         """For the cause of a spike (the core's replay): batch `index` again, through the
         client's `run_step` or the user's `loss_fn`, its update applied only if the core finds
         it finite."""
-        self._loss_sum, self._loss_n, self._loss_share = None, 0, None
-        self.attn.active = False
-        with self._c.world.replay_sync(self.model):
-            if self._run_step is not None:
-                self._run_step(index)
+        w = self.watch
+        w._loss_sum, w._loss_n, w._loss_share = None, 0, None
+        w.attn.active = False
+        with w._c.world.replay_sync(w.model):
+            if self.run_step is not None:
+                self.run_step(index)
             else:
-                assert self._batch_at is not None and self._loss_fn is not None
-                batch = self._batch_at(index)  # a step's micro-batches, or its batch
+                assert self.batch_at is not None and self.loss_fn is not None
+                batch = self.batch_at(index)  # a step's micro-batches, or its batch
                 parts = batch if isinstance(batch, MicroBatches) else [batch]
                 for part in parts:
-                    loss = self._loss_fn(part)
+                    loss = self.loss_fn(part)
                     # unscaled under fp16 too: a replay leaves the GradScaler alone
-                    (loss / self._accumulate if self._accumulate > 1 else loss).backward()
-                    self.observe_loss(loss)
-        t = self._tensors(scaled=False)
-        self._lr_scale = self._c.run.lr_scale
+                    (loss / w._accumulate if w._accumulate > 1 else loss).backward()
+                    w.observe_loss(loss)
+        t = w._tensors(scaled=False)
+        w._lr_scale = w._c.run.lr_scale
         # the optimizer's own step (not accelerate's, which would step the scaler)
-        raw = (
-            self.amp.optimizer.step if self.amp.in_step else self._inner_step or self.optimizer.step
-        )
+        raw = w.amp.optimizer.step if w.amp.in_step else w._inner_step or w.optimizer.step
 
         def update() -> None:
-            self.apply(raw)
-            if self.scheduler is not None:
-                self.scheduler.step()
+            w.apply(raw)
+            if w.scheduler is not None:
+                w.scheduler.step()
 
         return t, update
 
     def _swap(self, step: int, index: int) -> torch.Tensor:
         """For the device check of a spike (core/cause.py): the next rank's batch `index`
         through the user's `loss_fn` here, forward only (the batches travel on the host)."""
-        assert self._batch_at is not None and self._loss_fn is not None
-        world = self._c.world
-        everyone = world.all_objects(to_host(self._batch_at(index), None))
-        theirs = moved(everyone[(world.rank + 1) % world.size], self._c.probes.device)
-        self.attn.active = False
+        w = self.watch
+        assert self.batch_at is not None and self.loss_fn is not None
+        world = w._c.world
+        everyone = world.all_objects(to_host(self.batch_at(index), None))
+        theirs = moved(everyone[(world.rank + 1) % world.size], w._c.probes.device)
+        w.attn.active = False
         with torch.no_grad():
-            loss = self._loss_fn(theirs).detach().float()
-        world.reshard(self.model)
+            loss = self.loss_fn(theirs).detach().float()
+        world.reshard(w.model)
         return loss
 
     def attribute_with(
@@ -139,26 +117,28 @@ class Replaying:
         on each row of `batch_at(index)` (a batch, `MicroBatches`, or None: not at hand) on
         the restored weights. `drop`: the client leaves the named rows out of their batches
         (else the rollback skips whole batches)."""
-        core = self._c
-        self._batch_at, self._loss_fn, self._decode = batch_at, loss_fn, decode
-        self._row_backward = core.world.strategy != "fsdp2"  # shards: the rows' losses only
-        if self.cfg.guard.attribute_samples:
+        w = self.watch
+        core = w._c
+        self.batch_at, self.loss_fn, self.decode = batch_at, loss_fn, decode
+        self.row_backward = core.world.strategy != "fsdp2"  # shards: the rows' losses only
+        if w.cfg.guard.attribute_samples:
             core.measure_rows = self._measure_rows
-            core.skip_samples = self.cfg.guard.skip_samples and drop
+            core.skip_samples = w.cfg.guard.skip_samples and drop
 
     def _measure_rows(self, index: int) -> list[RowStat]:
         """For the attribution of a spike (the core's): this rank's rows of batch `index`."""
-        assert self._batch_at is not None and self._loss_fn is not None
-        core = self._c
+        w = self.watch
+        assert self.batch_at is not None and self.loss_fn is not None
+        core = w._c
         try:
-            fed = self._batch_at(index)
+            fed = self.batch_at(index)
         except NotAtHand:  # a loader's batch no longer held: its rows are not measured
             fed = None
         return measure_rows(
             index,
             fed,
-            self._loss_fn,
-            core.probes.params if self._row_backward else None,
+            self.loss_fn,
+            core.probes.params if self.row_backward else None,
             core.world.rank,
-            self._decode,
+            self.decode,
         )
