@@ -204,7 +204,7 @@ def _switch(watch, variant: str) -> None:  # noqa: ANN001
         memory.interval = 25 if flags.get("memory") else 10**9
     core = watch.core
     core.drain()  # the step read late, before the order changes
-    core.late = not flags.get("same_step") and core.probes.device.type == "cuda"
+    core.reads_late = not flags.get("same_step") and core.probes.device.type == "cuda"
 
 
 def mfu_check(smoke: bool) -> dict:

@@ -352,3 +352,8 @@ def test_a_stall_under_torchrun_names_the_rank_the_others_wait_for(tmp_path) -> 
     assert stall.data["behind"] == [1]
     assert stall.data["ranks"] == {"0": [31, 1], "1": [30, 0]}  # rank 0 has its batch
     assert "rank 1 behind (step 30 ended; the others at step 31, batch in hand)" in stall.message
+    # the collective rank 0 waits in, from torch's flight recorder: an all-reduce of step 31
+    # (DDP's gradients, or the step's values) that rank 1 has not reached
+    (inflight,) = stall.data["collectives_in_flight"]
+    assert inflight["op"] == "gloo:all_reduce" and inflight["process_group"] == "default_pg"
+    assert f"in flight on rank 0: gloo:all_reduce #{inflight['seq']} on default_pg" in stall.message

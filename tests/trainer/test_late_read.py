@@ -122,7 +122,7 @@ def test_the_builtin_trainer_reads_a_step_late_and_ends_where_the_same_step_read
 ) -> None:
     late, tr_late = _builtin(tmp_path, "next_step", monkeypatch)
     now, tr_now = _builtin(tmp_path, "same_step", monkeypatch)
-    assert tr_late.core.late and not tr_now.core.late
+    assert tr_late.core.reads_late and not tr_now.core.reads_late
     late.check_late(160)
     assert all(born == step for step, born, _ in now.reads)  # the contrast: its own step
     a, b = _rollbacks(tr_late.core.summary()), _rollbacks(tr_now.core.summary())
@@ -167,7 +167,7 @@ def test_a_watched_loop_reads_a_step_late_and_ends_where_the_same_step_read_does
 ) -> None:
     late, w_late, m_late = _watched(tmp_path, "next_step", monkeypatch, fused)
     now, w_now, m_now = _watched(tmp_path, "same_step", monkeypatch, fused)
-    assert w_late.core.late and not w_now.core.late
+    assert w_late.core.reads_late and not w_now.core.reads_late
     late.check_late(150)
     assert all(born == step for step, born, _ in now.reads)
     a, b = _rollbacks(w_late.core.summary()), _rollbacks(w_now.core.summary())
@@ -351,7 +351,7 @@ def test_a_resume_from_a_file_written_in_flight_ends_as_the_uninterrupted_run(tm
     extra = ["probes.read=next_step", "checkpoint.interval=5", "checkpoint.async_save=true",
              "checkpoint.memory_interval=null", "train.max_steps=16"]  # fmt: skip
     straight = build_trainer(tiny_config(*extra), run_dir=tmp_path / "straight")
-    assert straight.core.late
+    assert straight.core.reads_late
     straight.fit()
     cut = build_trainer(tiny_config(*extra), run_dir=tmp_path / "cut")
     cut.fit()

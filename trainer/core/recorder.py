@@ -21,7 +21,7 @@ from spikewatch.observatory.store.sink import BaseSink
 from spikewatch.observatory.strict_json import tagged
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Note, Rollback
 from spikewatch.trainer.core.callbacks import Callback, EvalState, FitState, StepState
-from spikewatch.trainer.core.watchdog import ranks_said
+from spikewatch.trainer.core.watchdog import collectives_said, ranks_said
 from spikewatch.trainer.core.world import say
 
 __all__ = ["Recorder"]
@@ -197,6 +197,8 @@ class Recorder(Callback):
         if info.get("ranks"):  # under torchrun: who the others wait for
             progress = {int(r): (p[0], p[1]) for r, p in info["ranks"].items()}
             message += "; " + ranks_said(progress, list(info.get("behind") or []))
+        if info.get("collectives_in_flight"):  # rank 0's, from torch's flight recorder
+            message += "; in flight on rank 0: " + collectives_said(info["collectives_in_flight"])
         self.sink.log_event(self.run_id, "stall", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 

@@ -147,8 +147,8 @@ class StepCore:
     config_changes: dict[str, list[Any]] = field(default_factory=dict)
     resume_line: str | None = None  # a resume's one line, said at the start (`_say_resume`)
     host_path: bool = False  # read before the update (set from optimizer and callbacks)
-    late: bool = False  # read a step's values at the next step's end (probes.read, GPU default)
-    _late: _Read | None = None  # the step whose values are read at the next step's end
+    reads_late: bool = False  # a step's values read at the next step's end (probes.read, GPU)
+    _in_flight: _Read | None = None  # the step read late: its values read at the next step's end
     _unapplied: set[int] = field(default_factory=set)  # late: steps the device refused
     _awaiting: int | None = None  # late: a host-memory snapshot of the step still in flight
     _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
@@ -172,8 +172,8 @@ class StepCore:
         self.host_path = -self.world.min_int(-int(mine)) > 0
         read = self.probes.cfg.read
         cuda = self.probes.device.type == "cuda"
-        self.late = not self.host_path and (read == "next_step" or (read == "auto" and cuda))
-        if self.late and hasattr(self._stepper, "unsettled_allowed"):
+        self.reads_late = not self.host_path and (read == "next_step" or (read == "auto" and cuda))
+        if self.reads_late and hasattr(self._stepper, "unsettled_allowed"):
             self._stepper.unsettled_allowed = 1  # type: ignore[union-attr]
         if self.host_path:
             why = (
@@ -303,7 +303,7 @@ class StepCore:
         if self.watchdog is not None:  # at the step's reductions (others may wait here)
             self.watchdog.mark(step, GATED)
         t = self.world.reduce(t, stop=self.stop_asked)
-        ahead = self._late.tier if self._late is not None else None
+        ahead = self._in_flight.tier if self._in_flight is not None else None
         if self.same_step is not None and ahead is not None:  # the step before is on the device
             factor = self.same_step.factor_after(t.loss, t.grad_norm, ahead)
         else:
@@ -325,10 +325,10 @@ class StepCore:
         late_step = None if pending is None else pending.step
         tokens = self.run.tokens + ntok
         self._step_tokens = ntok  # the pace's unit (the watchdog's, at `conclude`)
-        tier = (t.loss, t.grad_norm, factor, t.overflow) if self.late else None
+        tier = (t.loss, t.grad_norm, factor, t.overflow) if self.reads_late else None
         self._read = _Read(xfer, late_step, lr, ntok, step, self.run.index, tokens, tier)
         if self.host_path:
-            self._agree(self._take_read(self._taken()))
+            self._agree(self._take_read(self._this_read()))
             if self.outcome != APPLIED:
                 return Gate(False)
             self._before_update(step)
@@ -345,7 +345,8 @@ class StepCore:
         self.probes.stagger_state(step, due)  # not a state step and a snapshot on one step
         self.probes.before_update(step)
 
-    def _taken(self) -> _Read:
+    def _this_read(self) -> _Read:
+        """The read this step's `gate` enqueued, taken (each is read once)."""
         read, self._read = self._read, None
         assert read is not None, "gate() was not called this step"
         return read
@@ -443,17 +444,17 @@ class StepCore:
         this one, are read, decided on and recorded instead, and a rollback or halt they call
         for happens now, at this step's end. The device refused this step's update itself if
         it had to (the step factor); it returns 'applied' until its values are read."""
-        if self.late and self._read is not None:
-            read = self._taken()
+        if self.reads_late and self._read is not None:
+            read = self._this_read()
             self.probes.after_update(read.step, True)  # dropped if the device refused it
             self.optimizer.zero_grad(set_to_none=True)
             self.run.step, self.run.tokens = read.step, read.tokens
             self._steps_timed += 1
-            earlier, self._late = self._late, read
+            earlier, self._in_flight = self._in_flight, read
             self.outcome = APPLIED
             return APPLIED if earlier is None else self._conclude_read(earlier)
         if self._read is not None:
-            self._agree(self._take_read(self._taken()))
+            self._agree(self._take_read(self._this_read()))
         state, action, self._state = self._state, self._action, None
         if state is None or self.outcome == SKIPPED_BATCH:
             return self.outcome
@@ -477,7 +478,7 @@ class StepCore:
         if not self._applied:
             self._unapplied.add(state.step)  # its update statistics are not emitted
         self._unapplied = {s for s in self._unapplied if s >= state.step - 2}
-        if isinstance(action, Rollback) and self._late is not None:
+        if isinstance(action, Rollback) and self._in_flight is not None:
             self._record_abandoned(state, action)
             self._awaiting = None  # newer than any rollback target: dropped with its branch
             return self.outcome
@@ -505,21 +506,19 @@ class StepCore:
         then the step in flight's (its values on the branch the rollback leaves: recorded, not
         decided on; its update settled as the device did it), then the rollback."""
         self._record(state, action, False, act=False)
-        read, self._late = self._late, None
+        read, self._in_flight = self._in_flight, None
         assert read is not None and self._stepper is not None
         after = self._take_read(read)
         self._stepper.settle(not (after.nonfinite or after.refused_by or after.overflow))
         self.probes.discard_pending()  # the abandoned step's update statistics
         self._record(after, Continue(), False, act=False)
-        with self.paused():  # a restore (and its replay) is no stall
-            self.rollback(action)
-        self.outcome = ROLLED_BACK
+        self.rollback(action)
 
     def drain(self) -> str:
         """Read late: the step in flight is read, decided on and recorded now (one wait for
         its copy), as at a checkpoint and at the end of a run. Returns what it came to
         ('applied' when nothing was in flight)."""
-        read, self._late = self._late, None
+        read, self._in_flight = self._in_flight, None
         if read is None:
             return APPLIED
         self.outcome = APPLIED
@@ -536,17 +535,19 @@ class StepCore:
         if not act:
             return self.outcome
         if isinstance(action, Rollback):
-            with self.paused():  # a restore (and its replay) is no stall
-                self.rollback(action)
-            self.outcome = ROLLED_BACK
+            self.rollback(action)
         elif isinstance(action, Halt):
             self.outcome = HALTED
         return self.outcome
 
     # -- its checkpoints: the Restorer's (core/restore.py) ---------------------------------------
     def rollback(self, action: Rollback) -> None:
-        """Carry out a rollback the step's callbacks decided and every rank agreed on."""
-        self.restorer.rollback(action)
+        """The one place a rollback is carried out: a rollback the step's callbacks decided and
+        every rank agreed on, once the step's record is made (`_record`, or `_record_abandoned`
+        for one decided from a step read late)."""
+        with self.paused():  # a restore (and its replay) is no stall
+            self.restorer.rollback(action)
+        self.outcome = ROLLED_BACK
 
     def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
         return self.restorer.resume(check)
@@ -603,12 +604,12 @@ class StepCore:
         """Save the current step if the schedule says so; True when it did."""
         ck = self.checkpointer
         due = ck.due(self.step_count, self.seconds_per_step) if ck.enabled else []
-        if DISK in due and self._late is not None and not ck.disk.awaits:
+        if DISK in due and self._in_flight is not None and not ck.disk.awaits:
             # a file holds only steps read and decided: a synchronous or sharded save drains
             self.probes.start_pending()  # their copy enqueued first: the drain's wait covers it
             self.drain()
             due = ck.due(self.step_count, self.seconds_per_step)
-        if due and self._late is not None and self._awaiting is None:
+        if due and self._in_flight is not None and self._awaiting is None:
             # the step in flight: no wait. Its decided state completes the snapshot when the
             # step is read (host memory keeps it as a target, the disk tier writes it), or
             # the snapshot goes if the step was refused. A file's update statistics are
@@ -617,7 +618,7 @@ class StepCore:
                 self.probes.start_pending()
             self.save(due, awaiting=True)
             return True
-        if due and self._late is None:
+        if due and self._in_flight is None:
             self.save(due)
             return True
         ck.report(self.callbacks)  # an asynchronous save that landed meanwhile

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import json
 import logging
 import os
 import statistics
@@ -190,6 +191,47 @@ def ranks_said(progress: dict[int, tuple[int, int]], late: list[int]) -> str:
 def _at(p: tuple[int, int]) -> str:
     step, phase = p
     return f"step {step} ended" if phase == ENDED else f"step {step}, {PHASES[phase]}"
+
+
+def collectives_in_flight() -> list[dict[str, Any]]:
+    """This rank's collectives enqueued and not completed, from torch's flight recorder (its
+    ring of recent collectives, gloo's and NCCL's, kept by default; sized with
+    TORCH_FR_BUFFER_SIZE): for each process group with one in flight, the oldest (the one this
+    rank waits in), its op, its sequence number and its inputs' sizes. Empty where
+    torch.distributed is not up or the recorder cannot be read. Read from the watchdog's
+    thread while the loop thread may be inside that very collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+        dump = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=True))
+        out = []
+        for pg, status in (dump.get("pg_status") or {}).items():
+            done = int(status.get("last_completed_collective", -1))
+            if int(status.get("last_enqueued_collective", -1)) <= done:
+                continue
+            for e in dump.get("entries") or []:
+                group = e.get("process_group") or [pg, ""]
+                if str(group[0]) == str(pg) and int(e.get("collective_seq_id", -1)) == done + 1:
+                    out.append({
+                        "op": e.get("profiling_name"),
+                        "process_group": group[1] or str(group[0]),
+                        "seq": done + 1,
+                        "input_sizes": e.get("input_sizes"),
+                    })  # fmt: skip
+                    break
+        return out
+    except Exception as e:  # a torch without the recorder, or a dump it cannot make now
+        log.debug("the flight recorder could not be read: %s", e)
+        return []
+
+
+def collectives_said(inflight: list[dict[str, Any]]) -> str:
+    """`collectives_in_flight` in a few words: "gloo:all_reduce #31 on default_pg"."""
+    return ", ".join(f"{c['op']} #{c['seq']} on {c['process_group']}" for c in inflight)
 
 
 def thread_stacks(skip: int | None = None) -> dict[str, str]:
@@ -448,6 +490,10 @@ class Watchdog:
                 info["ranks"] = {str(r): list(p) for r, p in sorted(progress.items())}
                 info["behind"] = behind(progress)
                 where = "; " + ranks_said(progress, info["behind"])
+            inflight = collectives_in_flight()
+            if inflight:  # what this rank waits in, where torch's flight recorder tells
+                info["collectives_in_flight"] = inflight
+                where += "; in flight here: " + collectives_said(inflight)
         log.warning(
             "stall: no step has ended for %.1f s (bound %.1f s, %.0fx the median step) after "
             "step %d%s; the loop is at:\n%s", idle, bound, self.cfg.factor, self.step, where,
