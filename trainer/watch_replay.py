@@ -13,7 +13,7 @@ A client gives the batches one of two ways:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,9 +23,41 @@ from spikewatch.trainer.core.cause import NotAtHand
 from spikewatch.trainer.core.transfer import StepTensors
 
 if TYPE_CHECKING:
-    from spikewatch.trainer.watch import Watch
+    from spikewatch.trainer.config import WatchSettings
+    from spikewatch.trainer.core.guard import SpikeGuard
+    from spikewatch.trainer.core.step_core import StepCore
+    from spikewatch.trainer.model.attn_max import AttnMax
+    from spikewatch.trainer.watch_amp import Scaling
 
-__all__ = ["Replays"]
+__all__ = ["Replayed", "Replays"]
+
+
+class Replayed(Protocol):
+    """What the replays read and write of the Watch that holds them (checked where the Watch
+    makes its `Replays`; named here as an interface, since watch.py imports this): a replay is
+    the Watch's own step again."""
+
+    cfg: WatchSettings
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    attn: AttnMax
+    amp: Scaling
+    _accumulate: int  # micro-batches a step of `batches(loader, accumulate=k)`, whose
+    # backward the loop divides by k (accelerate's does)
+    _inner_step: Callable[..., Any] | None
+    _loss_sum: torch.Tensor | None
+    _loss_n: int
+    _loss_share: torch.Tensor | None
+    _lr_scale: float
+
+    @property
+    def _c(self) -> StepCore: ...
+    @property
+    def guard(self) -> SpikeGuard | None: ...
+    def observe_loss(self, loss: torch.Tensor | float, *, share: bool = False) -> None: ...
+    def _tensors(self, scaled: bool = True) -> StepTensors: ...
+    def apply(self, optimizer_step: Callable[[], Any]) -> None: ...
 
 
 class Replays:
@@ -33,7 +65,7 @@ class Replays:
     with the batches it was given; the step it replays is the Watch's own (its losses, its
     tensors, its update)."""
 
-    def __init__(self, watch: Watch) -> None:
+    def __init__(self, watch: Replayed) -> None:
         self.watch = watch
         self.batch_at: Callable[[int], Any] | None = None
         self.loss_fn: Callable[[Any], torch.Tensor] | None = None

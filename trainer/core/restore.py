@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -26,7 +26,7 @@ from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.staging import NoTensors, Stager, to_host
 from spikewatch.trainer.checkpoints.tiers import MEMORY
 from spikewatch.trainer.core.actions import Rollback
-from spikewatch.trainer.core.attribution import attribute
+from spikewatch.trainer.core.attribution import Measure, attribute
 from spikewatch.trainer.core.cause import NotAtHand, cause_of, device_of
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.decide import rescale
@@ -40,10 +40,15 @@ from spikewatch.trainer.core.state import (
 )
 
 if TYPE_CHECKING:
-    from spikewatch.trainer.core.step_core import StepCore
+    from spikewatch.trainer.checkpoints.tiers import Tiers
+    from spikewatch.trainer.core.callbacks import Callback
+    from spikewatch.trainer.core.probes import Probes
+    from spikewatch.trainer.core.same_step import SameStepGate
+    from spikewatch.trainer.core.state import RunState
     from spikewatch.trainer.core.transfer import StepTensors
+    from spikewatch.trainer.core.world import World
 
-__all__ = ["Replay", "Restorer", "Swap"]
+__all__ = ["Core", "Replay", "Restorer", "Swap"]
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +65,38 @@ Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
 Swap = Callable[[int, int], torch.Tensor]
 
 
+class Core(Protocol):
+    """What a Restorer reads and writes of the step core that holds it (StepCore, checked
+    where it makes its Restorer; named here as an interface, since step_core imports this)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    probes: Probes
+    checkpointer: Tiers
+    world: World
+    run: RunState
+    callbacks: list[Callback]
+    data_flow: Literal["rewind", "forward"]
+    scheduler: Any
+    same_step: SameStepGate | None
+    replay: Replay | None
+    swap: Swap | None
+    measure_rows: Measure | None
+    skip_samples: bool
+    config_changes: dict[str, list[Any]]
+    resume_line: str | None
+
+    @property
+    def config(self) -> Callable[[], dict[str, Any]]: ...  # the resolved config
+    def save(self, tiers: list[str] | None = None) -> None: ...
+
+
 class Restorer:
     """The step core's checkpoints seen from its side: what a snapshot of the core holds, and
     how the core goes back to one (rollback, resume, a framework's state). StepCore holds one
     (`core.restorer`) and hands it what a rollback needs; the fields it reads are the core's."""
 
-    def __init__(self, core: StepCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
         self.proof_off = False  # a rollback's replay proved nothing in this run: not tried again
         # each rank's replayed losses and the swapped-rows losses of the spike's batches, for
