@@ -166,6 +166,7 @@ class Watch:
         self._began = self._closed = False
         self._undo_sigterm: Callable[[], None] | None = None  # SIGTERM as Ctrl-C, while open
         self._stop_raised = False  # a signal's agreed stop, raised in the loop once
+        self._forward_hook: Any = None  # under torchrun: the forwards timed (the watchdog)
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loop_clip: LoopClip | None = None  # the loop's own clip, once routed
         self._undo_clip: Callable[[], None] | None = None
@@ -184,6 +185,8 @@ class Watch:
             self.core = build_watch_core(self)
             watch_for_uncaught()
             self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size, self.core.request_stop)
+            if self.core.world.size > 1:  # a rank slow in its compute: its forwards timed
+                self._forward_hook = self.model.register_forward_hook(self._forward_ended)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
@@ -247,6 +250,11 @@ class Watch:
     @property
     def halted(self) -> str | None:
         return self.core.halted if self.core is not None else None
+
+    def _forward_ended(self, *_: Any) -> None:
+        watchdog = self.core.watchdog if self.core is not None else None
+        if watchdog is not None:
+            watchdog.forward_ended()
 
     @property
     def stop_agreed(self) -> bool:
@@ -804,6 +812,9 @@ class Watch:
             if self._undo_sigterm is not None:
                 self._undo_sigterm()
                 self._undo_sigterm = None
+            if self._forward_hook is not None:
+                self._forward_hook.remove()
+                self._forward_hook = None
             if self._undo_clip is not None:
                 self._undo_clip()
                 self._undo_clip = None

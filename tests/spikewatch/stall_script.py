@@ -1,7 +1,8 @@
 """Two gloo ranks under torchrun, a DDP model in a Watch loop; rank 1's batch function sleeps
 4 s at step 30 (its loader hangs), so rank 0 waits for it in the step's all-reduce. The stall
 bound is 1 s. Run: torchrun --nproc_per_node=2 stall_script.py OUT. With `straggle` after OUT,
-rank 1's batches take 60 ms each from batch 10 on (a slow loader on one node), for 80 steps."""
+rank 1's batches take 60 ms each from batch 10 on (a slow loader on one node), for 80 steps;
+with `slow_forward`, rank 1's forward takes 60 ms more from step 10 on (a slow device)."""
 
 from __future__ import annotations
 
@@ -23,24 +24,32 @@ def stuck_in_rank_1s_loader(i: int) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     straggle = sys.argv[2:] == ["straggle"]
+    slow_forward = sys.argv[2:] == ["slow_forward"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Embedding(32, 16), torch.nn.Flatten(), torch.nn.Linear(128, 1)
     )
+    if slow_forward and rank == 1:
+
+        def slow_device(module: torch.nn.Module, args: object) -> None:
+            if watch.step_count >= 10:
+                time.sleep(0.06)
+
+        model.register_forward_pre_hook(slow_device)
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_at(i: int) -> torch.Tensor:
         if straggle and i >= 10 and rank == 1:
             time.sleep(0.06)
-        elif i == 30 and rank == 1 and not straggle:
+        elif i == 30 and rank == 1 and not (straggle or slow_forward):
             stuck_in_rank_1s_loader(i)
         return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
 
     settings = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}
-    steps = 80 if straggle else 40
+    steps = 80 if straggle or slow_forward else 40
     with Watch(ddp, opt, max_steps=steps, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
                settings=settings) as watch:  # fmt: skip
         for x in watch.batches(batch_at):

@@ -234,6 +234,37 @@ def test_a_rank_whose_batches_keep_the_others_waiting_is_named_once() -> None:
     assert straggler({0: 0.001}, 1.5, 0.005) is None  # one rank
 
 
+def test_a_rank_slow_in_its_forward_is_named_by_it_when_its_batches_keep_pace() -> None:
+    """Each rank times its forwards (batch in hand to the forward's end, `forward_ended`) and
+    publishes their median: rank 1's take 60 ms where the others take 10, its batches as
+    fast as theirs. Rank 0 names it after three wakes, by its forward, once."""
+    from spikewatch.trainer.core.watchdog import BEGUN, RankBeats
+
+    shared = _Store()
+    clock, told = Clock(), []
+    w = Watchdog(StallConfig(), lambda i: None, lambda i: None, clock=clock,
+                 on_straggler=told.append, ranks=RankBeats(shared, 0, 3))  # fmt: skip
+    w._last = clock()
+    for s in range(1, 17):
+        clock.now += 0.002
+        w.mark(s, BEGUN)
+        clock.now += 0.01
+        w.forward_ended()
+        clock.now += 0.04
+        w.forward_ended()  # a second forward of the step (a micro-batch): not timed
+        w.beat(s)
+    w.publish()
+    assert shared.kv[f"{RankBeats.FORWARD}0"] == b"0.01"
+    for r, forward in ((1, 0.06), (2, 0.011)):
+        RankBeats(shared, r, 3).publish_pace(0.002)
+        RankBeats(shared, r, 3).publish_pace(forward, RankBeats.FORWARD)
+    for _ in range(4):
+        w.judge_ranks()
+    (info,) = told
+    assert (info["rank"], info["slow_in"], info["forward_s"]) == (1, "forward", 0.06)
+    assert info["others_forward_s"] == 0.0105
+
+
 def test_the_ranks_pace_is_read_in_two_store_calls_once_every_rank_has_published() -> None:
     from spikewatch.trainer.core.watchdog import RankBeats
 

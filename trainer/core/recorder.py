@@ -228,11 +228,18 @@ class Recorder(Callback):
                             message=message, data=dict(info))  # fmt: skip
 
     def on_straggler(self, info: Mapping[str, Any]) -> None:
-        message = (
-            f"slowdown: rank {info['rank']} is the straggler, waiting "
-            f"{info['batch_wait_s']:.3g} s a step for its batches against "
-            f"{info['others_batch_wait_s']:.3g} s on the other ranks"
-        )  # a slowdown of the whole job, told with the rank that sets its pace
+        if "forward_s" in info:  # slow in its compute: the others wait for it in backward
+            message = (
+                f"slowdown: rank {info['rank']} is the straggler, its forward taking "
+                f"{info['forward_s']:.3g} s a step against {info['others_forward_s']:.3g} s on "
+                "the other ranks"
+            )
+        else:
+            message = (
+                f"slowdown: rank {info['rank']} is the straggler, waiting "
+                f"{info['batch_wait_s']:.3g} s a step for its batches against "
+                f"{info['others_batch_wait_s']:.3g} s on the other ranks"
+            )  # a slowdown of the whole job, told with the rank that sets its pace
         self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 

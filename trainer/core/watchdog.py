@@ -105,7 +105,7 @@ class RankBeats:
     def __init__(self, store: Any, rank: int, size: int) -> None:
         self.store, self.rank, self.size = store, rank, size
         self._sent: tuple[int, int] | None = None
-        self._pace_sent: str | None = None
+        self._pace_sent: dict[str, str] = {}
 
     @classmethod
     def of_process_group(cls) -> RankBeats | None:
@@ -125,19 +125,20 @@ class RankBeats:
             self.store.set(f"{self.PREFIX}{self.rank}", f"{progress[0]} {progress[1]}")
             self._sent = progress
 
-    PACE = "spikewatch/pace/"
+    PACE = "spikewatch/pace/"  # the median wait for its batches
+    FORWARD = "spikewatch/forward/"  # the median forward (batch in hand to the forward's end)
 
-    def publish_pace(self, data_s: float) -> None:
-        """This rank's recent median wait for its batches (seconds), when it changed."""
-        said = f"{data_s:.4g}"
-        if said != self._pace_sent:
-            self.store.set(f"{self.PACE}{self.rank}", said)
-            self._pace_sent = said
+    def publish_pace(self, seconds: float, kind: str = PACE) -> None:
+        """This rank's recent median of `kind` (seconds), when it changed."""
+        said = f"{seconds:.4g}"
+        if said != self._pace_sent.get(kind):
+            self.store.set(f"{kind}{self.rank}", said)
+            self._pace_sent[kind] = said
 
-    def read_pace(self) -> dict[int, float]:
-        """Every rank's last published batch wait; empty until every rank has published one.
-        Two store calls a wake, however many ranks (a `check` and a `multi_get`)."""
-        keys = [f"{self.PACE}{r}" for r in range(self.size)]
+    def read_pace(self, kind: str = PACE) -> dict[int, float]:
+        """Every rank's last published median of `kind`; empty until every rank has published
+        one. Two store calls a wake, however many ranks (a `check` and a `multi_get`)."""
+        keys = [f"{kind}{r}" for r in range(self.size)]
         if not self.store.check(keys):
             return {}
         many = getattr(self.store, "multi_get", None)
@@ -153,6 +154,10 @@ class RankBeats:
                 step, phase = self.store.get(key).decode().split()
                 out[r] = (int(step), int(phase))
         return out
+
+
+WHAT = {RankBeats.PACE: "its batches", RankBeats.FORWARD: "its forward"}
+SLOW_IN = {RankBeats.PACE: "batches", RankBeats.FORWARD: "forward"}  # the event's `slow_in`
 
 
 def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int, float] | None:
@@ -311,8 +316,12 @@ class Watchdog:
         # under torchrun: this rank's waits for its batches (step end to batch in hand), and
         # on rank 0 the straggler under way and how many wakes in a row found one
         self.data_waits: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        # ... and its forwards (batch in hand to the model's forward's end: no collective in a
+        # DDP forward, so a rank slow in its compute shows there; the others wait in backward)
+        self.forwards: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        self._begun_at: float | None = None
         self._straggler: dict[str, Any] | None = None
-        self._straggling = 0
+        self._straggling = {RankBeats.PACE: 0, RankBeats.FORWARD: 0}
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -365,7 +374,16 @@ class Watchdog:
         both to the other ranks."""
         self.progress = (step, phase)
         if phase == BEGUN and self.ranks is not None and self._last is not None:
-            self.data_waits.append(max(0.0, self.clock() - self._last - self._excluded))
+            now = self.clock()
+            self.data_waits.append(max(0.0, now - self._last - self._excluded))
+            self._begun_at = now
+
+    def forward_ended(self) -> None:
+        """The model's forward ended (a hook, on the loop thread, under torchrun): the step's
+        first one times this rank's compute from its batch in hand."""
+        if self._begun_at is not None:
+            self.forwards.append(self.clock() - self._begun_at)
+            self._begun_at = None
 
     def _pace(self, step: int, took: float, tokens: int | None = None) -> None:
         """The slowdown rule, on the loop thread: the recent steps' median against the run's
@@ -520,49 +538,59 @@ class Watchdog:
             self.ranks.publish(self.progress)
             if len(self.data_waits) == self.data_waits.maxlen:
                 self.ranks.publish_pace(statistics.median(self.data_waits))
+            if len(self.forwards) == self.forwards.maxlen:
+                self.ranks.publish_pace(statistics.median(self.forwards), RankBeats.FORWARD)
         except Exception as e:  # the store went away (the job ends): not the watchdog's end
             log.debug("progress not published: %s", e)
 
     def judge_ranks(self) -> dict[str, Any] | None:
-        """On rank 0, once a wake: a rank whose batches keep the others waiting (its median wait
-        above `slowdown` times the others' and `slowdown_min_s` longer) three wakes running is
-        a straggler, told once (`on_straggler`); within 1.2x again, it may be told anew."""
+        """On rank 0, once a wake: a rank that keeps the others waiting three wakes running is
+        a straggler, told once (`on_straggler`); within 1.2x again, it may be told anew. Slow
+        in its batches (its median wait for them above `slowdown` times the others' and
+        `slowdown_min_s` longer), or else slow in its compute (its median forward so)."""
         factor = self.cfg.slowdown
         if self.ranks is None or self.ranks.rank != 0 or factor is None:
             return None
         try:
-            pace = self.ranks.read_pace()
+            paces = {k: self.ranks.read_pace(k) for k in (RankBeats.PACE, RankBeats.FORWARD)}
         except Exception as e:  # the store: no judgement this wake
             log.debug("the ranks' pace could not be read: %s", e)
             return None
-        found = straggler(pace, factor, self.cfg.slowdown_min_s)
         if self._straggler is not None:
             rank = self._straggler["rank"]
+            kind = next(k for k, v in SLOW_IN.items() if v == self._straggler["slow_in"])
+            pace = paces[kind]
             others = statistics.median(v for r, v in pace.items() if r != rank) if pace else 0.0
             if rank in pace and pace[rank] <= 1.2 * others + self.cfg.slowdown_min_s:
-                log.info("rank %d keeps pace again (batches in %.3g s)", rank, pace[rank])
-                self._straggler, self._straggling = None, 0
+                log.info("rank %d keeps pace again (%s %.3g s)", rank, WHAT[kind], pace[rank])
+                self._straggler = None
+                self._straggling = dict.fromkeys(self._straggling, 0)
             return None
-        self._straggling = self._straggling + 1 if found else 0
-        if found is None or self._straggling < 3:
-            return None
-        rank, others = found
-        step_s = statistics.median(self.durations) if self.durations else None
-        self._straggler = info = {
-            "step": self.step,
-            "straggler": rank,
-            "rank": rank,
-            "batch_wait_s": round(pace[rank], 6),
-            "others_batch_wait_s": round(others, 6),
-            "ratio": round(pace[rank] / others, 3) if others > 0 else None,
-            "median_step_s": None if step_s is None else round(step_s, 6),
-        }
-        log.warning(
-            "straggler: rank %d waits %.3g s a step for its batches, the other ranks %.3g s: the "
-            "job runs at its pace", rank, pace[rank], others,
-        )  # fmt: skip
-        self.on_straggler(info)
-        return info
+        for kind, pace in paces.items():
+            found = straggler(pace, factor, self.cfg.slowdown_min_s)
+            self._straggling[kind] = self._straggling[kind] + 1 if found else 0
+            if found is None or self._straggling[kind] < 3:
+                continue
+            rank, others = found
+            step_s = statistics.median(self.durations) if self.durations else None
+            key = "batch_wait_s" if kind == RankBeats.PACE else "forward_s"
+            self._straggler = info = {
+                "step": self.step,
+                "straggler": rank,
+                "rank": rank,
+                "slow_in": SLOW_IN[kind],
+                key: round(pace[rank], 6),
+                f"others_{key}": round(others, 6),
+                "ratio": round(pace[rank] / others, 3) if others > 0 else None,
+                "median_step_s": None if step_s is None else round(step_s, 6),
+            }
+            log.warning(
+                "straggler: rank %d takes %.3g s a step for %s, the other ranks %.3g s: the job "
+                "runs at its pace", rank, pace[rank], WHAT[kind], others,
+            )  # fmt: skip
+            self.on_straggler(info)
+            return info
+        return None
 
     def heartbeat(self) -> None:
         """Tell the record the process is alive, once a `heartbeat_s` period."""
