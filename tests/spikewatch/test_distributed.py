@@ -226,6 +226,9 @@ def test_a_users_own_script_shards_names_and_replays_like_the_examples(tmp_path)
     assert {s["id"] for s in named} <= {f"doc{b}-{r}" for b in range(60, 66) for r in range(4, 8)}
 
 
+# slow tier: make test keeps a kill and a bitwise resume in one process (tests/trainer/test_kill.py,
+# test_examples.py) and two ranks' own shares (above); ~47 s
+@pytest.mark.slow
 def test_a_killed_two_rank_job_resumes_bitwise(tmp_path) -> None:
     args = ("--steps", "60", *POISON[:1], "30", *POISON[2:], "--db", "none")
     args = (*args, "--checkpoint-every", "5", "--run-dir", "run", "--summary-json", "s.json")
@@ -310,6 +313,10 @@ def _accelerate(out: Path, *, crash_at: int = 0) -> int:
     return done.returncode
 
 
+# slow tier: make test keeps the accelerate loop in one process
+# (tests/spikewatch/test_accelerate.py) and two ranks deciding alike in the plain, HF and FSDP2
+# loops (above); ~56 s
+@pytest.mark.slow
 def test_an_accelerate_loop_on_two_processes_decides_alike_and_resumes_in_order(tmp_path) -> None:
     """tests/spikewatch/accelerate_script.py under `accelerate launch` (2 gloo processes): a
     poisoned stretch of accelerate's dispatched stream rolls both ranks back at the same step,

@@ -108,6 +108,9 @@ def test_a_corrupt_stretch_of_the_stream_is_rolled_back_once_and_never_trained_o
     assert out["fixed_val_loss"]() < plain["fixed_val_loss"]
 
 
+# slow tier (~38 s): make test keeps a kill and the same command resuming bitwise in the
+# examples (tests/spikewatch/test_examples.py) and nano-gpt's loop (test_nano_gpt.py)
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_kill_and_the_same_command_resume_where_the_uninterrupted_run_goes(tmp_path) -> None:
     """Killed at iteration 110 (its last file: 100), the same command resumes from 100: one

@@ -134,6 +134,9 @@ def test_two_gloo_ranks_with_fsdp2_agree_one_rollback_naming_rank_1(tmp_path) ->
     assert "rank/*/loss" in names and "layer/*/head/*/attn_max" in names
 
 
+# slow tier: make test keeps torchtitan's rollback in one process (the test above); this one
+# adds its own checkpoints kept exponentially (~55 s)
+@pytest.mark.slow
 def test_rollback_from_torchtitans_checkpoints_kept_exponentially(tmp_path) -> None:
     """Host memory off: the rollback restores torchtitan's own DCP checkpoint from before the
     onset (in place: the loader flows on), replays the spike from it, pins it and drops the

@@ -27,6 +27,9 @@ pytestmark = pytest.mark.e2e  # trains a model (tests/README.md)
 STEPS, EVERY = 10_000, 5
 
 
+# slow tier (a soak, ~26 s): make test keeps the anchors' release
+# (tests/trainer/test_memory_tier.py)
+@pytest.mark.slow
 def test_ten_thousand_steps_keep_a_steps_work_and_what_the_run_holds_flat(tmp_path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
