@@ -23,6 +23,11 @@ system hiccup and still reports a hung collective well before NCCL's own timeout
 ends the job. `exit_after_s` (off by default) ends a process that stays stalled that long with
 `EXIT_STALLED` after the stall is recorded, so that an elastic launcher (`torchrun
 --max-restarts`) starts it again and `resume="auto"` takes the newest checkpoint.
+
+Under torchrun each rank's watchdog also publishes, through the rendezvous store, where its loop
+is and the medians of its waits for its batches and of its forwards: a stall names the ranks
+behind and the collective rank 0 waits in (torch's flight recorder), and rank 0 names the
+straggler, slow in its batches or in its compute (`judge_ranks`).
 """
 
 from __future__ import annotations
@@ -161,8 +166,8 @@ SLOW_IN = {RankBeats.PACE: "batches", RankBeats.FORWARD: "forward"}  # the event
 
 
 def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int, float] | None:
-    """The rank whose batches keep the others waiting: its median wait for its batches above
-    `factor` times the other ranks' median and `min_s` longer; (rank, the others' median)."""
+    """The rank that keeps the others waiting: its median (wait for its batches, or forward)
+    above `factor` times the other ranks' median and `min_s` longer; (rank, the others')."""
     if len(pace) < 2:
         return None
     rank = max(pace, key=lambda r: pace[r])
