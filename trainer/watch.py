@@ -186,7 +186,9 @@ class Watch:
             watch_for_uncaught()
             self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size, self.core.request_stop)
             if self.core.world.size > 1:  # a rank slow in its compute: its forwards timed
-                self._forward_hook = self.model.register_forward_hook(self._forward_ended)
+                # kept out of a compiled graph: a clock read is no part of the model's forward
+                ended = torch.compiler.disable(self._forward_ended)
+                self._forward_hook = self.model.register_forward_hook(ended)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
