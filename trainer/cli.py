@@ -307,7 +307,7 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
     running for ever): the Watch's own handler (trainer/watch_open.py), undone after."""
     from spikewatch.trainer.watch_open import sigterm_as_ctrl_c
 
-    undo = sigterm_as_ctrl_c(1, lambda: None)
+    undo = sigterm_as_ctrl_c(1, None)
     try:
         yield
     finally:

@@ -184,7 +184,7 @@ class Watch:
         if self.core is None:
             self.core = build_watch_core(self)
             watch_for_uncaught()
-            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size, self.core.request_stop)
+            self._undo_sigterm = sigterm_as_ctrl_c(self.core.world.size, self.core)
             if self.core.world.size > 1:  # a rank slow in its compute: its forwards timed
                 # kept out of a compiled graph: a clock read is no part of the model's forward
                 ended = torch.compiler.disable(self._forward_ended)

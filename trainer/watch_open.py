@@ -21,7 +21,12 @@ from spikewatch.observatory.store.sink import BaseSink, DbSink, open_run_sink
 from spikewatch.trainer.checkpoints.format import list_checkpoints as ck_list
 from spikewatch.trainer.core.callbacks import Callback
 from spikewatch.trainer.core.guard import SpikeGuard
-from spikewatch.trainer.core.lifecycle import WATCH_RULES, check_resumable
+from spikewatch.trainer.core.lifecycle import (
+    WATCH_RULES,
+    Stoppable,
+    check_resumable,
+    stop_or_interrupt,
+)
 from spikewatch.trainer.core.probes import Probes, describe_model
 from spikewatch.trainer.core.recorder import Recorder
 from spikewatch.trainer.core.setup import open_core
@@ -192,30 +197,28 @@ def watch_for_uncaught() -> None:
     sys.excepthook = hook
 
 
-def sigterm_as_ctrl_c(
-    world_size: int, request_stop: Callable[[], None]
-) -> Callable[[], None] | None:
+def sigterm_as_ctrl_c(world_size: int, loop: Stoppable | None) -> Callable[[], None] | None:
     """SIGTERM (how systemd, Kubernetes, job schedulers and torchrun's own shutdown stop a
     process) ends a Watch loop as Ctrl-C does, and the run is closed "stopped" rather than left
     "running" for ever. In one process: a KeyboardInterrupt in the loop. Under torchrun, where
-    the launcher forwards its SIGTERM to every rank: the first asks for a stop that rides the
-    next step's all-reduce (`request_stop`), so that every rank stops after the same step. A
-    rank inside a collective when the signal comes runs the handler when the collective
-    returns, its peers still there; none leaves alone. A second SIGTERM interrupts at once.
-    Only where SIGTERM still has its default action (a framework's or the user's own handler
-    is theirs) and in the main thread. Returns the undo, or None when nothing was installed."""
+    the launcher forwards its SIGTERM to every rank: the built-in trainer's rule
+    (`stop_or_interrupt`), the first asking `loop` for a stop that rides the next step's
+    all-reduce, so that every rank stops after the same step. A rank inside a collective when
+    the signal comes runs the handler when the collective returns, its peers still there; none
+    leaves alone. A second SIGTERM interrupts at once. Only where SIGTERM still has its default
+    action (a framework's or the user's own handler is theirs) and in the main thread. Returns
+    the undo, or None when nothing was installed."""
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
-    asked: list[bool] = []
 
     def interrupt(signum: int, frame: Any) -> None:
-        if world_size == 1 or asked:
+        if world_size == 1 or loop is None:
             raise KeyboardInterrupt("SIGTERM")
-        asked.append(True)
-        log.warning("SIGTERM: every rank stops after the step they agree on (again: at once)")
-        request_stop()
+        if not (loop.stop_requested or loop.stop_asked):
+            log.warning("SIGTERM: every rank stops after the step they agree on (again: at once)")
+        stop_or_interrupt(loop)
 
     signal.signal(signal.SIGTERM, interrupt)
 

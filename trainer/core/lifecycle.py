@@ -148,6 +148,14 @@ def check_resumable(
     return changes
 
 
+def stop_or_interrupt(loop: Stoppable) -> None:
+    """A stop signal's rule, in a handler: the first asks for a stop after the current step
+    (under torchrun, after the step every rank agrees on); a second interrupts at once."""
+    if loop.stop_requested or loop.stop_asked:
+        raise KeyboardInterrupt
+    loop.request_stop()
+
+
 class stop_on_signals:
     """SIGTERM / SIGINT end the run cleanly after the current step, with a checkpoint."""
 
@@ -156,9 +164,7 @@ class stop_on_signals:
         self.saved: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.trainer.stop_requested or self.trainer.stop_asked:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.trainer.request_stop()
+        stop_or_interrupt(self.trainer)
 
     def __enter__(self) -> None:
         if threading.current_thread() is threading.main_thread():
