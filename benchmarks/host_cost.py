@@ -766,14 +766,30 @@ def pin_threads() -> None:
     os.sched_setaffinity(0, {cpus[0]})
 
 
-def pauses(steps: int, shape: str = "smoke") -> dict[str, Any]:
+def pauses(steps: int, shape: str = "smoke", durations: str | None = None) -> dict[str, Any]:
     """No pause that grows with the run, on meta: the Watch's loop (every cadence, disk
     checkpoints) over `steps` steps; the longest step of spikewatch's host time, the longest
     full (generation-2) collection and the objects the collector tracks (set-up frozen out, this
     script's own per-step rows left out), over the first tenth and over the whole run. A tiny
     shape: the Watch's own work is the same at any size, and meta's dispatch makes each step
-    ~25x a CPU's (10,000 steps take ~12 minutes here)."""
+    ~25x a CPU's (10,000 steps take ~12 minutes here). Also: the slowdowns the watchdog told
+    of (the run's pace is steady: each is a false alarm), and with `durations` each step's
+    wall time written to that file (JSON), for `benchmarks/stalls.py --replay`."""
+    import logging
+
     h = Harness(shape, steps, disk=True)
+    told: list[str] = []
+
+    class Told(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("slowdown at step"):
+                told.append(record.getMessage())
+
+    watchdog_log = logging.getLogger("spikewatch.trainer.core.watchdog")
+    handler = Told(level=logging.WARNING)
+    watchdog_log.addHandler(handler)
+    walls: list[float] = []
+    last = [time.monotonic()]
     tenth = steps // 10
     full: list[tuple[int, float]] = []
     started: list[float] = []
@@ -788,6 +804,9 @@ def pauses(steps: int, shape: str = "smoke") -> dict[str, Any]:
             full.append((h.step, 1e3 * (time.perf_counter() - started.pop())))
 
     def after_step(row: StepRow) -> None:
+        now = time.monotonic()
+        walls.append(now - last[0])
+        last[0] = now
         if row.step in (tenth, steps):  # the run's, less this script's own rows (4 a step)
             ours = sum(gc.is_tracked(o) for r in h.rows for o in (r, r.parts, r.events, r.by_op))
             tracked[str(row.step)] = len(gc.get_objects()) - ours
@@ -798,6 +817,9 @@ def pauses(steps: int, shape: str = "smoke") -> dict[str, Any]:
         rows = h.run()
     finally:
         gc.callbacks.remove(timed)
+        watchdog_log.removeHandler(handler)
+    if durations:
+        Path(durations).write_text(json.dumps([round(w, 6) for w in walls]))
     first = [r for r in rows[2:] if r.step <= tenth]
 
     def longest(rs: list[StepRow]) -> dict[str, Any]:
@@ -817,6 +839,8 @@ def pauses(steps: int, shape: str = "smoke") -> dict[str, Any]:
         ),
         "longest_full_collection_ms_all": round(max((ms for _, ms in full), default=0.0), 2),
         "tracked_objects": tracked,
+        "slowdowns_told": len(told),
+        "step_wall_ms_median": round(1e3 * sorted(walls)[len(walls) // 2], 2) if walls else None,
     }
 
 
@@ -836,6 +860,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="a long run (--steps, at the smoke shape): does the longest pause grow?",
     )
+    ap.add_argument("--durations", help="with --pauses: each step's wall time to this JSON file")
     ap.add_argument(
         "--pin",
         action="store_true",
@@ -847,7 +872,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pin_threads()
     if args.pauses:
         torch.set_num_threads(1)
-        out = pauses(args.steps)
+        out = pauses(args.steps, durations=args.durations)
         print(json.dumps(out))
         return out
     if args.smoke:

@@ -5,8 +5,9 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
 - stall: the batch function sleeps `--hang` seconds at step 40; the bound is 1 s here
   (`guard.stall.min_s`; 120 s by default). Detected within the bound plus the watchdog's wake
   (1 s) is the budget; the stall event's stack must name the sleeping frame; one alert.
-- slowdown: from step 200 every step sleeps as long as a step takes (2x); one `slowdown`
-  event and one alert, and the step it came at.
+- slowdown: from step 200 every step sleeps as long as a step takes (2x), for 3,800 steps;
+  one `slowdown` event and one alert, the step it came at and the seconds from the fault to
+  it (the rule: the median of the last 16 steps past 1.5x the baseline, lasting 30 s).
 - gone: a Watch loop in a process of its own, heartbeat every 0.5 s, SIGKILLed; the time from
   the kill until the store's rule (`queries.run_state`) reads "gone": budget two periods.
 - clean: the same loop with no fault, checkpoints on disk and in host memory, an evaluation
@@ -20,6 +21,10 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   default sizes and steps, the examples with their poisoned region at batch 200 as their
   docstrings run them: checkpoints, evaluations and a rollback), each in a process of its
   own with the default stall settings: stall and slowdown events must be 0.
+- replay (`--replay FILE`): a clean run's step times (`host_cost.py --pauses --durations
+  FILE`: 10,000 steps of the Watch on meta, a shared machine's noise in them) fed to the
+  slowdown rule on a clock made of them, at the default `slowdown_lasting_s` and others: the
+  slowdowns each would tell (all false alarms), and how long the slow median's spells last.
 - watchdog cost (`--cost`): the plain-loop example at the demo's size (2 x 128) in this process;
   the watchdog's own time (the loop thread's `beat` and `mark`, the thread's wakes) over the
   loop's time: budget 0.2% of a step.
@@ -27,6 +32,7 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
     python benchmarks/stalls.py [--hang 4]     # the fault rows
     python benchmarks/stalls.py --false-alarms # ~10 minutes
     python benchmarks/stalls.py --cost
+    python benchmarks/stalls.py --replay /tmp/durations.json
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ def loop(tmp: Path, steps: int, *, hang_at: int | None = None, hang_s: float = 0
     train, val = text_corpus()
     took: list[float] = []
     hung_at: list[float] = []
+    at: dict[int, float] = {}  # each step's end, on the monotonic clock
 
     def the_loader_hangs_here(i: int) -> None:
         hung_at.append(time.monotonic())
@@ -132,6 +139,7 @@ def loop(tmp: Path, steps: int, *, hang_at: int | None = None, hang_s: float = 0
             loss.backward()
             watch.step(loss)
             took.append(time.perf_counter() - t0)
+            at[watch.step_count] = time.monotonic()
             if slow_from is not None and watch.step_count >= slow_from:
                 time.sleep(sorted(took[:100])[len(took[:100]) // 2])  # as long as a step: 2x
             if clean and watch.step_count % 100 == 0:
@@ -146,7 +154,7 @@ def loop(tmp: Path, steps: int, *, hang_at: int | None = None, hang_s: float = 0
     with Session(make_engine(db)) as s:
         (run,) = store.list_runs(s)
         events = store.events(s, run_id=run.run_id)
-    return {"events": events, "alerts": hook.kinds, "hung_at": hung_at}
+    return {"events": events, "alerts": hook.kinds, "hung_at": hung_at, "at": at}
 
 
 def stall(tmp: Path, hang: float) -> dict[str, Any]:
@@ -168,13 +176,15 @@ def stall(tmp: Path, hang: float) -> dict[str, Any]:
 
 
 def slowdown(tmp: Path) -> dict[str, Any]:
-    out = loop(tmp, 300, slow_from=200)
+    out = loop(tmp, 4000, slow_from=200)
     found = [e for e in out["events"] if e.kind == "slowdown"]
     after = [e for e in found if e.step >= 200]
     return {
         "fault": "slowdown (every step 2x from step 200)",
         "detected": bool(after),
         "at_step": after[0].step if after else None,
+        "since_step": after[0].data.get("since_step") if after else None,
+        "s_after_the_fault": round(out["at"][after[0].step] - out["at"][200], 1) if after else None,
         "ratio": after[0].data.get("ratio") if after else None,
         "false_before": len(found) - len(after),  # before the fault: false alarms
         "alerts": out["alerts"].count("slowdown"),
@@ -377,6 +387,52 @@ def cost(tmp: Path, steps: int = 300) -> dict[str, Any]:
     }
 
 
+def replay(path: Path) -> list[dict[str, Any]]:
+    """A clean run's step times through the slowdown rule on a clock made of them: the
+    slowdowns told at each `slowdown_lasting_s` (each then ends as the rule ends it, when the
+    median is back within 1.2x), and the spells (in seconds) from the median's crossing of
+    the rule's bar (1.5x the baseline and 5 ms) to that end, longest first."""
+    from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
+
+    import logging
+
+    logging.getLogger("spikewatch.trainer.core.watchdog").setLevel(logging.ERROR)  # counted
+    durations = json.loads(Path(path).read_text())
+    rows = []
+    for lasting in (0.0, 5.0, 10.0, 30.0):
+        now = [0.0]
+        told: list[dict[str, Any]] = []
+        dog = Watchdog(StallConfig(slowdown_lasting_s=lasting), lambda i: None,
+                       lambda i: None, clock=lambda now=now: now[0],
+                       on_slowdown=told.append)  # fmt: skip
+        dog._last = 0.0
+        spells: list[float] = []
+        spell = 0.0
+        for step, took in enumerate(durations, 1):
+            now[0] += took
+            dog.beat(step)
+            if lasting == 0.0:  # the spells, measured once (the baseline as the rule keeps it)
+                slow = dog._slow is not None or dog._slow_from is not None
+                if slow:
+                    spell += took
+                elif spell:
+                    spells.append(spell)
+                    spell = 0.0
+        row: dict[str, Any] = {
+            "steps": len(durations),
+            "minutes": round(sum(durations) / 60, 1),
+            "median_step_ms": round(1e3 * sorted(durations)[len(durations) // 2], 1),
+            "slowdown_lasting_s": lasting,
+            "slowdowns_told": len(told),
+        }
+        if lasting == 0.0:
+            spells.sort(reverse=True)
+            row["slow_spells"] = len(spells)
+            row["longest_spells_s"] = [round(x, 2) for x in spells[:5]]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hang", type=float, default=4.0, help="seconds the batch function sleeps")
@@ -386,7 +442,14 @@ def main() -> None:
         help="the demo and the examples at their defaults: stall and slowdown events",
     )
     ap.add_argument("--cost", action="store_true", help="the watchdog's share of the loop")
+    ap.add_argument("--replay", help="a clean run's step times (JSON) through the slowdown rule")
     args = ap.parse_args()
+    if args.replay:
+        rows = replay(Path(args.replay))
+        for row in rows:
+            print(" | ".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+        print(json.dumps({"rows": rows}))
+        return
     torch.set_num_threads(1)
     rows = []
     faults: Any = (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),

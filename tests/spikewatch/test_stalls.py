@@ -168,9 +168,10 @@ def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
 ) -> None:
     """The watchdog on a clock the batch function moves (no timing in the test): 1 s a batch,
     3 s for batches 100-129 (steps 101-130). The median of the last 16 steps passes 1.5x the
-    baseline at the 8th slow step (step 108: (1 + 3) / 2 = 2), one `slowdown` event and one
-    alert; the pace is back within 1.2x at the 9th normal one (step 139), a note says so; no
-    stall (the clock stands still between batches)."""
+    baseline at the 8th slow step (step 108: (1 + 3) / 2 = 2), and that has lasted 30 s at
+    the 17th (step 117, the median 3 s): one `slowdown` event and one alert; the pace is back
+    within 1.2x at the 9th normal one (step 139), a note says so; no stall (the clock stands
+    still between batches)."""
     from spikewatch.trainer.core import step_core, watchdog
 
     now = [0.0]
@@ -191,7 +192,9 @@ def test_steps_that_slow_down_are_a_slowdown_alerted_once_and_its_end_said(
     finally:
         receiver.stop()
     (slowdown,) = [e for e in events if e.kind == "slowdown"]
-    assert slowdown.step == 108 and slowdown.data["ratio"] == 2.0
+    assert slowdown.step == 117 and slowdown.data["ratio"] == 3.0
+    assert slowdown.data["since_step"] == 108 and slowdown.data["lasted_s"] == 30.0
+    assert "since step 108 (30 s)" in slowdown.message
     (back,) = [e for e in events if e.kind == "note" and e.data.get("kind") == "pace_back"]
     assert back.step == 139 and back.data["since_step"] == 108
     assert [e for e in events if e.kind in ("stall", "resumed")] == []

@@ -224,6 +224,8 @@ class Recorder(Callback):
                 f"{info['ratio']:.2f}x slower than the run's own "
                 f"{info['baseline_tokens_per_s']:.4g}"
             )
+        if "since_step" in info:
+            message += f", since step {info['since_step']} ({info['lasted_s']:.0f} s)"
         self.sink.log_event(self.run_id, "slowdown", step=info["step"], branch=self.branch,
                             message=message, data=dict(info))  # fmt: skip
 

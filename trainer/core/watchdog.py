@@ -11,7 +11,9 @@ it reports a stall once (`on_stall`, from its own thread) with every thread's Py
 the loop's next beat reports its end (`on_resume`, the stall's length). The same beats judge
 the pace: when the median of the last 16 step times is more than 1.5x the run's own baseline
 (the median of up to 256 earlier ones) and at least 5 ms longer (a run of millisecond steps
-jitters by more than half with the machine), a slowdown is reported once (`on_slowdown`), and again
+jitters by more than half with the machine), and has stayed so for 30 s of steps (a shared
+machine's noise slows a run of fast steps for a second or two at a time, and a 16-step median
+of 50 ms steps moves with it), a slowdown is reported once (`on_slowdown`), and again
 when the pace is back (`on_pace_back`, within 1.2x); per token where the steps' tokens are
 told (`beat(step, tokens)`). Work that is slow by
 nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
@@ -77,6 +79,13 @@ class StallConfig(BaseModel):
         ge=0,
         description="... and at least this many seconds a step slower than the baseline: a run "
         "of millisecond steps is not told of a millisecond of the machine's noise.",
+    )
+    slowdown_lasting_s: float = Field(
+        30.0,
+        ge=0,
+        description="... and the slow pace held this many seconds of steps, every step judged "
+        "slow: a shared machine's noise slows a run of fast steps for a second or two at a time "
+        "(a 16-step median moves with it), a throttled device or a degraded link for minutes.",
     )
     heartbeat_s: float | None = Field(
         10.0,
@@ -317,6 +326,7 @@ class Watchdog:
         self.baseline = _Window(256)
         self.recent = _Window(cfg.slowdown_window)
         self._slow: dict[str, Any] | None = None  # the slowdown under way
+        self._slow_from: tuple[int, float] | None = None  # judged slow since (step, seconds)
         self._per_token = False  # the pace in seconds per token (the steps' tokens are told)
         # under torchrun: this rank's waits for its batches (step end to batch in hand), and
         # on rank 0 the straggler under way and how many wakes in a row found one
@@ -402,7 +412,7 @@ class Watchdog:
             self._per_token = True
             self.recent.clear()
             self.baseline.clear()
-            self._slow = None
+            self._slow = self._slow_from = None
         elif self._per_token and not tokens:  # a step without its tokens (one drawn before a
             return  # rollback and skipped): not judged, the baseline stays per token
         per = tokens if tokens else 1  # this step's tokens: the unit's scale, for the floor
@@ -416,9 +426,25 @@ class Watchdog:
         base = self.baseline.median()
         now = self.recent.median()
         if self._slow is None:
-            if base > 0 and now > factor * base and (now - base) * per >= self.cfg.slowdown_min_s:
+            # slow from the median's crossing of the bar until it is back within 1.2x (as a
+            # slowdown told ends), told once that has lasted; the baseline frozen meanwhile
+            if self._slow_from is None:
+                floor = self.cfg.slowdown_min_s
+                slow = base > 0 and now > factor * base and (now - base) * per >= floor
+            else:
+                slow = now > 1.2 * base
+            if not slow:
+                self._slow_from = None
+                self.baseline.append(self.recent[0])
+                return
+            since, lasted = self._slow_from or (step, 0.0)
+            self._slow_from = (since, lasted + took)
+            if lasted + took >= self.cfg.slowdown_lasting_s:
+                self._slow_from = None
                 self._slow = {
                     "step": step,
+                    "since_step": since,
+                    "lasted_s": round(lasted + took, 3),
                     "recent_s": round(now * per, 6),  # a step's seconds (at this step's tokens)
                     "baseline_s": round(base * per, 6),
                     "ratio": round(now / base, 3),
@@ -428,19 +454,18 @@ class Watchdog:
                     self._slow["baseline_tokens_per_s"] = round(1 / base, 3)
                     log.warning(
                         "slowdown at step %d: the last %d steps ran at %.4g tokens/s (median), "
-                        "%.2fx slower than the run's own %.4g", step, len(self.recent), 1 / now,
-                        now / base, 1 / base,
+                        "%.2fx slower than the run's own %.4g, since step %d (%.3g s)", step,
+                        len(self.recent), 1 / now, now / base, 1 / base, since, lasted + took,
                     )  # fmt: skip
                 else:
                     log.warning(
                         "slowdown at step %d: the last %d steps took %.3g s (median), %.2fx the "
-                        "run's own %.3g s", step, len(self.recent), now, now / base, base,
+                        "run's own %.3g s, since step %d (%.3g s)", step, len(self.recent), now,
+                        now / base, base, since, lasted + took,
                     )  # fmt: skip
                 self.on_slowdown(dict(self._slow))
-            else:
-                self.baseline.append(self.recent[0])
         elif now <= 1.2 * base:
-            info = {"step": step, "since_step": self._slow["step"], "recent_s":
+            info = {"step": step, "since_step": self._slow["since_step"], "recent_s":
                     round(now * per, 6), "baseline_s": round(base * per, 6)}  # fmt: skip
             self._slow = None
             log.info("the pace is back at step %d (%.3g s a step)", step, now * per)
