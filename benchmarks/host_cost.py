@@ -579,6 +579,17 @@ class Harness:
         clock.wrap(watch_mod, "clip_by_global_norm", "clip")  # the user's clip: not spikewatch's
         clock.wrap(self.opt, "step", "update")  # the optimizer's own: not spikewatch's
         clock.wrap(self.opt, "zero_grad", "zero_grad")
+        zeroed: list[float] = []  # each zero_grad's time this step
+        timed_zero = self.opt.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return timed_zero(*args, **kwargs)
+            finally:
+                zeroed.append(time.perf_counter() - t0)
+
+        self.opt.zero_grad = zero_grad  # type: ignore[method-assign]
         watch.open()
         core = watch.core
         assert core is not None
@@ -605,8 +616,10 @@ class Harness:
             if core.probes.state_active(taken):  # asked after the step: a state step may move
                 self._events.add("state")
             own = sum(v for k, v in spent.items() if k not in BARE_PARTS)
-            calls_zero = 1  # the bare loop's own zero_grad
-            own += max(0.0, spent["zero_grad"] - spent["zero_grad"] / max(calls_zero, 1))
+            # the bare loop's own zero_grad is the step's first (it frees the gradients);
+            # a second one (the Watch's, over gradients already None) is spikewatch's
+            zeros, zeroed[:] = list(zeroed), []
+            own += sum(zeros) - (zeros[0] if zeros else 0.0)
             if outcome == "rolled_back":
                 self._events.add("decision")
             row = StepRow(

@@ -392,9 +392,9 @@ def replay(path: Path) -> list[dict[str, Any]]:
     slowdowns told at each `slowdown_lasting_s` (each then ends as the rule ends it, when the
     median is back within 1.2x), and the spells (in seconds) from the median's crossing of
     the rule's bar (1.5x the baseline and 5 ms) to that end, longest first."""
-    from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
-
     import logging
+
+    from spikewatch.trainer.core.watchdog import StallConfig, Watchdog
 
     logging.getLogger("spikewatch.trainer.core.watchdog").setLevel(logging.ERROR)  # counted
     durations = json.loads(Path(path).read_text())

@@ -107,3 +107,14 @@ def test_the_one_pass_plan_is_built_on_a_plain_step_not_on_the_first_state_step(
         AdamState._plan_for = plan_for
     assert [r.step for r in rows if "state" in r.events] == [10]
     assert built == [1]  # right after step 1's update made the optimizer's state
+
+
+def test_a_fused_adamws_refusal_flag_comes_with_the_factor_no_op_makes_it() -> None:
+    """Read late, the same-step factor is one device op; torch's fused AdamW is refused through
+    its `found_inf` flag, which `(factor == 0).float()` made on the loop thread every step (two
+    more kernels and two dispatches). The factor's op returns the flag with the factor: a plain
+    step dispatches no `eq` (the bare step has none) and one copy fewer."""
+    h = _host_cost().Harness("smoke", 4, disk=False)
+    rows = h.run(count_every=1)
+    assert [r.by_op.get("eq", 0) for r in rows[1:]] == [0, 0, 0]
+    assert [r.by_op.get("_to_copy", 0) for r in rows[1:]] == [2, 2, 2]

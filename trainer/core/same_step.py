@@ -181,7 +181,8 @@ class SameStepGate:
         """`step_factor(loss, grad_norm, self.limits_after(*ahead))` in one device op
         (`spikewatch::late_factor`): the host packs the window's numbers into one small copy,
         the device does the ~50 scalar operations in one call (on CUDA a compiled kernel),
-        not ~50 launches from Python on the loop thread every step."""
+        not ~50 launches from Python on the loop thread every step. Returns (2,): the factor
+        and its refusal flag (`late_factor`)."""
         cfg = self.cfg
         v, h = self.late_inputs(loss, grad_norm, ahead)
         return torch.ops.spikewatch.late_factor(
@@ -357,7 +358,8 @@ def late_factor(
     scaler), then this step's loss and grad norm. h (11,) float64: the window's means, sums of
     squared deviations and evicted values (each per series), its count, whether it is full,
     the refusals in a row, whether there is an overflow flag, and `min_loss_excess`. Returns
-    () float32, 1 or 0."""
+    (2,) float32: the factor (1 or 0) and its refusal flag (1 - factor: a fused AdamW's
+    `found_inf`), made here so that no op on the loop thread makes the flag from the factor."""
     v = torch.stack(vs)
     x = v[:2].double()  # the step before: (2,)
     fin = torch.isfinite(x)
@@ -386,7 +388,8 @@ def late_factor(
     ok = torch.isfinite(y).all()
     lx = y.log()
     too_high = ((lx[0] > lim[0]) | (lx[1] > lim[1])) & armed
-    return (ok & ~(too_high & (y > 0).all())).float()
+    factor = (ok & ~(too_high & (y > 0).all())).float()
+    return torch.stack([factor, 1.0 - factor])
 
 
 _COMPILED: dict[tuple, Any] = {}
@@ -437,4 +440,4 @@ def _late_factor_op(
 
 @_late_factor_op.register_fake
 def _(v, h, sigma, floor, grad_floor, min_history, refusals):  # noqa: ANN001, ANN202
-    return v[0].new_empty((), dtype=torch.float32)
+    return v[0].new_empty((2,), dtype=torch.float32)

@@ -304,8 +304,9 @@ class StepCore:
             self.watchdog.mark(step, GATED)
         t = self.world.reduce(t, stop=self.stop_asked)
         ahead = self._in_flight.tier if self._in_flight is not None else None
+        refuse = None  # the factor's refusal flag, where its op makes it (a fused AdamW's)
         if self.same_step is not None and ahead is not None:  # the step before is on the device
-            factor = self.same_step.factor_after(t.loss, t.grad_norm, ahead)
+            factor, refuse = self.same_step.factor_after(t.loss, t.grad_norm, ahead)
         else:
             limits = None if self.same_step is None else self.same_step.limits()
             factor = step_factor(t.loss, t.grad_norm, limits)
@@ -335,7 +336,7 @@ class StepCore:
             return Gate(True)
         self._before_update(step)
         assert self._stepper is not None
-        self._stepper.set_step_factor(factor)
+        self._stepper.set_step_factor(factor, refuse)
         return Gate(True, factor)
 
     def _before_update(self, step: int) -> None:

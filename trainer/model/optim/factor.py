@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 class StepFactor(Protocol):
     """What the step core needs of an optimizer to refuse its next step on the device."""
 
-    def set_step_factor(self, factor: torch.Tensor | None) -> None: ...
+    def set_step_factor(
+        self, factor: torch.Tensor | None, refuse: torch.Tensor | None = None
+    ) -> None: ...
 
     def settle(self, applied: bool) -> None: ...
 
@@ -59,7 +61,9 @@ class FactorStep:
     # one step late (the step core sets it), else 0 (the factor is read: a sync, logged)
     unsettled_allowed: int = 0
 
-    def set_step_factor(self, factor: torch.Tensor | None) -> None:
+    def set_step_factor(
+        self, factor: torch.Tensor | None, refuse: torch.Tensor | None = None
+    ) -> None:
         self._factor = factor
 
     @torch.no_grad()
@@ -154,8 +158,15 @@ class FoundInf:
         self._ours = False  # the flag is spikewatch's own (no GradScaler's step set one)
         optimizer.register_step_pre_hook(self._fold)
 
-    def set_step_factor(self, factor: torch.Tensor | None) -> None:
-        self._refuse = None if factor is None else (factor == 0).float()
+    def set_step_factor(
+        self, factor: torch.Tensor | None, refuse: torch.Tensor | None = None
+    ) -> None:
+        """`refuse`: the flag (1.0 where the factor is 0) where the factor's op made it too
+        (the same-step tier's, read late): no op on the loop thread to make it."""
+        if factor is None:
+            self._refuse = None
+        else:
+            self._refuse = (factor == 0).float() if refuse is None else refuse
 
     def _fold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         refuse, self._refuse = self._refuse, None
