@@ -1,9 +1,11 @@
 """Reads across many runs at once, for the pages that show many (the compare page, sweep
 reports): each function costs a fixed number of statements, however many runs it is given.
 
-The single-run reads in queries.py stay the reference: `histories` gives what `store.series`
+The line charts and heatmaps are read by the single-run reads' own functions (queries.py
+`read_series`, `read_matrices`), given a plan a run: `histories` gives what `store.series`
 gives for each run's newest branch, `layer_matrices` what `store.layer_matrix` gives, except
-that all runs share one bucket grid (one chart, one x axis).
+that all runs share one bucket grid (one chart, one x axis). What is here finds many runs'
+series in one statement; the end values, peaks and per-layer values have no single-run twin.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from sqlalchemy.orm import Session
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.store.chunks import WINDOW, decode
-from spikewatch.observatory.store.downsample import (
-    END,
-    Tree,
-    downsample,
-    downsample_buckets,
-    lineage,
-)
+from spikewatch.observatory.store.downsample import END, Tree, lineage
 from spikewatch.observatory.store.models import Branch, Event, MetricName, Run, Series
 from spikewatch.observatory.store.names import NO_INDEX, parse_name
-from spikewatch.observatory.store.queries import Matrix, SeriesData, _bucket
+from spikewatch.observatory.store.queries import (
+    Matrix,
+    MatrixPlan,
+    SeriesData,
+    SeriesPlan,
+    read_matrices,
+    read_series,
+)
 
 __all__ = [
     "end_values",
@@ -77,40 +80,24 @@ def histories(
     session: Session, runs: dict[str, Run], metric: str, buckets: int
 ) -> dict[str, list[SeriesData]]:
     """Each run's newest-branch history of one scalar `metric` ([] for a run without it), on
-    one shared grid of at most `buckets` buckets. Four statements."""
+    one shared grid of at most `buckets` buckets: `store.series`'s read (`read_series`), its
+    series found for every run in one statement. Four statements."""
     key = parse_name(metric)
     pks = {r.id: k for k, r in runs.items()}
     tree_of = trees(session, list(pks))
-    ids = {
-        (run, br): sid
-        for run, sid, br, layer, head in _series(session, list(pks), key.template)
-        if (layer, head) == (key.layer, key.head)
-    }
-    segs = [
-        (pks[pk], ids[pk, br], lo, hi)
+    ids: dict[int, dict[int, int]] = {}
+    for run, sid, br, layer, head in _series(session, list(pks), key.template):
+        if (layer, head) == (key.layer, key.head):
+            ids.setdefault(run, {})[br] = sid
+    plans = [
+        SeriesPlan(pks[pk], max(tree) if tree else 0, ids[pk], _newest_parts(tree))
         for pk, tree in tree_of.items()
-        for br, lo, hi in _newest_parts(tree)
-        if (pk, br) in ids
+        if pk in ids
     ]
-    width, cells, read = downsample(session, segs, buckets, None, None)
     out: dict[str, list[SeriesData]] = {k: [] for k in runs}
-    for run_id, run in runs.items():
-        mine = sorted(k for g, k in cells if g == run_id)
-        if not mine:
-            continue
-        branch_of = {sid: br for (pk, br), sid in ids.items() if pk == run.id}
-        segments = [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == run_id]
-        newest = max(tree_of[run.id]) if tree_of[run.id] else 0
-        out[run_id] = [
-            SeriesData(
-                run_id,
-                metric,
-                newest,
-                segments,
-                width,
-                [_bucket(k, width, cells[run_id, k]) for k in mine],
-            )
-        ]
+    for line in read_series(session, plans, metric, buckets):
+        if line.buckets:
+            out[line.run_id] = [line]
     return out
 
 
@@ -118,36 +105,21 @@ def layer_matrices(
     session: Session, runs: dict[str, Run], template: str, buckets: int
 ) -> dict[str, Matrix]:
     """Each run's layer x step maxima of a per-layer template on its newest branch's history
-    (runs without it are left out), on one shared grid. Four statements."""
+    (runs without it are left out), on one shared grid: `store.layer_matrix`'s read
+    (`read_matrices`), its series found for every run in one statement. Four statements."""
     pks = {r.id: k for k, r in runs.items()}
     tree_of = trees(session, list(pks))
-    rows = [r for r in _series(session, list(pks), template) if r[3] >= 0 and r[4] == NO_INDEX]
-    by = {(pk, layer, br): sid for pk, sid, br, layer, _ in rows}
-    segs = [
-        ((pks[pk], layer), by[pk, layer, br], lo, hi)
+    ids: dict[int, dict[tuple[int, int], int]] = {}
+    for pk, sid, br, layer, head in _series(session, list(pks), template):
+        if layer >= 0 and head == NO_INDEX:
+            ids.setdefault(pk, {})[layer, br] = sid
+    plans = [
+        MatrixPlan(pks[pk], max(tree) if tree else 0, ids[pk], _newest_parts(tree))
         for pk, tree in tree_of.items()
-        for layer in sorted({la for p, la, _ in by if p == pk})
-        for br, lo, hi in _newest_parts(tree)
-        if (pk, layer, br) in by
+        if pk in ids
     ]
-    width, found, read_labels, _ = downsample_buckets(session, segs, buckets, None, None)
-    out = {}
-    for run_id, run in runs.items():
-        index = [i for i, (g, _) in enumerate(read_labels) if g == run_id]
-        mine = found.subset(np.isin(found.group, index))
-        if not len(mine.n):
-            continue
-        labels = sorted({read_labels[i][1] for i in index})
-        row_of = np.zeros(len(read_labels), np.int64)
-        row_of[index] = [labels.index(read_labels[i][1]) for i in index]
-        ks, n, n_nan, mn, mn_s, mx, mx_s = mine.grids(row_of[mine.group], len(labels))
-        mn = mn_s = [[None] * len(ks) for _ in labels]
-        newest = max(tree_of[run.id]) if tree_of[run.id] else 0
-        out[run_id] = Matrix(
-            run_id, template, newest, labels, [k * width for k in ks], width,
-            mn, mn_s, mx, mx_s, n, n_nan,
-        )  # fmt: skip
-    return out
+    got = read_matrices(session, plans, template, buckets, extremes="max")
+    return {m.run_id: m for m in got if m is not None}
 
 
 def end_values(

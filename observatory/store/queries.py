@@ -55,9 +55,11 @@ __all__ = [
     "CheckpointRow",
     "EventRow",
     "Matrix",
+    "MatrixPlan",
     "NotFoundError",
     "RunSummary",
     "SeriesData",
+    "SeriesPlan",
     "branches",
     "checkpoints",
     "delete_run",
@@ -67,6 +69,8 @@ __all__ = [
     "layer_matrix",
     "list_runs",
     "metric_names",
+    "read_matrices",
+    "read_series",
     "series",
     "session_factory",
 ]
@@ -432,32 +436,57 @@ def series(
     tree = branch_tree(session, run.id)
     ids = _series_ids(session, run.id, _key(metric), metric)
     if branch == "all":
-        plan = {b: [(b, 0, END)] for b in sorted(ids)}
+        plans = [SeriesPlan(run_id, b, ids, [(b, 0, END)]) for b in sorted(ids)]
     else:
         b = _pick_branch(tree, branch, run_id)
-        plan = {b: lineage(tree, b)}
+        plans = [SeriesPlan(run_id, b, ids, lineage(tree, b))]
+    return read_series(session, plans, metric, buckets, start, end)
+
+
+@dataclass(frozen=True)
+class SeriesPlan:
+    """One line of a chart before it is read: a run's history of one metric, drawn for
+    `branch`, as the `parts` (branch, first step, last step) of its lineage, each read from
+    the series `ids[branch]` holds (a part whose branch has no series is left out)."""
+
+    run_id: str
+    branch: int
+    ids: dict[int, int]
+    parts: list[tuple[int, int, int]]
+
+
+def read_series(
+    session: Session,
+    plans: Sequence[SeriesPlan],
+    metric: str,
+    buckets: int,
+    start: int | None = None,
+    end: int | None = None,
+) -> list[SeriesData]:
+    """The one read behind every line chart, of one run (`series`) or many (across_runs.py
+    `histories`): every plan downsampled in one pass, on one grid of at most `buckets` buckets
+    over [start, end], one SeriesData a plan."""
     segs = [
-        (label, ids[br], lo, hi)
-        for label, parts in plan.items()
-        for br, lo, hi in parts
-        if br in ids
+        (i, plan.ids[br], lo, hi)
+        for i, plan in enumerate(plans)
+        for br, lo, hi in plan.parts
+        if br in plan.ids
     ]
     width, cells, read = downsample(session, segs, buckets, start, end)
-    branch_of = {sid: br for br, sid in ids.items()}
-    return [
-        SeriesData(
-            run_id,
-            metric,
-            label,
-            [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == label],
-            width,
-            [
-                _bucket(k, width, cells[(label, k)])
-                for k in sorted(k for g, k in cells if g == label)
-            ],
+    out = []
+    for i, plan in enumerate(plans):
+        branch_of = {sid: br for br, sid in plan.ids.items()}
+        out.append(
+            SeriesData(
+                plan.run_id,
+                metric,
+                plan.branch,
+                [(branch_of[sid], lo, hi) for g, sid, lo, hi in read if g == i],
+                width,
+                [_bucket(k, width, cells[(i, k)]) for k in sorted(k for g, k in cells if g == i)],
+            )
         )
-        for label, parts in plan.items()
-    ]
+    return out
 
 
 def layer_matrix(
@@ -543,16 +572,75 @@ def _matrix(
         raise NotFoundError(f"run {run_id!r} has no values of {template!r} on branch {b}'s history")
     by = {(getattr(r, attr), r.branch): r.id for r in found}
     labels = sorted({getattr(r, attr) for r in found})
-    segs = [(lab, by[lab, br], lo, hi) for lab in labels for br, lo, hi in parts if (lab, br) in by]
     buckets, start, end, extremes = window
-    width, got, read_labels, _ = downsample_buckets(session, segs, buckets, start, end)
-    row_of = np.array([labels.index(lab) for lab in read_labels], np.int64)
-    ks, n, n_nan, mn, mn_s, mx, mx_s = got.grids(row_of[got.group], len(labels))
-    if extremes != "both":
-        mn = mn_s = [[None] * len(ks) for _ in labels]
-    return Matrix(
-        run_id, template, b, labels, [k * width for k in ks], width, mn, mn_s, mx, mx_s, n, n_nan
-    )
+    plan = MatrixPlan(run_id, b, by, parts, labels)
+    (matrix,) = read_matrices(session, [plan], template, buckets, start, end, extremes)
+    assert matrix is not None  # its rows are given: never left out
+    return matrix
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    """One heatmap before it is read: a run's rows (layers, heads or ranks) of one template on
+    `branch`'s history (its lineage's `parts`), the series of row r on branch br being
+    `ids[r, br]`; `rows`: the rows shown (None: those with values in the window)."""
+
+    run_id: str
+    branch: int
+    ids: dict[tuple[int, int], int]
+    parts: list[tuple[int, int, int]]
+    rows: list[int] | None = None
+
+
+def read_matrices(
+    session: Session,
+    plans: Sequence[MatrixPlan],
+    template: str,
+    buckets: int,
+    start: int | None = None,
+    end: int | None = None,
+    extremes: Extremes = "both",
+) -> list[Matrix | None]:
+    """The one read behind every heatmap, of one run (`layer_matrix`, `head_matrix`) or many
+    (across_runs.py `layer_matrices`): every plan's rows downsampled in one pass, on one grid,
+    one Matrix a plan (None for a plan of `rows=None` with no value in the window)."""
+    segs = []
+    for i, plan in enumerate(plans):
+        rows = plan.rows if plan.rows is not None else sorted({r for r, _ in plan.ids})
+        for r in rows:
+            segs += [((i, r), plan.ids[r, br], lo, hi) for br, lo, hi in plan.parts
+                     if (r, br) in plan.ids]  # fmt: skip
+    width, found, read_labels, _ = downsample_buckets(session, segs, buckets, start, end)
+    out: list[Matrix | None] = []
+    for i, plan in enumerate(plans):
+        index = [j for j, (g, _) in enumerate(read_labels) if g == i]
+        mine = found.subset(np.isin(found.group, index))
+        if plan.rows is None and not len(mine.n):
+            out.append(None)
+            continue
+        rows = plan.rows if plan.rows is not None else sorted({read_labels[j][1] for j in index})
+        row_of = np.zeros(len(read_labels), np.int64)
+        row_of[index] = [rows.index(read_labels[j][1]) for j in index]
+        ks, n, n_nan, mn, mn_s, mx, mx_s = mine.grids(row_of[mine.group], len(rows))
+        if extremes != "both":
+            mn = mn_s = [[None] * len(ks) for _ in rows]
+        out.append(
+            Matrix(
+                plan.run_id,
+                template,
+                plan.branch,
+                rows,
+                [k * width for k in ks],
+                width,
+                mn,
+                mn_s,
+                mx,
+                mx_s,
+                n,
+                n_nan,
+            )  # fmt: skip
+        )
+    return out
 
 
 def _check_buckets(buckets: int) -> None:
