@@ -187,16 +187,22 @@ def run(tmp: Path, package: Path, name: str, steps: int, poison: str = "0:0",
     result["resumed_at"] = resumed[0] if resumed else None
     # the poisoned micro-batches the loop trained on after the Watch's first rollback: of the
     # stream's yields before each of the loop's step lines, the last ACC are the step's (the
-    # ones before them, drawn and passed over by `watch.batches`, were skipped)
+    # ones before them, drawn and passed over by `watch.batches`, were skipped); a step whose
+    # update was refused (said before its line, on this CPU's host path) trained on none
     first = next((i for i, ln in enumerate(lines) if "rolled back from step" in ln), None)
-    trained, drawn = 0, []
+    trained, refused, drawn, refusals = 0, False, [], 0
     for ln in lines[first:] if first is not None else []:
         if ln.startswith("YIELD "):
             drawn.append(ln == "YIELD 1")
+        elif "update refused" in ln:
+            refused = True
         elif LINE.search(ln):
-            trained += sum(drawn[-ACC:]) if drawn else 0
-            drawn = []
+            poisoned = sum(drawn[-ACC:]) if drawn else 0
+            trained += 0 if refused else poisoned
+            refusals += refused
+            drawn, refused = [], False
     result["poisoned_micro_batches_trained_after_rollback"] = trained
+    result["refused_after_rollback"] = refusals
     return result
 
 

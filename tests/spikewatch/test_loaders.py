@@ -169,8 +169,12 @@ def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> No
     """examples/dataloader_loop.py --stream: an IterableDataset whose batches 120..129 (then
     120..159) have spoilt labels. 10: one rollback; no window fed twice, no poisoned batch after
     the rollback, the clean batches passed over counted in the rollback's line. 40: the stretch
-    outlasts the first skip, so the guard rolls back again (a control replay reaching past the
-    held batches says so and goes on); none after the last. Both end as well as the clean run."""
+    outlasts the first skip, and the stream gives its rest after the skip range: on the weights
+    just restored, the same-step tier refuses each of those batches (their loss 1.7-1.9x) and
+    the guard takes them for the data's, so one rollback, no LR cut, and no poisoned batch
+    trained after it (it rolled back a second time, and trained the one at 1.74x that slipped
+    under the tier's usual floor). The 10 end as well as the clean run; the 40 as well as a
+    clean run of as many updates (a refused step is a step without one)."""
     args = ("--stream", "--steps", "300", "--db", "none", "--fed", "fed.txt")
     clean = run_example("dataloader_loop", tmp_path / "clean", *args)
     with caplog.at_level(logging.WARNING, logger="spikewatch"):
@@ -193,19 +197,19 @@ def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> No
 
     long = run_example("dataloader_loop", tmp_path / "long", *args,
                        "--poison-at", "120", "--poison-len", "40")  # fmt: skip
-    rollbacks = [i for i in long["interventions"] if i["kind"] == "rollback"]
-    assert len(rollbacks) >= 2 and long["steps"] == 300
-    assert all(r["skip_ranges"] for r in rollbacks)  # whole batches: the rest are not drawn yet
-    # armed right after each rollback: the stretch's next batches are seen on their first steps
-    # (after the second, as a new level the policy accepts: they came back where each skip ended)
-    for r in rollbacks:
-        seen = [
-            v for v in long["verdicts"] if v["kind"] == "spike" and v["onset_step"] > r["to_step"]
-        ]
-        assert seen and min(v["onset_step"] for v in seen) <= r["to_step"] + 3, long["verdicts"]
+    (rollback,) = [i for i in long["interventions"] if i["kind"] == "rollback"]
+    assert long["steps"] == 300 and rollback["lr_scale_after"] == 1.0
+    assert rollback["skip_ranges"]  # whole batches: the rest are not drawn yet
+    k = long["interventions"].index(rollback)
+    refused = [i for i in long["interventions"][k + 1 :] if i["kind"] == "skip_update"]
+    after = [p for p in _poisoned(tmp_path / "long/fed.txt", 120, 40) if p >= rollback["from_step"]]
+    assert after and len(refused) == len(after)  # each fed after the rollback: refused
+    assert all("right after a rollback" in r["reason"] for r in refused)
+    # each refused step is a step of the run without an update (27 of 300 here): a clean run
+    # of 273 steps ended at 2.5617 where this one ends at 2.5659 and the clean 300 at 2.5419
+    assert long["final_val_loss"] <= clean["final_val_loss"] + 0.03, (long, clean)
     fed = [i for line in (tmp_path / "long/fed.txt").open() for i in line.split()]
     assert len(fed) == len(set(fed))
-    assert long["final_val_loss"] <= clean["final_val_loss"] + 0.01, (long, clean)
 
 
 @pytest.mark.parametrize("new_loader_each_epoch", [False, True])

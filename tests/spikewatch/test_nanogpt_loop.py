@@ -75,13 +75,16 @@ class _Steps(Callback):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(("iters", "at", "length"), [(100, 40, 10), (200, 120, 40)])
 def test_a_corrupt_stretch_of_the_stream_is_rolled_back_once_and_never_trained_on(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, iters: int, at: int, length: int
 ) -> None:
-    """Ten iterations' batches from a corrupt stretch (random bytes: loss ~9 against ~3):
-    one rollback, and after it no update on a corrupt batch, though the loop's sampler knows
-    nothing of skips (its batches in the skip range are refused as they come); the loop
-    ends at its own last iteration, and better than without spikewatch."""
+    """Ten (or forty) iterations' batches from a corrupt stretch (random bytes: loss ~9
+    against ~3): one rollback, and after it no update on a corrupt batch, though the loop's
+    sampler knows nothing of skips (its batches in the skip range are refused as they come,
+    and the rest of a longer stretch, which the stream gives after the skip range, is refused
+    by the same-step tier: the weights just restored are known good); no LR cut (the cause was
+    the data); the loop ends at its own last iteration, and better than without spikewatch."""
     seen = _Steps()
     init = Watch.__init__
 
@@ -93,16 +96,18 @@ def test_a_corrupt_stretch_of_the_stream_is_rolled_back_once_and_never_trained_o
     monkeypatch.setenv("SPIKEWATCH_DB_URL", f"sqlite:///{tmp_path / 'runs.db'}")
     monkeypatch.syspath_prepend(str(LOOP))
     monkeypatch.chdir(tmp_path)
-    args = ["--max_iters=100", "--eval_interval=50", "--poison_at=40", "--poison_len=10"]
+    args = [f"--max_iters={iters}", "--eval_interval=50", f"--poison_at={at}",
+            f"--poison_len={length}"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["train_spikewatch.py", *args, f"--out_dir={tmp_path}/w"])
     out = runpy.run_path(str(LOOP / "train_spikewatch.py"), run_name="__main__")
     watch = out["watch"]
     rollbacks = [i for i in watch.interventions if i["kind"] == "rollback"]
     assert len(rollbacks) == 1, watch.interventions
+    assert watch.core.run.lr_scale == 1.0
     after = seen.steps[seen.rolled_back_at[0] :]
     trained = [s for s in after if s.applied]
     assert trained and max(s.loss for s in trained) < 5.0  # corrupt batches: ~8-9
-    assert out["iter_num"] == 101 and watch.step_count == 101
+    assert out["iter_num"] == iters + 1 and watch.step_count == iters + 1
     monkeypatch.setattr(Watch, "__init__", init)
     plain, _ = _run("train.py", tmp_path, *args, f"--out_dir={tmp_path / 'p'}")
     assert out["fixed_val_loss"]() < plain["fixed_val_loss"]

@@ -4,6 +4,7 @@ is compared with the one the rules call for. test_guard.py shows the same rules 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -195,3 +196,23 @@ def test_warning_episodes_reach_the_policy_and_a_rollback_forgets_later_ones() -
     action = g._act(Verdict("spike", 153, 151, 152, 30.0), level=None)
     assert action.to_step == 120 and action.skip_ranges == ((123, 163),)  # from step 124
     assert g.state_dict()["episodes"] == [125, 130]
+
+
+def test_after_a_rollback_the_refused_rest_of_a_bad_stretch_is_no_second_spike() -> None:
+    """A spike rolled back to step 140; the stream then gives the rest of the bad stretch
+    (losses 3x) on the restored weights, and the same-step tier refuses each (`refused_by`).
+    Those steps are the data's, not the model spiking again: no second rollback and no LR cut
+    while they last. The first step learnt ends that: a spike after it is acted on as ever."""
+    g = guard()
+    ((at, rb),) = drive(g, spiky, range(1, 300))
+    assert at == 152 and isinstance(rb, Rollback) and rb.to_step == 140
+    g.on_rollback(140, {"kind": "rollback", "cause": None})
+    for s in range(141, 151):  # the bad stretch goes on: each refused by the tier
+        why = "same-step tier, right after a rollback: ..."
+        refused = dataclasses.replace(state(s, 3.0 * BASE[s - 1]), refused_by=why)
+        assert g.on_step(refused) == Continue()
+    for s in range(151, 200):  # clean again
+        assert g.on_step(state(s, BASE[s - 1])) == Continue()
+    ((again, rb2),) = drive(g, lambda s: BASE[s - 1] * (3.0 if 200 <= s < 210 else 1.0),
+                            range(200, 300))  # fmt: skip
+    assert again == 202 and isinstance(rb2, Rollback)

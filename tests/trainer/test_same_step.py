@@ -125,8 +125,8 @@ def test_thresholds_with_the_step_before_on_the_device_are_those_after_observing
     """Read one step late (the GPU default), step t + 1's thresholds are set while step t's
     values are still on the device: `limits_after` must give what `limits()` gives once
     `observe` has learnt step t, whatever step t was (learnt, refused by the tier, non-finite,
-    a GradScaler's overflow), through the window's filling, its evictions and the refusals in
-    a row that disarm it."""
+    a GradScaler's overflow), through the window's filling, its evictions, the refusals in
+    a row that disarm it and the stretches after a rollback (a loss held to its floor)."""
     import random
 
     from spikewatch.trainer.core.same_step import SameStepConfig, SameStepGate
@@ -134,8 +134,11 @@ def test_thresholds_with_the_step_before_on_the_device_are_those_after_observing
     rng = random.Random(0)
     cfg = SameStepConfig(window=16, min_history=8, max_refusals=2, sigma=2.0)
     gate = SameStepGate(cfg)
-    kinds = {"learnt": 0, "refused": 0, "nonfinite": 0, "overflow": 0, "armed": 0}
+    kinds = {"learnt": 0, "refused": 0, "nonfinite": 0, "overflow": 0, "armed": 0, "after": 0}
     for _ in range(400):
+        if rng.random() < 0.05:
+            gate.after_restore()  # a rollback restored the window
+        kinds["after"] += gate.refused < 0
         loss, gnorm = rng.lognormvariate(0, 0.3), rng.lognormvariate(0, 0.5)
         kind = rng.choices(["learnt", "refused", "nonfinite", "overflow"], [8, 2, 1, 1])[0]
         if kind == "nonfinite":
@@ -168,6 +171,8 @@ def _late_cases(n: int = 400):  # noqa: ANN202
     rng = random.Random(1)
     gate = SameStepGate(SameStepConfig(window=16, min_history=8, max_refusals=2, sigma=2.0))
     for _ in range(n):
+        if rng.random() < 0.05:
+            gate.after_restore()  # a rollback restored the window: a loss held to its floor
         loss, gnorm = rng.lognormvariate(0, 0.3), rng.lognormvariate(0, 0.5)
         kind = rng.choices(["learnt", "refused", "nonfinite", "overflow"], [8, 2, 1, 1])[0]
         if kind in ("nonfinite", "overflow"):
@@ -269,3 +274,26 @@ def test_a_loss_near_zero_is_refused_only_nats_above_its_mean() -> None:
         assert refused == want, loss
         assert (late.item() == 0.0) == want
         assert bool(armed) and (math.log(loss) > float(lim[0])) == want
+
+
+def test_right_after_a_rollback_a_bad_stretch_is_refused_to_its_end() -> None:
+    """A short run's window still holds its first steps' descent (5.7 -> 2.6: a wide spread),
+    so a bad batch at 4x the loss is 5.5 deviations and goes through, as it did after a
+    rollback in a 40-batch corrupt stretch (and spiked the run again). Right after a rollback
+    (`after_restore`) the weights are known good: a loss past its floor above the rolling mean
+    (1.75x) is refused whatever the spread, 40 bad batches in a row (up to `after_rollback`,
+    not `max_refusals`); the first clean batch is learnt and the usual rule is back."""
+    descent = [2.6 + 3.1 * math.exp(-s / 6) for s in range(16)]
+    for restored in (False, True):
+        gate = SameStepGate(CFG)
+        for v in descent:
+            assert not _check(gate, v)[0]
+        if restored:
+            gate.after_restore()
+        refused = [_check(gate, 4.0 * 2.6)[0] for _ in range(40)]
+        if not restored:  # the spread lets it through: the rule without a rollback
+            assert not any(refused)
+            continue
+        assert all(refused)
+        assert gate.observe(2.6, 1.0, False) == "" and gate.refused == 0  # learnt: back
+        assert not _check(gate, 4.0 * 2.6)[0]

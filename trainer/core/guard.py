@@ -82,6 +82,10 @@ class SpikeGuard(Callback):
         self._pin: str | None = None
         self._warned: dict[str, int] = {}  # signal -> last step it warned
         self._episodes: list[int] = []  # steps where warning episodes began (recent ones)
+        # a rollback restored weights known good and no step has been learnt since: a step the
+        # same-step tier refuses then is the rest of a bad stretch on those weights, which the
+        # detector must not take for the model spiking again (a second rollback, an LR cut)
+        self._restored = False
         self._keep = 4 * (guard.detector.window + guard.policy.skip_extra) + 64
 
     @classmethod
@@ -113,6 +117,10 @@ class SpikeGuard(Callback):
             del self.batch_of[s]
             self.loss_of.pop(s, None)
             self.rank_loss_of.pop(s, None)
+        if self._restored:
+            if state.refused_by:  # refused on the restored weights: the data's, not a spike
+                return Continue()
+            self._restored = False
         self._outcomes(state)
         level = self.detector.level()
         verdicts = self.detector.update(state.step, state.loss, state.grad_norm)
@@ -257,6 +265,7 @@ class SpikeGuard(Callback):
 
     def on_rollback(self, step: int, record: Mapping[str, Any]) -> None:
         self.detector.rewind(step)
+        self._restored = True
         if record.get("kind") == "rollback":
             self.policy.caused(record.get("cause"))
         # the restored branch has not seen the warnings raised after `step`: a warning there
@@ -283,6 +292,7 @@ class SpikeGuard(Callback):
             "outcomes": self.outcomes,
             "warned": self._warned,
             "episodes": self._episodes,
+            "restored": self._restored,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,3 +313,4 @@ class SpikeGuard(Callback):
         self.outcomes = list(state.get("outcomes", []))
         self._warned = {str(k): int(s) for k, s in state.get("warned", {}).items()}
         self._episodes = [int(s) for s in state.get("episodes", [])]
+        self._restored = bool(state.get("restored", False))

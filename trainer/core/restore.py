@@ -510,6 +510,8 @@ class Restorer:
         core.probes.state_moved = state.get("state_moved")  # taken past the same checkpoint
         if core.same_step is not None and state.get("same_step") is not None:
             core.same_step.load_state_dict(state["same_step"])
+            if not resume:  # a rollback: the weights restored are known good
+                core.same_step.after_restore()
         restored = DataState.from_dict(state["data_state"])
         if resume:
             run.run_id = str(state["run_id"])

@@ -21,8 +21,11 @@ step); the thresholds need ~12 scalar ops on the device and ~20 us of host arith
 The spike guard's rollback stays the tier for what persists: after `max_refusals` refusals in a
 row the tier lets the next extreme update through (and learns from it), so a spike that keeps
 coming reaches the detector as consecutive excursions and is rolled back, and a real new level
-is learnt instead of being refused for ever. Non-finite values are the loop's (always refused)
-and never enter the statistics.
+is learnt instead of being refused for ever. Right after a rollback the weights are known good:
+a high loss then is the data's (most often the rest of a bad stretch), so until a step is
+learnt, a loss at `after_rollback_ratio` times the rolling mean is refused whatever the
+window's spread, up to `after_rollback` times in a row (`after_restore`). Non-finite values
+are the loop's (always refused) and never enter the statistics.
 """
 
 from __future__ import annotations
@@ -61,6 +64,24 @@ class SameStepConfig(BaseModel):
     sigma: float = Field(6.0, gt=0, description="Deviations above the rolling mean that refuse.")
     max_refusals: int = Field(
         2, ge=1, description="Refusals in a row; the next extreme update goes through."
+    )
+    after_rollback: int = Field(
+        64,
+        ge=1,
+        description="Refusals in a row right after a rollback (in place of `max_refusals`, "
+        "until a step is not refused): the weights just restored are known good, so a high "
+        "loss on the batches that follow is the data's, most often the rest of a bad stretch "
+        "that the rollback's skip range covered only in part (a corrupt shard read as a "
+        "stream); letting one through there trained a bad batch and spiked again.",
+    )
+    after_rollback_ratio: float = Field(
+        1.5,
+        gt=1,
+        description="Right after a rollback, a loss this many times its rolling (geometric) "
+        "mean is refused, whatever the window's spread (and `min_loss_excess` nats above it): "
+        "a batch of spoilt labels came at 1.74-1.82x, a short run's window spread by its first "
+        "steps' descent let 4x through, and a clean batch on restored weights lies near the "
+        "mean (one refused by mistake costs that batch alone: the next one learnt ends it).",
     )
     floor: float = Field(
         LOSS_FLOOR,
@@ -107,16 +128,27 @@ class SameStepGate:
             held = series[: self.count]
             mean = math.fsum(held) / self.count
             var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            out.append(mean + cfg.sigma * max(math.sqrt(var), self._floor(i, mean)))
+            if i == 0 and self.refused < 0:  # right after a rollback: the loss's own bar
+                spread = self._floor(i, mean, restored=True)
+            else:
+                spread = max(math.sqrt(var), self._floor(i, mean))
+            out.append(mean + cfg.sigma * spread)
         return out[0], out[1]
 
-    def _floor(self, i: int, mean: float) -> float:
+    def _floor(self, i: int, mean: float, restored: bool = False) -> float:
         """Series i's smallest deviation (log units) at the log-mean `mean`: its floor, and for
-        the loss what `min_loss_excess` nats above the mean need (`loss_floor`)."""
+        the loss what `min_loss_excess` nats above the mean need (`loss_floor`); `restored`:
+        right after a rollback, the loss's floor is `after_rollback_ratio`'s."""
         cfg = self.cfg
         if i == 0:
-            return max(cfg.floor, math.log1p(cfg.min_loss_excess * math.exp(-mean)) / cfg.sigma)
+            floor = self.after_floor if restored else cfg.floor
+            return max(floor, math.log1p(cfg.min_loss_excess * math.exp(-mean)) / cfg.sigma)
         return cfg.grad_floor
+
+    @property
+    def after_floor(self) -> float:
+        """The loss's floor right after a rollback, in the floors' units (log / sigma)."""
+        return math.log(self.cfg.after_rollback_ratio) / self.cfg.sigma
 
     def limits_after(
         self,
@@ -165,10 +197,12 @@ class SameStepGate:
         mean = mean0 + s1 / nn
         var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
         sd = var.sqrt()
-        least = loss_floor(mean[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
-        sd = torch.stack([torch.maximum(sd[0], least), sd[1].clamp_min(cfg.grad_floor)])
-        lim = mean + cfg.sigma * sd
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
+        least = loss_floor(mean[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
+        bar = loss_floor(mean[0], cfg.sigma, self.after_floor, cfg.min_loss_excess)
+        loss_sd = torch.where(run < 0, bar, torch.maximum(sd[0], least))  # after a rollback
+        sd = torch.stack([loss_sd, sd[1].clamp_min(cfg.grad_floor)])
+        lim = mean + cfg.sigma * sd
         armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
         return lim, armed
 
@@ -210,7 +244,7 @@ class SameStepGate:
         h = torch.tensor(
             [host[0][0], host[1][0], host[0][1], host[1][1], host[0][2], host[1][2],
              float(n), float(n == cfg.window), float(self.refused), float(overflow is not None),
-             cfg.min_loss_excess],
+             cfg.min_loss_excess, self.after_floor],
             dtype=torch.float64,
         )  # fmt: skip
         dev = loss.device
@@ -250,7 +284,7 @@ class SameStepGate:
         reason = ""
         if refused:
             of_loss, of_grad = self.excess(loss, grad_norm)
-            reason = self.reason(of_loss, of_grad, self.cfg.sigma)
+            reason = self.reason(of_loss, of_grad, self.cfg.sigma, self.refused < 0)
         x = [_log(loss), _log(grad_norm)]
         if all(math.isfinite(v) for v in x) and not refused:
             for series, v in zip(self.values, x, strict=True):
@@ -279,9 +313,17 @@ class SameStepGate:
         self.count = self.pos = self.refused = 0
 
     @staticmethod
-    def reason(loss: tuple[float, float], grad: tuple[float, float], sigma: float) -> str:
+    def reason(
+        loss: tuple[float, float], grad: tuple[float, float], sigma: float, restored: bool = False
+    ) -> str:
         """Why a step was refused, from `excess`: each series above its limit, how many times
-        its rolling mean and how many deviations."""
+        its rolling mean and how many deviations. `restored`: right after a rollback, where
+        the loss is held to its floor above the mean (its spread is not asked)."""
+        if restored and grad[0] <= sigma:
+            return (
+                f"same-step tier, right after a rollback: loss {loss[1]:.2f}x its rolling mean "
+                "on weights known good (the bad stretch goes on): update refused"
+            )
         what = [
             f"{name} {ratio:.2f}x its rolling mean ({z:.1f} deviations)"
             for name, (z, ratio) in (("loss", loss), ("grad norm", grad))
@@ -297,6 +339,16 @@ class SameStepGate:
             "pos": self.pos,
             "refused": self.refused,
         }
+
+    def after_restore(self) -> None:
+        """A rollback restored the tier's state with the weights, which are known good: until
+        a step is not refused (which sets the count back to 0 and the usual rule), up to
+        `after_rollback` refusals in a row (the count starts that far below `max_refusals`),
+        and a loss is refused at `after_rollback_ratio` (1.5) times the rolling mean (and
+        `min_loss_excess` nats above it) whatever the window's spread: a short run's window
+        still holds its first steps' descent, whose spread let a bad batch's 4x loss through at
+        5.5 deviations, and spoilt labels came at 1.74x, under the usual 1.75x floor."""
+        self.refused = min(self.refused, self.cfg.max_refusals - self.cfg.after_rollback)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = state["values"]
@@ -331,7 +383,7 @@ def step_factor(
 
 
 def loss_floor(
-    mean: torch.Tensor, sigma: float, floor: float, excess: float | torch.Tensor
+    mean: torch.Tensor, sigma: float, floor: float | torch.Tensor, excess: float | torch.Tensor
 ) -> torch.Tensor:
     """The loss's smallest deviation (log units) at its log-mean `mean`, on the device: its
     floor, or what `excess` nats above the (geometric) mean need, the larger."""
@@ -355,9 +407,10 @@ def late_factor(
     """`limits_after` then `step_factor`, as one function of small tensors (so that it is
     one op, and one compiled kernel on CUDA). vs: six 0-dim float32 values on the device, the
     step before's loss, grad norm, factor and GradScaler overflow (its factor when there is no
-    scaler), then this step's loss and grad norm. h (11,) float64: the window's means, sums of
+    scaler), then this step's loss and grad norm. h (12,) float64: the window's means, sums of
     squared deviations and evicted values (each per series), its count, whether it is full,
-    the refusals in a row, whether there is an overflow flag, and `min_loss_excess`. Returns
+    the refusals in a row, whether there is an overflow flag, `min_loss_excess`, and the loss's
+    floor right after a rollback (`after_rollback_ratio`'s). Returns
     (2,) float32: the factor (1 or 0) and its refusal flag (1 - factor: a fused AdamW's
     `found_inf`), made here so that no op on the loop thread makes the flag from the factor."""
     v = torch.stack(vs)
@@ -380,9 +433,11 @@ def late_factor(
     mean = mean0 + s1 / nn
     var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
     sd = var.sqrt()
-    least = loss_floor(mean[0], sigma, floor, h[10])
-    lim = mean + sigma * torch.stack([torch.maximum(sd[0], least), sd[1].clamp_min(grad_floor)])
     run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
+    least = loss_floor(mean[0], sigma, floor, h[10])
+    bar = loss_floor(mean[0], sigma, h[11], h[10])
+    loss_sd = torch.where(run < 0, bar, torch.maximum(sd[0], least))  # after a rollback
+    lim = mean + sigma * torch.stack([loss_sd, sd[1].clamp_min(grad_floor)])
     armed = (n_new >= min_history) & (run < refusals)
     y = v[4:6].double()  # this step: (2,)
     ok = torch.isfinite(y).all()
