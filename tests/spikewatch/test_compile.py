@@ -104,8 +104,8 @@ def test_the_framework_examples_compiled_roll_back_as_they_do_eager(
     eager = run_example(name, tmp_path / "eager", *STEPS, *POISON)
     rollback = the_rollback(compiled)
     assert rollback["to_step"] < rollback["onset_step"]
-    assert [(i["kind"], i["step"], i["to_step"]) for i in compiled["interventions"]] == [
-        (i["kind"], i["step"], i["to_step"]) for i in eager["interventions"]
-    ]
+    assert [(i["kind"], i["step"], i.get("to_step")) for i in compiled["interventions"]] == [
+        (i["kind"], i["step"], i.get("to_step")) for i in eager["interventions"]
+    ]  # a rollback, and the steps refused after it (the rest of the poisoned stretch), alike
     assert compiled["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-3)
     assert "layer/1/head/3/attn_max" in compiled["metric_names"]

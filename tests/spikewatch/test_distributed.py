@@ -253,8 +253,8 @@ def test_a_killed_two_rank_job_resumes_bitwise(tmp_path) -> None:
     _launch(killed, "plain_loop", *args, "--resume", "run", probe=False, fresh=False)
     a = json.loads((whole / "s.json").read_text())
     b = json.loads((killed / "s.json").read_text())
-    assert b["interventions"] and [i["to_step"] for i in b["interventions"]] == [
-        i["to_step"] for i in a["interventions"]
+    assert b["interventions"] and [i.get("to_step") for i in b["interventions"]] == [
+        i.get("to_step") for i in a["interventions"]
     ]
     assert b["final_train_loss"] == a["final_train_loss"]
     assert b["final_val_loss"] == a["final_val_loss"]
