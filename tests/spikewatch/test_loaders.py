@@ -195,8 +195,10 @@ def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> No
     assert hit["final_val_loss"] <= clean["final_val_loss"] + 0.01, (hit, clean)
     assert hit["val_losses"][-1]["step"] == 300  # the final evaluation, after the block
 
-    long = run_example("dataloader_loop", tmp_path / "long", *args,
-                       "--poison-at", "120", "--poison-len", "40")  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spikewatch"):
+        long = run_example("dataloader_loop", tmp_path / "long", *args,
+                           "--poison-at", "120", "--poison-len", "40")  # fmt: skip
     (rollback,) = [i for i in long["interventions"] if i["kind"] == "rollback"]
     assert long["steps"] == 300 and rollback["lr_scale_after"] == 1.0
     assert rollback["skip_ranges"]  # whole batches: the rest are not drawn yet
@@ -205,6 +207,13 @@ def test_a_poisoned_stretch_of_a_stream_is_not_fed_again(tmp_path, caplog) -> No
     after = [p for p in _poisoned(tmp_path / "long/fed.txt", 120, 40) if p >= rollback["from_step"]]
     assert after and len(refused) == len(after)  # each fed after the rollback: refused
     assert all("right after a rollback" in r["reason"] for r in refused)
+    said = [m for r in caplog.records if "refused" in (m := r.getMessage()) and "right af" in m]
+    first, last = refused[0]["step"], refused[-1]["step"]  # the first in full, then one line
+    assert said == [
+        f"step {first}: skip_update ({refused[0]['reason']})",
+        f"steps {first + 1}-{last}: {len(refused) - 1} more updates refused right after the "
+        "rollback, the bad stretch going on (each in the run's record)",
+    ]
     # each refused step is a step of the run without an update (27 of 300 here): a clean run
     # of 273 steps ended at 2.5617 where this one ends at 2.5659 and the clean 300 at 2.5419
     assert long["final_val_loss"] <= clean["final_val_loss"] + 0.03, (long, clean)

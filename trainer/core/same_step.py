@@ -40,7 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from spikewatch.trainer.core.transfer import as32
 
-__all__ = ["SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
+__all__ = ["AFTER_ROLLBACK", "SameStepConfig", "SameStepGate", "late_factor", "step_factor"]
+
+AFTER_ROLLBACK = "same-step tier, right after a rollback"  # how such a refusal's reason begins
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +323,8 @@ class SameStepGate:
         the loss is held to its floor above the mean (its spread is not asked)."""
         if restored and grad[0] <= sigma:
             return (
-                f"same-step tier, right after a rollback: loss {loss[1]:.2f}x its rolling mean "
-                "on weights known good (the bad stretch goes on): update refused"
+                f"{AFTER_ROLLBACK}: loss {loss[1]:.2f}x its rolling mean on weights known good "
+                "(the bad stretch goes on): update refused"
             )
         what = [
             f"{name} {ratio:.2f}x its rolling mean ({z:.1f} deviations)"

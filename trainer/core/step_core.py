@@ -61,7 +61,7 @@ from spikewatch.trainer.core.callbacks import (
 from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
 from spikewatch.trainer.core.probes import Probes
 from spikewatch.trainer.core.restore import Replay, Restorer, Swap
-from spikewatch.trainer.core.same_step import SameStepGate, step_factor
+from spikewatch.trainer.core.same_step import AFTER_ROLLBACK, SameStepGate, step_factor
 from spikewatch.trainer.core.state import DECIDED_KEYS, ENDED, RunState
 from spikewatch.trainer.core.transfer import HostTransfer, StepTensors
 from spikewatch.trainer.core.watchdog import BEGUN, GATED, RankBeats, StallConfig, Watchdog
@@ -158,6 +158,8 @@ class StepCore:
     _state: StepState | None = None
     _action: Action = field(default_factory=Continue)
     _last_step_end: float | None = None
+    # refusals right after a rollback being told as one line: [first step, last step, more]
+    _stretch: list[int] | None = None
     _started: bool = False
     _t0: float = field(default_factory=time.perf_counter)
     _steps_timed: int = 0
@@ -415,9 +417,10 @@ class StepCore:
         for reason in pins:
             self.pin_newest(reason)
         if isinstance(action, Continue):
+            self._end_stretch()
             self.run.lr_scale = rescale(self.run.lr_scale, action)  # from the next step on
         else:
-            log.warning("step %d: %s (%s)", state.step, action_name(action), action.reason)
+            self._say(state, action)
             self.run.interventions.append(intervention(action, state))
             if isinstance(action, Halt):
                 self.stop_requested = True
@@ -427,6 +430,29 @@ class StepCore:
         kept = isinstance(action, Continue) and not state.overflow  # the scaler skips overflows
         self._applied = kept if self.host_path else not refused
         self.outcome = APPLIED if kept else REFUSED
+
+    def _say(self, state: StepState, action: SkipUpdate | Rollback | Halt) -> None:
+        """One console line an action; of a stretch of refusals right after a rollback (the
+        rest of a bad stretch, up to 64 of them), the first, then one line when it ends. Each
+        is in the run's record all the same."""
+        stretch = isinstance(action, SkipUpdate) and action.reason.startswith(AFTER_ROLLBACK)
+        if stretch and self._stretch is not None:
+            self._stretch[1:] = [state.step, self._stretch[2] + 1]
+            log.info("step %d: %s (%s)", state.step, action_name(action), action.reason)
+            return
+        self._end_stretch()
+        log.warning("step %d: %s (%s)", state.step, action_name(action), action.reason)
+        if stretch:
+            self._stretch = [state.step, state.step, 0]
+
+    def _end_stretch(self) -> None:
+        """The stretch of refusals right after a rollback ended: how many more there were."""
+        told, self._stretch = self._stretch, None
+        if told is not None and told[2]:
+            log.warning(
+                "steps %d-%d: %d more updates refused right after the rollback, the bad stretch "
+                "going on (each in the run's record)", told[0] + 1, told[1], told[2],
+            )  # fmt: skip
 
     def conclude(self) -> str:
         outcome = self._conclude()
@@ -686,6 +712,7 @@ class StepCore:
         self.start()
         try:
             self.drain()  # read late: the last step's values
+            self._end_stretch()
             self.flush_probes()
             disk = self.checkpointer.disk
             if disk.enabled and disk.last_saved != self.step_count:
