@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.store.sink import BaseSink, DbSink, open_run_sink
@@ -69,6 +70,7 @@ from spikewatch.trainer.core.step_core import (
     StepCore,
 )
 from spikewatch.trainer.core.transfer import StepTensors, clip_by_global_norm
+from spikewatch.trainer.core.watchdog import LastGrad
 from spikewatch.trainer.core.world import World, say
 from spikewatch.trainer.model.attn_max import AttnMax
 from spikewatch.trainer.watch_amp import Scaling
@@ -167,6 +169,7 @@ class Watch:
         self._undo_sigterm: Callable[[], None] | None = None  # SIGTERM as Ctrl-C, while open
         self._stop_raised = False  # a signal's agreed stop, raised in the loop once
         self._forward_hook: Any = None  # under torchrun: the forwards timed (the watchdog)
+        self._last_grad: LastGrad | None = None  # ... and the backwards, to their last gradient
         self._inner_step: Callable[..., Any] | None = None  # the optimizer's own, once gated
         self._loop_clip: LoopClip | None = None  # the loop's own clip, once routed
         self._undo_clip: Callable[[], None] | None = None
@@ -189,6 +192,13 @@ class Watch:
                 # kept out of a compiled graph: a clock read is no part of the model's forward
                 ended = torch.compiler.disable(self._forward_ended)
                 self._forward_hook = self.model.register_forward_hook(ended)
+                params = self.core.probes.params
+                if (
+                    self.core.stall is not None
+                    and self.core.stall.enabled
+                    and not any(isinstance(p, DTensor) for p in params)
+                ):  # ... and its backwards, to their last gradient (DDP: FSDP2's are its own)
+                    self._last_grad = LastGrad(params, self._grads_ready)
             atexit.register(close_at_exit, weakref.ref(self))
             if self.framework == "loop" and self.cfg.probes.attn_max:
                 self._attach_attention()
@@ -257,6 +267,13 @@ class Watch:
         watchdog = self.core.watchdog if self.core is not None else None
         if watchdog is not None:
             watchdog.forward_ended()
+        if self._last_grad is not None:  # a backward has run: its last gradient is known
+            self._last_grad.settle()
+
+    def _grads_ready(self) -> None:
+        watchdog = self.core.watchdog if self.core is not None else None
+        if watchdog is not None:
+            watchdog.grads_ready()
 
     @property
     def stop_agreed(self) -> bool:
@@ -817,6 +834,9 @@ class Watch:
             if self._forward_hook is not None:
                 self._forward_hook.remove()
                 self._forward_hook = None
+            if self._last_grad is not None:
+                self._last_grad.remove()
+                self._last_grad = None
             if self._undo_clip is not None:
                 self._undo_clip()
                 self._undo_clip = None

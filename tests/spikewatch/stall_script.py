@@ -2,7 +2,8 @@
 4 s at step 30 (its loader hangs), so rank 0 waits for it in the step's all-reduce. The stall
 bound is 1 s. Run: torchrun --nproc_per_node=2 stall_script.py OUT. With `straggle` after OUT,
 rank 1's batches take 60 ms each from batch 10 on (a slow loader on one node), for 80 steps;
-with `slow_forward`, rank 1's forward takes 60 ms more from step 10 on (a slow device)."""
+with `slow_forward`, rank 1's forward takes 60 ms more from step 10 on (a slow device); with
+`slow_backward`, its backward does (its forward as fast as rank 0's)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     straggle = sys.argv[2:] == ["straggle"]
     slow_forward = sys.argv[2:] == ["slow_forward"]
+    slow_backward = sys.argv[2:] == ["slow_backward"]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -38,18 +40,25 @@ def main() -> None:
                 time.sleep(0.06)
 
         model.register_forward_pre_hook(slow_device)
+    if slow_backward and rank == 1:
+
+        def slow_in_backward(module: torch.nn.Module, grad_output: object) -> None:
+            if watch.step_count >= 10:
+                time.sleep(0.06)
+
+        model[2].register_full_backward_pre_hook(slow_in_backward)
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_at(i: int) -> torch.Tensor:
         if straggle and i >= 10 and rank == 1:
             time.sleep(0.06)
-        elif i == 30 and rank == 1 and not (straggle or slow_forward):
+        elif i == 30 and rank == 1 and not (straggle or slow_forward or slow_backward):
             stuck_in_rank_1s_loader(i)
         return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
 
     settings = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}
-    steps = 80 if straggle or slow_forward else 40
+    steps = 80 if straggle or slow_forward or slow_backward else 40
     with Watch(ddp, opt, max_steps=steps, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
                settings=settings) as watch:  # fmt: skip
         for x in watch.batches(batch_at):

@@ -47,15 +47,19 @@ def test_a_rank_whose_loader_is_slow_is_named_the_straggler(tmp_path) -> None:
     assert event.data["batch_wait_s"] >= 0.05 > event.data["others_batch_wait_s"]
 
 
-def test_a_rank_slow_in_its_compute_is_named_the_straggler(tmp_path) -> None:
+@pytest.mark.parametrize("part", ["forward", "backward"])
+def test_a_rank_slow_in_its_compute_is_named_the_straggler(tmp_path, part: str) -> None:
     """`stall_script.py OUT slow_forward`: rank 1's forward takes 60 ms more from step 10 on (a
     slow device). Its batches come as fast as rank 0's and the ranks' steps take as long (rank
     0 waits in backward's all-reduce): rank 0 records one slowdown naming rank 1 by its
-    forward, from the forwards' times each rank publishes."""
+    forward, from the forwards' times each rank publishes. `slow_backward`: its backward takes
+    the 60 ms, its forward as fast as rank 0's; each rank times its backward to its last
+    gradient (before the all-reduce's wait, where rank 0's backward waits for rank 1's), and
+    rank 1 is named by its backward."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     script = str(REPO / "tests" / "spikewatch" / "stall_script.py")
-    done = subprocess.run([*cmd, script, str(tmp_path), "slow_forward"], env=env,
+    done = subprocess.run([*cmd, script, str(tmp_path), f"slow_{part}"], env=env,
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
     if done.returncode and TEARDOWN_ABORT in done.stdout + done.stderr:
         pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
@@ -66,9 +70,9 @@ def test_a_rank_slow_in_its_compute_is_named_the_straggler(tmp_path) -> None:
     named = [e for e in events if "straggler" in e.data]
     assert len(named) == 1, [(e.message, e.data) for e in events]
     (event,) = named
-    assert event.data["rank"] == 1 and event.data["slow_in"] == "forward"
-    assert "rank 1 is the straggler, its forward taking" in event.message
-    assert event.data["forward_s"] >= 0.06 > event.data["others_forward_s"]
+    assert event.data["rank"] == 1 and event.data["slow_in"] == part
+    assert f"rank 1 is the straggler, its {part} taking" in event.message
+    assert event.data[f"{part}_s"] >= 0.06 > event.data[f"others_{part}_s"]
 
 
 @pytest.mark.parametrize("mode", ["own", pytest.param("batches", marks=pytest.mark.slow)])

@@ -335,3 +335,27 @@ def test_the_ranks_pace_is_read_in_two_store_calls_once_every_rank_has_published
     Counted.calls = 0
     pace = beats[0].read_pace()
     assert Counted.calls == 2 and len(pace) == 64 and pace[63] == 0.05
+
+
+def test_the_last_gradient_is_learnt_on_the_first_backward_and_its_hook_alone_kept() -> None:
+    """Under torchrun each rank times its backward to its last gradient (`LastGrad`): on the
+    first backward every parameter's hook notes the order; once a forward shows that backward
+    done (`settle`), the hook of the last parameter alone stays, one call a backward."""
+    import torch
+
+    from spikewatch.trainer.core.watchdog import LastGrad
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 2))
+    calls: list[int] = []
+    last = LastGrad(model.parameters(), lambda: calls.append(1))
+    model(torch.tensor([1, 2])).sum().backward()
+    assert len(calls) == 3  # learning: every parameter's gradient
+    assert last._order[-1] == id(model[0].weight)  # the embedding's comes last
+    last.settle()
+    assert list(last._handles) == [id(model[0].weight)]
+    calls.clear()
+    model(torch.tensor([3])).sum().backward()
+    assert calls == [1]
+    last.remove()
+    model(torch.tensor([3])).sum().backward()
+    assert calls == [1]

@@ -230,10 +230,11 @@ class Recorder(Callback):
                             message=message, data=dict(info))  # fmt: skip
 
     def on_straggler(self, info: Mapping[str, Any]) -> None:
-        if "forward_s" in info:  # slow in its compute: the others wait for it in backward
+        part = next((k for k in ("forward", "backward") if f"{k}_s" in info), None)
+        if part is not None:  # slow in its compute: the others wait for it in backward's sync
             message = (
-                f"slowdown: rank {info['rank']} is the straggler, its forward taking "
-                f"{info['forward_s']:.3g} s a step against {info['others_forward_s']:.3g} s on "
+                f"slowdown: rank {info['rank']} is the straggler, its {part} taking "
+                f"{info[f'{part}_s']:.3g} s a step against {info[f'others_{part}_s']:.3g} s on "
                 "the other ranks"
             )
         else:

@@ -50,7 +50,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EXIT_STALLED", "StallConfig", "Watchdog", "thread_stacks"]
+__all__ = ["EXIT_STALLED", "LastGrad", "StallConfig", "Watchdog", "thread_stacks"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class RankBeats:
 
     PACE = "spikewatch/pace/"  # the median wait for its batches
     FORWARD = "spikewatch/forward/"  # the median forward (batch in hand to the forward's end)
+    BACKWARD = "spikewatch/backward/"  # the median backward (forward's end to its last gradient)
 
     def publish_pace(self, seconds: float, kind: str = PACE) -> None:
         """This rank's recent median of `kind` (seconds), when it changed."""
@@ -170,8 +171,51 @@ class RankBeats:
         return out
 
 
-WHAT = {RankBeats.PACE: "its batches", RankBeats.FORWARD: "its forward"}
-SLOW_IN = {RankBeats.PACE: "batches", RankBeats.FORWARD: "forward"}  # the event's `slow_in`
+KINDS = (RankBeats.PACE, RankBeats.FORWARD, RankBeats.BACKWARD)  # in the order judged
+WHAT = {RankBeats.PACE: "its batches", RankBeats.FORWARD: "its forward",
+        RankBeats.BACKWARD: "its backward"}  # fmt: skip
+SLOW_IN = {RankBeats.PACE: "batches", RankBeats.FORWARD: "forward",
+           RankBeats.BACKWARD: "backward"}  # the event's `slow_in`  # fmt: skip
+KEY = {RankBeats.PACE: "batch_wait_s", RankBeats.FORWARD: "forward_s",
+       RankBeats.BACKWARD: "backward_s"}  # the event's figure  # fmt: skip
+
+
+class LastGrad:
+    """Under torchrun (DDP): when this rank's backward has made its last gradient, its own
+    compute done (a DDP rank then waits in the all-reduce for the others' gradients, so its
+    backward's wall time is the slowest rank's). The parameter whose gradient comes last is
+    learnt on the first backward (every parameter's post-accumulate hook notes the order) and
+    its hook alone is kept: one Python call a backward after that."""
+
+    def __init__(self, params: Any, on_ready: Callable[[], None]) -> None:
+        self.on_ready = on_ready
+        self._order: list[int] = []
+        self._learning = True
+        self._handles = {
+            id(p): p.register_post_accumulate_grad_hook(self._hook)
+            for p in params
+            if p.requires_grad
+        }
+
+    def _hook(self, p: Any) -> None:
+        if self._learning:
+            self._order.append(id(p))
+        self.on_ready()
+
+    def settle(self) -> None:
+        """A backward has run since the hooks were placed (the next step's forward ended):
+        the last parameter is known, the other hooks go."""
+        if not self._learning or not self._order:
+            return
+        self._learning = False
+        last = self._order[-1]
+        for key in [k for k in self._handles if k != last]:
+            self._handles.pop(key).remove()
+
+    def remove(self) -> None:
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
 
 
 def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int, float] | None:
@@ -334,9 +378,14 @@ class Watchdog:
         # ... and its forwards (batch in hand to the model's forward's end: no collective in a
         # DDP forward, so a rank slow in its compute shows there; the others wait in backward)
         self.forwards: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        # ... and its backwards (the forward's end to its last gradient, before the all-reduce's
+        # wait: a rank slow in its backward alone keeps the others waiting there)
+        self.backwards: collections.deque[float] = collections.deque(maxlen=cfg.slowdown_window)
+        self._forward_end: float | None = None
+        self._grads_at: float | None = None
         self._begun_at: float | None = None
         self._straggler: dict[str, Any] | None = None
-        self._straggling = {RankBeats.PACE: 0, RankBeats.FORWARD: 0}
+        self._straggling = dict.fromkeys(KINDS, 0)
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -392,13 +441,24 @@ class Watchdog:
             now = self.clock()
             self.data_waits.append(max(0.0, now - self._last - self._excluded))
             self._begun_at = now
+        elif phase == GATED:  # backward done: its own part, the forward's end to the last grad
+            ended, made = self._forward_end, self._grads_at
+            self._forward_end = self._grads_at = None
+            if ended is not None and made is not None and made > ended:
+                self.backwards.append(made - ended)
 
     def forward_ended(self) -> None:
         """The model's forward ended (a hook, on the loop thread, under torchrun): the step's
         first one times this rank's compute from its batch in hand."""
         if self._begun_at is not None:
-            self.forwards.append(self.clock() - self._begun_at)
+            now = self.clock()
+            self.forwards.append(now - self._begun_at)
             self._begun_at = None
+            self._forward_end = now
+
+    def grads_ready(self) -> None:
+        """A gradient was made (`LastGrad`'s hook, in backward, on the loop thread)."""
+        self._grads_at = self.clock()
 
     def _pace(self, step: int, took: float, tokens: int | None = None) -> None:
         """The slowdown rule, on the loop thread: the recent steps' median against the run's
@@ -570,6 +630,8 @@ class Watchdog:
                 self.ranks.publish_pace(statistics.median(self.data_waits))
             if len(self.forwards) == self.forwards.maxlen:
                 self.ranks.publish_pace(statistics.median(self.forwards), RankBeats.FORWARD)
+            if len(self.backwards) == self.backwards.maxlen:
+                self.ranks.publish_pace(statistics.median(self.backwards), RankBeats.BACKWARD)
         except Exception as e:  # the store went away (the job ends): not the watchdog's end
             log.debug("progress not published: %s", e)
 
@@ -577,12 +639,13 @@ class Watchdog:
         """On rank 0, once a wake: a rank that keeps the others waiting three wakes running is
         a straggler, told once (`on_straggler`); within 1.2x again, it may be told anew. Slow
         in its batches (its median wait for them above `slowdown` times the others' and
-        `slowdown_min_s` longer), or else slow in its compute (its median forward so)."""
+        `slowdown_min_s` longer), or else slow in its compute (its median forward so, or its
+        median backward: the forward's end to its last gradient)."""
         factor = self.cfg.slowdown
         if self.ranks is None or self.ranks.rank != 0 or factor is None:
             return None
         try:
-            paces = {k: self.ranks.read_pace(k) for k in (RankBeats.PACE, RankBeats.FORWARD)}
+            paces = {k: self.ranks.read_pace(k) for k in KINDS}
         except Exception as e:  # the store: no judgement this wake
             log.debug("the ranks' pace could not be read: %s", e)
             return None
@@ -603,7 +666,7 @@ class Watchdog:
                 continue
             rank, others = found
             step_s = statistics.median(self.durations) if self.durations else None
-            key = "batch_wait_s" if kind == RankBeats.PACE else "forward_s"
+            key = KEY[kind]
             self._straggler = info = {
                 "step": self.step,
                 "straggler": rank,
