@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sqlalchemy import text  # noqa: E402
 
-from spikewatch.observatory.follow import Follower  # noqa: E402
+from spikewatch.observatory.readers.follow import Follower  # noqa: E402
+from spikewatch.observatory.readers.tfevents import masked_crc  # noqa: E402
 from spikewatch.observatory.store import db  # noqa: E402
 from spikewatch.observatory.store.sink import DbSink  # noqa: E402
-from spikewatch.observatory.tfevents import masked_crc  # noqa: E402
 
 
 def _varint(n: int) -> bytes:

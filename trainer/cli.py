@@ -199,7 +199,7 @@ def _report_json(report) -> dict:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from spikewatch.observatory.scan import ScanError, scan_path
+    from spikewatch.observatory.readers.scan import ScanError, scan_path
     from spikewatch.trainer.config import ConfigError
 
     try:
@@ -327,7 +327,7 @@ def cmd_watch_old_name(args: argparse.Namespace) -> int:
 def cmd_follow(args: argparse.Namespace) -> int:
     """Follow training logs into the store until Ctrl-C (or once, with --once)."""
     from spikewatch.observatory.alerts import Alerter, urls_from
-    from spikewatch.observatory.follow import Follower, FollowError, default_state_path
+    from spikewatch.observatory.readers.follow import Follower, FollowError, default_state_path
     from spikewatch.observatory.store.db import redact, resolve_url, upgrade
     from spikewatch.observatory.store.sink import DbSink
     from spikewatch.trainer.config import ConfigError

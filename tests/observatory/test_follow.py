@@ -1,5 +1,5 @@
-"""`spikewatch watch` (observatory/follow.py): a real SummaryWriter writing a loss curve with a
-spike while the follower polls; a restart mid-way; a truncated and a corrupt record; CSV and
+"""`spikewatch watch` (observatory/readers/follow.py): a real SummaryWriter writing a loss curve
+with a spike while the follower polls; a restart mid-way; a truncated and a corrupt record; CSV and
 JSON-lines files; an alert to a local receiver."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory import store
 from spikewatch.observatory.alerts import Alerter
-from spikewatch.observatory.follow import Follower
+from spikewatch.observatory.readers.follow import Follower
 from spikewatch.observatory.store import db
 from spikewatch.observatory.store.sink import DbSink
 

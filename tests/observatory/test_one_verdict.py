@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spikewatch.observatory.detect import Detector
-from spikewatch.observatory.scan import scan
+from spikewatch.observatory.readers.scan import scan
 
 
 def spiky_curve(seed: int, steps: int = 3000, at: int = 1500) -> list[tuple[int, float]]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from spikewatch.observatory.scan import ScanError, scan_path
+from spikewatch.observatory.readers.scan import ScanError, scan_path
 from spikewatch.trainer.cli import main
 
 

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from spikewatch.observatory.tfevents import Records, _checksums, _frame, masked_crc, walk_scalars
+from spikewatch.observatory.readers.tfevents import (
+    Records,
+    _checksums,
+    _frame,
+    masked_crc,
+    walk_scalars,
+)
 
 
 def value(tag: bytes, v: float) -> bytes:

@@ -14,8 +14,8 @@ import pytest
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory import store
-from spikewatch.observatory.follow import Follower, FollowError
-from spikewatch.observatory.scan import scan_path
+from spikewatch.observatory.readers.follow import Follower, FollowError
+from spikewatch.observatory.readers.scan import scan_path
 from spikewatch.observatory.store import db
 from spikewatch.observatory.store.sink import DbSink
 
@@ -169,7 +169,7 @@ def test_a_restart_goes_on_from_the_saved_offsets(tmp_path) -> None:
 
 
 def test_the_fast_scalar_path_reads_what_the_protobuf_walk_reads(tmp_path) -> None:
-    from spikewatch.observatory.tfevents import _frame, scalars, walk_scalars
+    from spikewatch.observatory.readers.tfevents import _frame, scalars, walk_scalars
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     tags = ["loss", "train/loss", "x" * 130, "ünïcode/täg"]  # a tag too long for one byte
@@ -293,7 +293,7 @@ def test_a_wandb_offline_run_is_followed(tmp_path) -> None:
 
 
 def test_a_wandb_file_read_as_it_grows_and_a_corrupt_chunk_reported(tmp_path) -> None:
-    from spikewatch.observatory.wandb_log import BLOCK, WandbLog
+    from spikewatch.observatory.readers.wandb_log import BLOCK, WandbLog
 
     rows = [{"loss": 2.0 + s * 1e-3} | ({"blob": "y" * 40_000} if s % 60 == 7 else {})
             for s in range(400)]  # fmt: skip

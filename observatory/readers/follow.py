@@ -9,7 +9,7 @@ Sources, each followed as it grows:
     numbers (nested objects flatten to `a/b`);
   MLflow's file store (`mlruns/`) and its SQLite database;
   W&B run files (`wandb/offline-run-*/run-*.wandb`, below a directory given or named
-    themselves; observatory/wandb_log.py), each run named by its run directory.
+    themselves; observatory/readers/wandb_log.py), each run named by its run directory.
 Every scalar becomes a series of the run (the recognised loss tag, or `--metric`, is stored
 under spikewatch's loss name and a recognised grad-norm tag under its grad-norm name,
 observatory/metric_names.py, so the dashboard draws them as for native runs). The online
@@ -17,8 +17,8 @@ detector (observatory/detect.py) runs on the loss and the grad norm; its verdict
 exactly as the trainer records them.
 
 Files are read incrementally from an offset, never whole. TensorBoard files are read in bulk
-by observatory/tfevents.py (framing, both masked CRC-32C checksums, decoding): a record still
-being written is read on a later poll once complete; a record whose data fails its checksum is
+by observatory/readers/tfevents.py (framing, both masked CRC-32C checksums, decoding): a record
+still being written is read on a later poll once complete; a record whose data fails its checksum is
 reported (a log line and a note event) and skipped; a length that fails its checksum leaves the
 rest of that file unreadable (reported once). CSV and JSON lines wait for their newline; a line
 that is not a row is reported and skipped. A poll's new points of a run go to the sink as one
@@ -55,11 +55,11 @@ import numpy as np
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.detect import Detector, DetectorConfig, Verdict
-from spikewatch.observatory.scan import flat_numbers
+from spikewatch.observatory.readers.scan import flat_numbers
+from spikewatch.observatory.readers.tfevents import Columns, EventError, Records, masked_crc
+from spikewatch.observatory.readers.wandb_log import WANDB_GLOB, WandbLog
 from spikewatch.observatory.store.sink import BaseSink
 from spikewatch.observatory.strict_json import tagged
-from spikewatch.observatory.tfevents import Columns, EventError, Records, masked_crc
-from spikewatch.observatory.wandb_log import WANDB_GLOB, WandbLog
 
 __all__ = ["FollowError", "Follower", "default_state_path", "LOSS_TAGS", "GRAD_TAGS", "masked_crc"]
 

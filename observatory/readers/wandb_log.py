@@ -5,10 +5,10 @@ The file is W&B's transaction log: a 7-byte header (`:W&B`, magic 0xBEE1, versio
 LevelDB's log format. 32 KiB blocks of chunks, each `uint32 CRC-32 (zlib's, of the type byte and
 the data), uint16 length, uint8 type` (1 a whole record, 2 / 3 / 4 its first / middle / last
 part); fewer than 7 bytes left in a block are padding. A record is a `wandb_internal.Record`
-protobuf, decoded here without its schema (observatory/tfevents.py's walk) by the field numbers
-of wandb's `wandb_internal.proto`: a history row is Record field 2, its items field 1 (key 1,
-nested key 2, the value as JSON 16) and its step field 2 (num 1). The test writes with wandb's
-own client, so a change of the format fails it.
+protobuf, decoded here without its schema (observatory/readers/tfevents.py's walk) by the field
+numbers of wandb's `wandb_internal.proto`: a history row is Record field 2, its items field 1
+(key 1, nested key 2, the value as JSON 16) and its step field 2 (num 1). The test writes with
+wandb's own client, so a change of the format fails it.
 
 Read incrementally: a record whose last chunk is not written yet is read on a later poll; a
 chunk that fails its checksum is reported and the rest of its block skipped (LevelDB's rule).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spikewatch.observatory.tfevents import Columns, EventError, _fields
+from spikewatch.observatory.readers.tfevents import Columns, EventError, _fields
 
 __all__ = ["WandbLog", "WANDB_GLOB"]
 

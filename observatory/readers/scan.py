@@ -3,7 +3,7 @@
 Inputs: a CSV with a header row `step,loss[,...]` (choose the column with `metric`), or a
 TensorBoard log directory (every `events.out.tfevents.*` file below it; `metric` is the scalar's
 tag). TensorBoard files are read with a small TFRecord + protobuf reader of our own
-(observatory/tfevents.py), so no TensorFlow or TensorBoard install is needed.
+(observatory/readers/tfevents.py), so no TensorFlow or TensorBoard install is needed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.detect import Detector, DetectorConfig
-from spikewatch.observatory.tfevents import EventError, Records
+from spikewatch.observatory.readers.tfevents import EventError, Records
 
 log = logging.getLogger(__name__)
 
