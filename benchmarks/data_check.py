@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spikewatch.observatory.datacheck import check  # noqa: E402
+from spikewatch.observatory.reports.datacheck import check  # noqa: E402
 
 
 def _plays() -> list[Path]:

@@ -49,11 +49,11 @@ from sqlalchemy import select  # noqa: E402
 
 from spikewatch.observatory import metric_names as M  # noqa: E402
 from spikewatch.observatory import store  # noqa: E402
-from spikewatch.observatory.census import grad_spike_mask  # noqa: E402
+from spikewatch.observatory.reports.census import grad_spike_mask  # noqa: E402
+from spikewatch.observatory.reports.sweeps import list_sweeps, sweep_report  # noqa: E402
 from spikewatch.observatory.store import across_runs as across  # noqa: E402
 from spikewatch.observatory.store.db import resolve_url  # noqa: E402
 from spikewatch.observatory.store.models import Event  # noqa: E402
-from spikewatch.observatory.sweeps import list_sweeps, sweep_report  # noqa: E402
 from spikewatch.trainer.builtin.sweep import run_sweep  # noqa: E402
 
 STEPS = 500

@@ -177,7 +177,7 @@ def _probe(model, opt, batch: dict, index: int, injected: set[str]) -> dict:
 def _census(db: str, run_id: str, steps: int) -> dict:
     from sqlalchemy.orm import Session
 
-    from spikewatch.observatory.census import census_of
+    from spikewatch.observatory.reports.census import census_of
     from spikewatch.observatory.store import across_runs as across
     from spikewatch.observatory.store.db import make_engine
 
@@ -198,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     registered = datetime.now(UTC).isoformat(timespec="seconds")
     print(f"hypothesis (registered {registered}, before the first run): {HYPOTHESIS}", flush=True)
-    from spikewatch.observatory.datacheck import check
+    from spikewatch.observatory.reports.datacheck import check
 
     out: dict = {"hypothesis": HYPOTHESIS, "registered_utc": registered, "arms": {}}
     named_total, named_injected, bursts_rolled = 0, 0, 0

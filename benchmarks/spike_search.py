@@ -31,8 +31,8 @@ from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 
 from spikewatch.observatory import metric_names as M  # noqa: E402
 from spikewatch.observatory import store  # noqa: E402
+from spikewatch.observatory.reports.sweeps import sweep_report  # noqa: E402
 from spikewatch.observatory.store.db import resolve_url  # noqa: E402
-from spikewatch.observatory.sweeps import sweep_report  # noqa: E402
 from spikewatch.trainer.builtin.sweep import run_sweep  # noqa: E402
 
 COMMON = [

@@ -165,8 +165,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_report(args: argparse.Namespace) -> int:
+    from spikewatch.observatory.reports.sweeps import report_markdown, sweep_report
     from spikewatch.observatory.store.queries import NotFoundError, session_factory
-    from spikewatch.observatory.sweeps import report_markdown, sweep_report
     from spikewatch.trainer.config import ConfigError
 
     with session_factory(args.db)() as session:
@@ -226,7 +226,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 
 def cmd_logbook(args: argparse.Namespace) -> int:
-    from spikewatch.observatory.logbook import logbook
+    from spikewatch.observatory.reports.logbook import logbook
     from spikewatch.observatory.store.queries import session_factory
     from spikewatch.trainer.config import ConfigError
 
@@ -678,8 +678,8 @@ def _add_tools(sub: Any) -> None:
     from spikewatch.observatory.goodput.cli import add_parsers as add_planning
 
     add_planning(sub)  # simulate and advise
-    from spikewatch.observatory.datacheck import add_parser as add_data_check
-    from spikewatch.observatory.quarantine import add_parser as add_quarantine
+    from spikewatch.observatory.reports.datacheck import add_parser as add_data_check
+    from spikewatch.observatory.reports.quarantine import add_parser as add_quarantine
 
     add_data_check(sub)
     add_quarantine(sub, _default_db)

@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from spikewatch.observatory.reports.sweeps import SweepReport
 from spikewatch.observatory.store.queries import BranchRow, EventRow, Matrix, SeriesData
-from spikewatch.observatory.sweeps import SweepReport
 
 __all__ = [
     "badput_figure",

@@ -14,7 +14,15 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from spikewatch.observatory.census import Census
+from spikewatch.observatory.reports.census import Census
+from spikewatch.observatory.reports.sweeps import (
+    Cell,
+    CensusRow,
+    Rate,
+    SweepInfo,
+    SweepReport,
+    VariantSummary,
+)
 from spikewatch.observatory.store.queries import (
     BranchRow,
     Bucket,
@@ -26,14 +34,6 @@ from spikewatch.observatory.store.queries import (
     SeriesData,
 )
 from spikewatch.observatory.strict_json import tagged_number
-from spikewatch.observatory.sweeps import (
-    Cell,
-    CensusRow,
-    Rate,
-    SweepInfo,
-    SweepReport,
-    VariantSummary,
-)
 
 __all__ = [
     "BranchOut",

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spikewatch.observatory import census, store
-from spikewatch.observatory.census import grad_spike_mask
+from spikewatch.observatory import store
+from spikewatch.observatory.reports import census
+from spikewatch.observatory.reports.census import grad_spike_mask
+from spikewatch.observatory.reports.sweeps import report_for_runs, report_markdown
 from spikewatch.observatory.store.sink import DbSink
-from spikewatch.observatory.sweeps import report_for_runs, report_markdown
 
 
 def _reference(values: list[float], factor: float, window: int, history: int) -> list[bool]:

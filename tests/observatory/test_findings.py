@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from spikewatch.observatory.alerts import alert_body
 from spikewatch.observatory.findings import findings
-from spikewatch.observatory.logbook import _entry
+from spikewatch.observatory.reports.logbook import _entry
 from spikewatch.observatory.store.queries import EventRow
 
 DATA = {

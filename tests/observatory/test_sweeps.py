@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from spikewatch.observatory import store
-from spikewatch.observatory.store.sink import DbSink
-from spikewatch.observatory.sweeps import (
+from spikewatch.observatory.reports.sweeps import (
     SweepConflictError,
     get_sweep,
     lr_sensitivity,
@@ -18,6 +17,7 @@ from spikewatch.observatory.sweeps import (
     report_markdown,
     sweep_report,
 )
+from spikewatch.observatory.store.sink import DbSink
 
 SPEC = {"variants": ["baseline", "qk_norm"], "lrs": [0.01, 0.1], "seeds": [0, 1]}
 

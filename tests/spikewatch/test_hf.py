@@ -104,7 +104,7 @@ def test_an_epoch_based_run_says_it_cannot_make_up_a_rollback(tmp_path, caplog) 
     assert f"made {s['steps']} of 150 planned updates" in said
     from sqlalchemy.orm import Session
 
-    from spikewatch.observatory.logbook import logbook
+    from spikewatch.observatory.reports.logbook import logbook
     from spikewatch.observatory.store.db import make_engine
 
     with Session(make_engine(f"sqlite:///{tmp_path / 'sw.db'}")) as session:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spikewatch.observatory import store
-from spikewatch.observatory.sweeps import sweep_report
+from spikewatch.observatory.reports.sweeps import sweep_report
 from spikewatch.trainer.builtin.sweep import parse_floats, run_sweep
 from spikewatch.trainer.cli import main
 from spikewatch.trainer.config import ConfigError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
+from spikewatch.observatory.reports.sweeps import Cell, SweepReport, VariantSummary
 from spikewatch.observatory.store.queries import BranchRow, Bucket, EventRow, Matrix, SeriesData
-from spikewatch.observatory.sweeps import Cell, SweepReport, VariantSummary
 from spikewatch.web import charts
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -6,9 +6,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from spikewatch.observatory import store
+from spikewatch.observatory.reports.sweeps import register_sweep
 from spikewatch.observatory.store import db
 from spikewatch.observatory.store.sink import DbSink
-from spikewatch.observatory.sweeps import register_sweep
 from spikewatch.web.app import create_app
 from spikewatch.web.settings import Settings
 

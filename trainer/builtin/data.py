@@ -247,7 +247,7 @@ def _blocked(path: str | None, corpora: dict[str, Corpus]) -> dict[str, list[int
     of these corpora and are left out, with a warning)."""
     if path is None:
         return {}
-    from spikewatch.observatory.quarantine import read_blocklist
+    from spikewatch.observatory.reports.quarantine import read_blocklist
 
     out: dict[str, list[int]] = {}
     foreign = 0

@@ -7,7 +7,7 @@ is done when its `summary.json` exists. Running the same command again resumes t
 cells are not re-run, a cell with checkpoints continues from its newest one (`--resume`), any
 other unfinished cell starts over.
 
-The sweep is registered in the store before its first cell (observatory/sweeps.py), with its
+The sweep is registered in the store before its first cell (observatory/reports/sweeps.py), with its
 grid and the optional pre-registered hypothesis; every run carries the group and the tags
 `variant=`, `lr=`, `seed=`. The progress table reads the store, like the dashboard does.
 """
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from spikewatch.observatory.reports.sweeps import register_sweep
 from spikewatch.observatory.store.db import ENV_VAR, resolve_url, upgrade
 from spikewatch.observatory.store.queries import list_runs, session_factory
-from spikewatch.observatory.sweeps import register_sweep
 from spikewatch.trainer.config import ConfigError, find_config, load_config, variant_names
 
 __all__ = ["CellSpec", "SweepResult", "parse_floats", "parse_ints", "run_sweep"]

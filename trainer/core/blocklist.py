@@ -39,7 +39,7 @@ class Blocklist:
         """The file's ids and (batch, row) pairs (an empty blocklist for None)."""
         if path is None:
             return cls()
-        from spikewatch.observatory.quarantine import read_blocklist
+        from spikewatch.observatory.reports.quarantine import read_blocklist
 
         ids, rows = set(), set()
         for entry in read_blocklist(str(path)):

@@ -1,7 +1,7 @@
 """Comparing runs: the compare page and the sweeps API (a sweep group, or any chosen runs).
 
-The numbers come from observatory/sweeps.py (the same report `spikewatch sweep-report` prints),
-the figures from web/charts.py.
+The numbers come from observatory/reports/sweeps.py (the same report `spikewatch sweep-report`
+prints), the figures from web/charts.py.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from sqlalchemy.orm import Session
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory import store
-from spikewatch.observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
-from spikewatch.observatory.store import across_runs as across
-from spikewatch.observatory.sweeps import (
+from spikewatch.observatory.reports.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW
+from spikewatch.observatory.reports.sweeps import (
     SweepReport,
     format_rate,
     list_sweeps,
     report_for_runs,
     sweep_report,
 )
+from spikewatch.observatory.store import across_runs as across
 from spikewatch.web import charts
 from spikewatch.web.deps import SessionDep
 from spikewatch.web.routes.pages import templates

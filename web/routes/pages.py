@@ -15,7 +15,7 @@ from fastapi.templating import Jinja2Templates
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory import store
 from spikewatch.observatory.findings import skipped, suspect_devices
-from spikewatch.observatory.logbook import logbook
+from spikewatch.observatory.reports.logbook import logbook
 from spikewatch.observatory.store.queries import LOSS_METRIC
 from spikewatch.web import charts
 from spikewatch.web.deps import SessionDep

@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory import store
-from spikewatch.observatory.logbook import logbook
+from spikewatch.observatory.reports.logbook import logbook
 from spikewatch.observatory.store.models import EVENT_KINDS
 from spikewatch.web.deps import SessionDep
 from spikewatch.web.schemas import (

@@ -220,7 +220,8 @@ def _scan(
 
 
 def _entry(doc: Doc, r: Repeat) -> dict[str, Any]:
-    """A blocklist line, as `spikewatch quarantine` writes them (observatory/quarantine.py)."""
+    """A blocklist line, as `spikewatch quarantine` writes them
+    (observatory/reports/quarantine.py)."""
     return {
         "source": "data-check",
         "id": doc.id,

@@ -34,7 +34,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from spikewatch.observatory import metric_names as M
-from spikewatch.observatory.census import GRAD_SPIKE_FACTOR, GRAD_SPIKE_WINDOW, Census, census_of
+from spikewatch.observatory.reports.census import (
+    GRAD_SPIKE_FACTOR,
+    GRAD_SPIKE_WINDOW,
+    Census,
+    census_of,
+)
 from spikewatch.observatory.store import across_runs as across
 from spikewatch.observatory.store.models import (
     Event,
@@ -104,7 +109,7 @@ class Cell:
     first_spike: int | None = None
     rollbacks: int = 0
     recovery_steps: int = 0  # steps redone because of rollbacks (from_step - to_step, summed)
-    census: Census = field(default_factory=Census)  # observatory/census.py
+    census: Census = field(default_factory=Census)  # observatory/reports/census.py
 
     @property
     def diverged(self) -> bool:
@@ -491,7 +496,7 @@ def _census_markdown(report: SweepReport) -> list[str]:
         "## Spike census (per 1k steps; mean over seeds, lowest–highest seed)",
         "",
         f"Gradient spike: a step where some layer's gradient norm exceeds {GRAD_SPIKE_FACTOR:g}x "
-        f"the median of its previous {GRAD_SPIKE_WINDOW} values (observatory/census.py).",
+        f"the median of its previous {GRAD_SPIKE_WINDOW} values (observatory/reports/census.py).",
         "",
         "| variant | lr | runs | steps | loss spikes | gradient spikes | non-finite steps "
         "| rollbacks |",
