@@ -441,7 +441,8 @@ class Watchdog:
             now = self.clock()
             self.data_waits.append(max(0.0, now - self._last - self._excluded))
             self._begun_at = now
-        elif phase == GATED:  # backward done: its own part, the forward's end to the last grad
+        elif phase == GATED and self.ranks is not None:  # backward done (torchrun): its own
+            # part, the forward's end to the last gradient
             ended, made = self._forward_end, self._grads_at
             self._forward_end = self._grads_at = None
             if ended is not None and made is not None and made > ended:
