@@ -19,8 +19,8 @@ What the subclass does, and only that (the Watch owns the rest):
   Watch's phases: the batch's position, each micro-batch's loss (a share of the step's, as
   torchtitan normalises by the global token count), the routed optimizer step;
 - each attention module's inner attention (`layers.N.attention.inner_attention`) records the
-  per-head maximum pre-softmax logit of its q and k, causal (a packed batch's document masks
-  are not applied: an upper bound there), on probed steps;
+  per-head maximum pre-softmax logit (maxima.py): on a GPU, FlexAttention's own (its kernel
+  gives them, with the block mask applied); else of its q and k, causal, in a pass of its own;
 - a rollback restores the newest retained state before the onset, from host memory or from
   torchtitan's own DCP checkpoints (checkpoints.py: kept on spikewatch's exponential schedule,
   the pre-spike ones pinned, the restored step written again), and sets `self.step` back; the
@@ -67,6 +67,7 @@ except ImportError as e:  # torchtitan 0.3 imports triton, which torch's CUDA bu
     raise ImportError(f"spikewatch.torchtitan: torchtitan's trainer does not import: {e}") from e
 
 from spikewatch.torchtitan.checkpoints import TitanCheckpointManager, TitanDisk  # noqa: E402
+from spikewatch.torchtitan.maxima import attach_inner_attention  # noqa: E402
 
 Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]  # a step's micro-batches
 
@@ -155,7 +156,7 @@ class SpikewatchTrainer(Trainer):
             if saved:
                 self._position = int(saved.get("torchtitan_position", self._position))
             if self._adapter.attn_max and watch.cfg.probes.attn_max:
-                attach_inner_attention(self.model_parts[0], watch)
+                attach_inner_attention(self.model_parts[0], watch.attn)
             if self._keep_steps:  # the batches are at hand: replay a spike, name its rows
                 watch.replay_with(self._replay_step)
                 tokenizer = getattr(self, "tokenizer", None)
@@ -345,33 +346,6 @@ def watch_settings(opts: SpikewatchOptions) -> dict[str, Any]:
     checkpoint.setdefault("interval", None)
     checkpoint.setdefault("memory_interval", "auto")
     return settings
-
-
-def attach_inner_attention(model: torch.nn.Module, watch: Watch) -> int:
-    """A forward pre-hook on each `...attention.inner_attention` (torchtitan's Flex, varlen or
-    SDPA wrappers, called with q, k, v as (B, L, N, H) after RoPE): the layer's per-head
-    maximum q k^T logit, causal, on probed training steps. Returns the modules hooked."""
-    rec = watch.attn
-    hooked = 0
-    for name, module in model.named_modules():
-        if not name.endswith("attention.inner_attention"):
-            continue
-        numbered = [int(part) for part in name.split(".") if part.isdigit()]
-        if not numbered:
-            continue
-        layer = numbered[0]  # the block's index, as the probes number layers
-
-        def hook(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
-            q, k = args[0].transpose(1, 2), args[1].transpose(1, 2)
-            rec.record_logits(
-                layer, q, k, causal=True, scale=kwargs.get("scale"), n_rep=q.size(1) // k.size(1)
-            )
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        hooked += 1
-    if not hooked:
-        log.warning("torchtitan model: no inner attention module found, no attention maxima")
-    return hooked
 
 
 def with_spikewatch(config: Trainer.Config, **options: Any) -> SpikewatchTrainer.Config:

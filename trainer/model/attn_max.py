@@ -118,10 +118,24 @@ class AttnMax:
         return t is not None and 0 <= layer < t.size(0) and mx.size(-1) == t.size(1)
 
     def record(self, layer: int, mx: torch.Tensor) -> None:
-        """mx: (B, H) or (H,) max scaled logits of one forward of layer `layer` (kept on probed
-        steps only)."""
+        """mx: the max scaled logits of one forward of layer `layer`, (H,), (B, H), or an
+        attention kernel's own per-query maxima (B, H, L): FlexAttention's `max_scores` with
+        `return_aux=AuxRequest(max_scores=True)`. Kept on probed steps only. Compiled, with the
+        table reserved, the row is max'd by the graph itself on every training forward (no
+        Python of spikewatch's a layer, nothing that splits a CUDA graph; `arm` clears it)."""
         if COMPILE_SAFE and torch.compiler.is_compiling():
-            torch.ops.spikewatch.record_attn_max(mx.detach(), self.key, layer)
+            table = self.table
+            heads = _heads(mx.detach())
+            if (
+                table is not None
+                and torch.is_grad_enabled()
+                and self._row_fits(layer, heads)
+                and heads.device == table.device
+            ):
+                table[layer] = torch.maximum(table[layer], heads.float())
+                self._wrote = True
+                return
+            torch.ops.spikewatch.record_attn_max(heads, self.key, layer)
         else:
             self._keep(layer, mx)
 
@@ -237,8 +251,7 @@ class AttnMax:
     def _keep(self, layer: int, mx: torch.Tensor) -> None:
         if not self.active or _recomputing():
             return
-        mx = mx.detach().float()
-        mx = mx.amax(dim=0) if mx.dim() == 2 else mx  # (H,)
+        mx = _heads(mx.detach()).float()
         if self._row_fits(layer, mx) and mx.device == self.table.device:  # type: ignore[union-attr]
             row = self.table[layer]  # type: ignore[index]
             torch.maximum(row, mx, out=row)
@@ -275,6 +288,13 @@ class AttnMax:
             return None
         layers = tuple(sorted(by_layer))
         return layers, torch.stack([by_layer[i] for i in layers])  # (L, H)
+
+
+def _heads(mx: torch.Tensor) -> torch.Tensor:
+    """(H,) from maxima given as (H,), (B, H) or (B, H, L)."""
+    if mx.dim() == 3:
+        return mx.amax(dim=(0, 2))
+    return mx.amax(dim=0) if mx.dim() == 2 else mx
 
 
 def _max_logits(
