@@ -297,3 +297,16 @@ def test_right_after_a_rollback_a_bad_stretch_is_refused_to_its_end() -> None:
         assert all(refused)
         assert gate.observe(2.6, 1.0, False) == "" and gate.refused == 0  # learnt: back
         assert not _check(gate, 4.0 * 2.6)[0]
+
+
+def test_after_a_rollback_its_bar_holds_for_after_rollback_whatever_max_refusals() -> None:
+    """`after_rollback` 3 below `max_refusals` 4: right after a rollback a loss at 1.6x its
+    rolling mean (past the rollback's 1.5x bar, under the usual 1.75x floor) is refused three
+    times, at the rollback's bar, then goes through (the usual rule would not refuse it)."""
+    cfg = CFG.model_copy(update={"max_refusals": 4, "after_rollback": 3})
+    gate, twin = SameStepGate(cfg), SameStepGate(cfg)
+    for _ in range(40):
+        assert not _check(gate, 2.6)[0] and not _check(twin, 2.6)[0]
+    assert not _check(twin, 1.6 * 2.6)[0]  # without a rollback: let through
+    gate.after_restore()
+    assert [_check(gate, 1.6 * 2.6)[0] for _ in range(4)] == [True, True, True, False]

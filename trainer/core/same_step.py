@@ -70,8 +70,9 @@ class SameStepConfig(BaseModel):
     after_rollback: int = Field(
         64,
         ge=1,
-        description="Refusals in a row right after a rollback (in place of `max_refusals`, "
-        "until a step is not refused): the weights just restored are known good, so a high "
+        description="Refusals in a row right after a rollback, each at the rollback's bar "
+        "(`after_rollback_ratio`), before the usual `max_refusals` (until a step is not "
+        "refused): the weights just restored are known good, so a high "
         "loss on the batches that follow is the data's, most often the rest of a bad stretch "
         "that the rollback's skip range covered only in part (a corrupt shard read as a "
         "stream); letting one through there trained a bad batch and spiked again.",
@@ -345,12 +346,13 @@ class SameStepGate:
     def after_restore(self) -> None:
         """A rollback restored the tier's state with the weights, which are known good: until
         a step is not refused (which sets the count back to 0 and the usual rule), up to
-        `after_rollback` refusals in a row (the count starts that far below `max_refusals`),
+        `after_rollback` refusals in a row (the count starts that far below 0; while it is
+        below 0 the rollback's bar holds, then `max_refusals` more at the usual one),
         and a loss is refused at `after_rollback_ratio` (1.5) times the rolling mean (and
         `min_loss_excess` nats above it) whatever the window's spread: a short run's window
         still holds its first steps' descent, whose spread let a bad batch's 4x loss through at
         5.5 deviations, and spoilt labels came at 1.74x, under the usual 1.75x floor."""
-        self.refused = min(self.refused, self.cfg.max_refusals - self.cfg.after_rollback)
+        self.refused = min(self.refused, -self.cfg.after_rollback)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         values = state["values"]

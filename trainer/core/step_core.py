@@ -433,7 +433,7 @@ class StepCore:
 
     def _say(self, state: StepState, action: SkipUpdate | Rollback | Halt) -> None:
         """One console line an action; of a stretch of refusals right after a rollback (the
-        rest of a bad stretch, up to 64 of them), the first, then one line when it ends. Each
+        rest of a bad stretch, up to 64 + 2 of them), the first, then one line when it ends. Each
         is in the run's record all the same."""
         stretch = isinstance(action, SkipUpdate) and action.reason.startswith(AFTER_ROLLBACK)
         if stretch and self._stretch is not None:
