@@ -286,7 +286,9 @@ class Watch:
 
     @property
     def interventions(self) -> list[dict[str, Any]]:
-        return self._c.run.interventions
+        """The run's interventions so far (refused updates, rollbacks, halts), each its JSON
+        record (trainer/core/intervention.py): a new list each call."""
+        return [i.record() for i in self._c.run.interventions]
 
     @property
     def run_id(self) -> str:

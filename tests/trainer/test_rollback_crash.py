@@ -67,7 +67,7 @@ def test_killed_after_the_target_was_rewritten(reference, tmp_path, monkeypatch)
     tr = build_trainer(load_config("tiny_cpu", BASE), run_dir=tmp_path, resume=True)
     assert tr.step_count == rollback["to_step"]  # not the newest step: that branch was abandoned
     assert [list(r) for r in tr.core.run.data.skip_ranges] == rollback["skip_ranges"]
-    assert [i["kind"] for i in tr.core.run.interventions] == ["rollback"]
+    assert [i.kind for i in tr.core.run.interventions] == ["rollback"]
     result = tr.fit()
     assert [i["kind"] for i in result.interventions] == ["rollback"]  # not a second time
     _same(tr.model.state_dict(), weights)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from spikewatch.trainer.core.actions import Action, Continue, Halt, Rollback, SkipUpdate, strongest
 from spikewatch.trainer.core.callbacks import Callback, StepState
 
-__all__ = ["action_name", "decide", "deliver_notes", "intervention", "rescale"]
+__all__ = ["action_name", "decide", "deliver_notes", "rescale"]
 
 NONFINITE = "non-finite loss or gradient"
 
@@ -60,20 +59,3 @@ def rescale(lr_scale: float, action: Action) -> float:
     if isinstance(action, Continue) and action.lr_scale != 1.0:
         return min(1.0, lr_scale * action.lr_scale)
     return lr_scale
-
-
-def intervention(action: Action, state: StepState) -> dict[str, Any]:
-    """The loop's record of a non-Continue action (a new dict the loop owns): what the spike
-    guard saw, if it asked, and the step."""
-    assert not isinstance(action, Continue)
-    spike = action.spike if isinstance(action, Rollback | Halt) else None
-    record = spike.record() if spike is not None else {}
-    record.update(
-        step=state.step,
-        batch_index=state.batch_index,
-        kind=action_name(action),
-        reason=action.reason,
-        loss=state.loss,
-        grad_norm=state.grad_norm,
-    )
-    return record

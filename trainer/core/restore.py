@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -30,6 +31,7 @@ from spikewatch.trainer.core.attribution import Measure, attribute
 from spikewatch.trainer.core.cause import NotAtHand, cause_of, device_of
 from spikewatch.trainer.core.data_state import DataState
 from spikewatch.trainer.core.decide import rescale
+from spikewatch.trainer.core.intervention import Intervention, RolledBack
 from spikewatch.trainer.core.state import (
     ENDED,
     callback_keys,
@@ -172,20 +174,15 @@ class Restorer:
             loaded = ck.read(where)
             self.restore(loaded, resume=False)
         restored_at = int(loaded["trainer.json"]["data_state"]["batch_index"])  # its position
-        record = core.run.interventions[-1]
-        record.update(tier=ck.last_tier, restore_s=time.perf_counter() - t0)
-        if fallbacks:
-            record["restore_fallbacks"] = fallbacks
-        if ck.last_tier == MEMORY and ck.memory is not None:  # the snapshot's check, timed
-            record["check_s"] = ck.memory.last_check_s
-        if proof is not None:
-            record["replay_proof"] = proof
+        decided = core.run.interventions[-1]  # the action's record, made when it was agreed
+        found: dict[str, Any] = {}  # what the attribution and the replay tell
+        restore_s = time.perf_counter() - t0
         spike = action.spike
         if spike is not None and core.measure_rows is not None:  # on the restored weights
             batches = [i for start, end in action.skip_ranges for i in range(start, end)]
             onset = [i for s, i in spike.replay if s >= spike.onset_step]  # the spike's own
-            near = min(onset) if onset else record.get("batch_index")
-            record.update(attribute(batches, core.measure_rows, core.world, near))
+            near = min(onset) if onset else decided.batch_index
+            found.update(attribute(batches, core.measure_rows, core.world, near))
             core.optimizer.zero_grad(set_to_none=True)  # the rows' gradients are not the run's
         if spike is not None and spike.replay and core.replay is not None:
 
@@ -194,52 +191,70 @@ class Restorer:
 
             t1, self._replayed_ranks, self._swapped_ranks = time.perf_counter(), {}, {}
             try:
-                record.update(cause_of(spike, step, self._replay_losses, reload))
-                record.update(device_of(spike, self._replayed_ranks, self._swapped_ranks))
+                found.update(cause_of(spike, step, self._replay_losses, reload))
+                found.update(device_of(spike, self._replayed_ranks, self._swapped_ranks))
             except NotAtHand as e:  # on every rank alike: the batches went, not the cause
                 log.warning("the spike's cause is not told: %s", e)
-                record.update(cause="unknown", cause_note=str(e))
-            n = len(spike.replay) + (len(spike.control) if "control_peak_loss" in record else 0)
-            record.update(replay_steps=n, replay_s=time.perf_counter() - t1)
+                found.update(cause="unknown", cause_note=str(e))
+            n = len(spike.replay) + (len(spike.control) if "control_peak_loss" in found else 0)
+            found.update(replay_steps=n, replay_s=time.perf_counter() - t1)
             reload()
-        self._flag_suspects(record)
+        departed = list(spike.ranks) if spike is not None else []
+        suspects = self._suspects(found.get("cause"), found.get("device_ranks") or departed)
         core.checkpointer.pin(step, "rollback target")
-        named = record.get("samples") if core.skip_samples else None
+        named = found.get("samples") if core.skip_samples else None
         skips = () if named else action.skip_ranges  # the named rows alone, else whole batches
         if named:
             core.run.data.block((s["batch"], s["row"]) for s in named)
-            record.update(
-                skipped_samples=len(named), batches_kept=[list(r) for r in action.skip_ranges]
-            )
         for start, end in skips:
             core.run.data.add_skip(start, end)
         core.run.lr_scale = rescale(core.run.lr_scale, action)
-        record.update(
+        resumed_at = passed_over = None
+        if core.data_flow == "forward":  # the data went on: what lay behind is not fed again
+            resumed_at = core.run.data.batch_index
+            bad = {i for a, b in action.skip_ranges for i in range(a, b)}
+            passed_over = sum(1 for i in range(restored_at, resumed_at) if i not in bad)
+        kept = [list(r) for r in action.skip_ranges] if named else None
+        ranges = [list(r) for r in skips]
+        n_named = len(named) if named else None
+        said = skipped(  # the one story every report tells (findings.skipped)
+            {"passed_over": passed_over, "skipped_samples": n_named, "batches_kept": kept,
+             "skip_ranges": ranges}
+        )  # fmt: skip
+        outcome = RolledBack(
             from_step=from_step,
             to_step=step,
-            skip_ranges=[list(r) for r in skips],
+            tier=ck.last_tier,
+            restore_s=restore_s,
+            skip_ranges=ranges,
             lr_scale=action.lr_scale,
             lr_scale_after=core.run.lr_scale,  # the run's scale of its schedule from now on
             dropped_checkpoints=abandoned,
+            skipped=said,
+            restore_fallbacks=fallbacks or None,
+            check_s=ck.memory.last_check_s if ck.last_tier == MEMORY and ck.memory else None,
+            replay_proof=proof,
+            suspect_devices=suspects or None,
+            skipped_samples=n_named,
+            batches_kept=kept,
+            skipped_rows=[[s["batch"], s["row"]] for s in named] if named else None,
+            resumed_at_batch=resumed_at,
+            passed_over=passed_over,
+            **found,
         )
-        if named:
-            record["skipped_rows"] = [[s["batch"], s["row"]] for s in named]
-        if core.data_flow == "forward":  # the data went on: what lay behind is not fed again
-            at = record["resumed_at_batch"] = core.run.data.batch_index
-            bad = {i for a, b in action.skip_ranges for i in range(a, b)}
-            record["passed_over"] = sum(1 for i in range(restored_at, at) if i not in bad)
-        record["skipped"] = skipped(record)  # the one story every report tells
-        if skips or named:
-            record["reason"] = f"{record.get('reason') or action.reason}, {record['skipped']}"
-        found = findings(record)
+        reason = decided.reason if not (skips or named) else f"{decided.reason}, {outcome.skipped}"
+        done = replace(decided, reason=reason, rolled_back=outcome)
+        core.run.interventions[-1] = done
+        record = done.record()
+        found_said = findings(record)
         log.warning(
             "rolled back from step %d to step %d (%s tier, %.3fs), %s%s",
             from_step,
             step,
             ck.last_tier,
-            record["restore_s"],
-            record["skipped"],
-            f": {found}" if found else "",
+            restore_s,
+            outcome.skipped,
+            f": {found_said}" if found_said else "",
         )
         for cb in core.callbacks:
             cb.on_rollback(step, record)
@@ -276,33 +291,29 @@ class Restorer:
         the records since the branch began, this rollback's own (the last) aside."""
         out = set()
         for rec in reversed(self.core.run.interventions[:-1]):
-            if rec.get("kind") == "rollback":
+            if rec.kind == "rollback":
                 break
-            if rec.get("kind") == "skip_update" and int(rec.get("step", -1)) > after:
-                out.add(int(rec["step"]))
+            if rec.kind == "skip_update" and rec.step > after:
+                out.add(rec.step)
         return out
 
-    def _flag_suspects(self, record: dict[str, Any]) -> None:
+    def _suspects(self, cause: str | None, mine: list[int]) -> list[int]:
         """A rank whose spikes keep coming without a data cause (device, or transient) is a
-        suspect device: named in the record (and so in the alert and on the run page)."""
-        if record.get("cause") not in ("device", "transient"):
-            return
-        mine = record.get("device_ranks") or record.get("ranks") or []
+        suspect device: named in the record (and so in the alert and on the run page). `mine`:
+        this rollback's ranks (the device's, else the departed)."""
+        if cause not in ("device", "transient"):
+            return []
         past = [
-            i
+            (rb.device_ranks or list(i.spike.ranks if i.spike is not None else ()))
             for i in self.core.run.interventions
-            if i.get("kind") == "rollback" and i.get("cause") in ("device", "transient")
-        ]
-        suspects = [
-            r
-            for r in mine
-            if sum(r in (i.get("device_ranks") or i.get("ranks") or []) for i in past) >= 2
-        ]
+            if (rb := i.rolled_back) is not None and rb.cause in ("device", "transient")
+        ]  # this rollback's own not yet among them: its ranks count once more
+        suspects = [r for r in mine if 1 + sum(r in ranks for ranks in past) >= 2]
         if suspects:
-            record["suspect_devices"] = suspects
             log.warning(
                 "rank(s) %s: repeated spikes without a data cause: suspect devices", suspects
             )
+        return suspects
 
     def _recorded(self, until: int) -> tuple[dict[int, float], dict[int, int]]:
         """The loss and the batch index of each step up to `until` that the spike guard still
@@ -415,7 +426,7 @@ class Restorer:
         run = core.run
         return {
             "lr_scale": run.lr_scale,
-            "interventions": run.interventions,
+            "interventions": [i.record() for i in run.interventions],
             "halted": run.halted,
             "same_step": None if core.same_step is None else core.same_step.state_dict(),
             "callbacks": {
@@ -518,7 +529,7 @@ class Restorer:
             run.generation = int(state.get("generation", 0))
             run.data = restored
             run.lr_scale = float(state["lr_scale"])
-            run.interventions = list(state["interventions"])
+            run.interventions = [Intervention.from_record(d) for d in state["interventions"]]
             run.val_losses = [(int(s), float(v)) for s, v in state["val_losses"]]
             run.halted = state.get("halted")
             saved = state["callbacks"]

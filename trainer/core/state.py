@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from spikewatch.trainer.core.data_state import DataState
+from spikewatch.trainer.core.intervention import Intervention
 
 __all__ = [
     "DECIDED_KEYS",
@@ -71,7 +72,7 @@ class RunState:
     generation: int = 0  # rollbacks carried out: checkpoints of a newer one supersede
     data: DataState = field(default_factory=DataState)
     index: int = 0  # the batch index of the step in progress
-    interventions: list[dict[str, Any]] = field(default_factory=list)
+    interventions: list[Intervention] = field(default_factory=list)  # JSON: `record()`
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, loss), live branch
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     halted: str | None = None

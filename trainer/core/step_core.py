@@ -58,7 +58,8 @@ from spikewatch.trainer.core.callbacks import (
     StepState,
     decides_before_update,
 )
-from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, intervention, rescale
+from spikewatch.trainer.core.decide import action_name, decide, deliver_notes, rescale
+from spikewatch.trainer.core.intervention import Intervention
 from spikewatch.trainer.core.probes import Probes
 from spikewatch.trainer.core.restore import Replay, Restorer, Swap
 from spikewatch.trainer.core.same_step import AFTER_ROLLBACK, SameStepGate, step_factor
@@ -421,7 +422,7 @@ class StepCore:
             self.run.lr_scale = rescale(self.run.lr_scale, action)  # from the next step on
         else:
             self._say(state, action)
-            self.run.interventions.append(intervention(action, state))
+            self.run.interventions.append(Intervention.of(action, state))
             if isinstance(action, Halt):
                 self.stop_requested = True
                 self.run.halted = action.reason
@@ -767,7 +768,7 @@ class StepCore:
             "skipped_batches": [list(r) for r in run.data.skip_ranges],  # what the data skips
             "skipped_samples": [list(p) for p in sorted(run.data.blocked)],  # (batch, row)
             "val_losses": [{"step": s, "loss": v} for s, v in run.val_losses],
-            "interventions": list(run.interventions),
+            "interventions": [i.record() for i in run.interventions],
             "halted": run.halted,
             "metric_names": sorted(self.metric_names),
             "config": self.config(),
