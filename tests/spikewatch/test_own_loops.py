@@ -361,8 +361,8 @@ def test_a_resume_keeps_what_the_process_before_did_past_its_checkpoint_as_a_bra
     assert resumed.step_count == 20
     (line,) = [m for m in said.messages if m.startswith("resumed run")]
     assert line.endswith(
-        "the process before reached step 13: 3 steps trained again (its points stay in the "
-        "record as an abandoned branch)"
+        "the process before recorded steps up to 13: 3 steps at least trained again (its points "
+        "stay in the record as an abandoned branch)"
     )
     with Session(make_engine(db)) as s:
         run = resumed.core.run.run_id
@@ -374,4 +374,30 @@ def test_a_resume_keeps_what_the_process_before_did_past_its_checkpoint_as_a_bra
         notes = [e.message for e in store.events(s, run_id=run, kinds=["note"])]
     assert forks == [(0, None, None), (1, 0, 10)]
     assert own == {0: list(range(1, 14)), 1: list(range(11, 21))}  # the crashed process's kept
-    assert any("the process before reached step 13" in n for n in notes)
+    assert any("the process before recorded steps up to 13" in n for n in notes)
+
+
+def test_a_bad_batch_in_a_new_runs_first_descent_is_refused(tmp_path) -> None:
+    """A new user's first run: 90 steps of a small GPT whose loss is still falling fast, two
+    batches of garbage labels at steps 60 and 61 (as a new user's Qwen2 on two ranks met them
+    at step 76, 2.8x its loss, and trained on both). Each is refused on its own step; the
+    window's deviation, widened by the descent, let them through."""
+    ex = example("plain_loop")
+    torch.manual_seed(0)
+    model = ex.GPT(32, 2, 4, 32)
+    opt = AdamW(model.parameters(), lr=3e-3)
+    train, _ = text_corpus()
+    settings = {"checkpoint": {"memory_interval": 25, "interval": None}}
+    watch = Watch(model, opt, run_dir=tmp_path, db="none", max_steps=90, settings=settings)
+    g = torch.Generator().manual_seed(1)
+    with watch:
+        while not watch.should_stop:
+            x, y = _random_windows(train, 8, 32)
+            if watch.step_count + 1 in (60, 61):
+                y = torch.randint(0, 256, y.shape, generator=g)  # garbage labels
+            watch.begin_step()
+            loss = model(x, y)
+            loss.backward()
+            watch.step(loss)
+    refused = [(i["kind"], i["step"]) for i in watch.interventions]
+    assert refused == [("skip_update", 60), ("skip_update", 61)], watch.interventions

@@ -78,8 +78,8 @@ class Recorder(Callback):
                     f"; what the process before did after step {state.step} stays as "
                     f"abandoned branch {abandoned}"
                     if self.reached is None
-                    else f"; the process before reached step {self.reached}: its steps after "
-                    f"{state.step} stay as abandoned branch {abandoned}"
+                    else f"; the process before recorded steps up to {self.reached}: its steps "
+                    f"after {state.step} stay as abandoned branch {abandoned}"
                 )
                 data.update(reached=self.reached, abandoned_branch=abandoned)
             self.sink.log_event(

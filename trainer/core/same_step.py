@@ -1,9 +1,13 @@
 """The same-step tier: refuse an isolated extreme update on the step it happens.
 
 OLMo-core's answer to a one-batch blow-up (its skip-step optimizers): compare the step's loss
-and gradient norm with their rolling mean and standard deviation over the last `window`
-accepted steps, and refuse the update when either lies more than `sigma` deviations above
-(log-space, like the detector, so the multiplicative noise of a loss is one scale). The update
+and gradient norm with their rolling level and deviation over the last `window` accepted steps,
+and refuse the update when either lies more than `sigma` deviations above (log-space, like the
+detector, so the multiplicative noise of a loss is one scale). Unlike OLMo-core's mean and
+standard deviation of the window, the level is the mean of the last `level_window` steps and
+the deviation is taken from successive differences: early in a run the window holds the
+loss's first descent, whose spread (and a mean that lags it) let a batch of garbage labels at
+2.8x the loss through at step 76 of a new user's first run. The update
 is refused (recorded as a skip) without the host reading anything before `optimizer.step`:
 
 - before the step, the host turns the window into two thresholds (`limits`: the log-values
@@ -33,10 +37,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from spikewatch.trainer.core.transfer import as32
 
@@ -63,7 +68,14 @@ class SameStepConfig(BaseModel):
     )
     window: int = Field(128, ge=8, description="Accepted steps in the rolling statistics.")
     min_history: int = Field(32, ge=4, description="Accepted steps before the tier can refuse.")
-    sigma: float = Field(6.0, gt=0, description="Deviations above the rolling mean that refuse.")
+    sigma: float = Field(6.0, gt=0, description="Deviations above the rolling level that refuse.")
+    level_window: int = Field(
+        16,
+        ge=2,
+        description="The last accepted steps whose mean is the level a step is compared with "
+        "(the window's own mean lags a falling loss: early in a run it held the descent's "
+        "first values).",
+    )
     max_refusals: int = Field(
         2, ge=1, description="Refusals in a row; the next extreme update goes through."
     )
@@ -108,6 +120,33 @@ class SameStepConfig(BaseModel):
         "60x its mean and harmless; a bad batch's loss is nats above it).",
     )
 
+    @model_validator(mode="after")
+    def _level_in_window(self) -> SameStepConfig:
+        if self.level_window > self.window:
+            raise ValueError(
+                f"same_step.level_window ({self.level_window}) must not exceed same_step.window "
+                f"({self.window}): the level is the mean of the window's last steps"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A series' statistics over the window (log values): `level`, the mean of its last
+    `level_window` values; `spread`, its deviation from the successive differences (their mean
+    square over two: a trend, such as a run's first descent, does not widen it as it widens
+    the window's own deviation); `sq` their sum of squares, `evicted` the square that leaves
+    once the full window takes a value, `last` the newest value, `leaving` the value that
+    leaves the level (0 while it holds fewer than `level_window`), `k` the level's count."""
+
+    level: float
+    spread: float
+    sq: float
+    evicted: float
+    last: float
+    leaving: float
+    k: int
+
 
 class SameStepGate:
     """Per step: `limits()` before it, `observe(loss, grad_norm, refused)` after its read (host
@@ -127,16 +166,37 @@ class SameStepGate:
         if self.count < max(cfg.min_history, 2) or self.refused >= cfg.max_refusals:
             return None
         out = []
-        for i, series in enumerate(self.values):  # mean, deviation
-            held = series[: self.count]
-            mean = math.fsum(held) / self.count
-            var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
+        for i in range(2):  # level, deviation
+            st = self.stats(i)
             if i == 0 and self.refused < 0:  # right after a rollback: the loss's own bar
-                spread = self._floor(i, mean, restored=True)
+                spread = self._floor(i, st.level, restored=True)
             else:
-                spread = max(math.sqrt(var), self._floor(i, mean))
-            out.append(mean + cfg.sigma * spread)
+                spread = max(st.spread, self._floor(i, st.level))
+            out.append(st.level + cfg.sigma * spread)
         return out[0], out[1]
+
+    def ordered(self, i: int) -> list[float]:
+        """Series i's accepted log-values, oldest first."""
+        series, n = self.values[i], self.count
+        return series[:n] if n < self.cfg.window else series[self.pos :] + series[: self.pos]
+
+    def stats(self, i: int) -> Stats:
+        """Series i's level and spread, and what the device needs to add a value to them."""
+        held = self.ordered(i)
+        n, k = len(held), min(len(held), self.cfg.level_window)
+        recent = held[n - k :]
+        level = math.fsum(recent) / k if k else 0.0
+        sq = math.fsum((b - a) ** 2 for a, b in zip(held, held[1:], strict=False))
+        full = n == self.cfg.window
+        return Stats(
+            level=level,
+            spread=math.sqrt(sq / (2 * (n - 1))) if n >= 2 else 0.0,
+            sq=sq,
+            evicted=(held[1] - held[0]) ** 2 if full and n >= 2 else 0.0,
+            last=held[-1] if n else 0.0,
+            leaving=held[n - k] if k == self.cfg.level_window else 0.0,
+            k=k,
+        )
 
     def _floor(self, i: int, mean: float, restored: bool = False) -> float:
         """Series i's smallest deviation (log units) at the log-mean `mean`: its floor, and for
@@ -170,13 +230,7 @@ class SameStepGate:
         cfg = self.cfg
         dev = loss.device
         n = self.count
-        mu, m2, evicted = [], [], []
-        for series in self.values:
-            held = series[:n]
-            avg = math.fsum(held) / n if n else 0.0
-            mu.append(avg)
-            m2.append(math.fsum((v - avg) ** 2 for v in held))
-            evicted.append(series[self.pos] - avg if n == cfg.window else 0.0)
+        st = [self.stats(i) for i in range(2)]
         f64 = torch.float64
         x = torch.stack([loss.detach(), grad_norm.detach()]).to(f64)  # (2,)
         fin = torch.isfinite(x)
@@ -190,22 +244,27 @@ class SameStepGate:
         pushed = ~over & learnable & ~refused
         full = n == cfg.window
         n_new = pushed.to(f64) * (0.0 if full else 1.0) + n
-        window = torch.tensor([*mu, *m2, *evicted], dtype=f64, device=dev)  # one small copy
-        mean0, dev2, e = window[:2], window[2:4], window[4:]
+        window = torch.tensor(  # one small copy
+            [*(t.level for t in st), *(t.sq for t in st), *(t.evicted for t in st),
+             *(t.last for t in st), *(t.leaving for t in st)],
+            dtype=f64, device=dev,
+        )  # fmt: skip
+        level0, sq0, e, last, leaving = (window[j : j + 2] for j in range(0, 10, 2))
         keep = pushed.to(f64)
-        d = torch.where(pushed, x.log() - mean0, 0.0)  # the step from each mean
-        s1 = keep * (d - (e if full else 0.0))
-        s2 = dev2 + keep * (d * d - (e * e if full else 0.0))
-        nn = n_new.clamp_min(1.0)
-        mean = mean0 + s1 / nn
-        var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
-        sd = var.sqrt()
+        lx = torch.where(pushed, x.log(), 0.0)
+        k = st[0].k
+        k_new = min(k + 1, cfg.level_window)  # the level's count once a value is added
+        added = (lx - (leaving if k == cfg.level_window else 0.0) + level0 * k) / k_new
+        level = torch.where(pushed, added, level0)
+        step_sq = (lx - last) ** 2 if n else torch.zeros_like(lx)
+        sq = sq0 + keep * (step_sq - (e if full else 0.0))
+        sd = (sq / (2.0 * (n_new - 1.0).clamp_min(1.0))).clamp_min(0.0).sqrt()
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
-        least = loss_floor(mean[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
-        bar = loss_floor(mean[0], cfg.sigma, self.after_floor, cfg.min_loss_excess)
+        least = loss_floor(level[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
+        bar = loss_floor(level[0], cfg.sigma, self.after_floor, cfg.min_loss_excess)
         loss_sd = torch.where(run < 0, bar, torch.maximum(sd[0], least))  # after a rollback
         sd = torch.stack([loss_sd, sd[1].clamp_min(cfg.grad_floor)])
-        lim = mean + cfg.sigma * sd
+        lim = level + cfg.sigma * sd
         armed = (n_new >= max(cfg.min_history, 2)) & (run < cfg.max_refusals)
         return lim, armed
 
@@ -235,19 +294,13 @@ class SameStepGate:
         """`late_factor`'s (v, h): the device values, and the window's numbers (one copy)."""
         cfg = self.cfg
         n = self.count
-        host = []
-        for series in self.values:
-            held = series[:n]
-            avg = math.fsum(held) / n if n else 0.0
-            host.append(
-                (avg, math.fsum((v - avg) ** 2 for v in held),
-                 series[self.pos] - avg if n == cfg.window else 0.0)
-            )  # fmt: skip
+        st = [self.stats(i) for i in range(2)]
         prev_loss, prev_norm, prev_factor, overflow = ahead
         h = torch.tensor(
-            [host[0][0], host[1][0], host[0][1], host[1][1], host[0][2], host[1][2],
+            [st[0].level, st[1].level, st[0].sq, st[1].sq, st[0].evicted, st[1].evicted,
              float(n), float(n == cfg.window), float(self.refused), float(overflow is not None),
-             cfg.min_loss_excess, self.after_floor],
+             cfg.min_loss_excess, self.after_floor, st[0].last, st[1].last,
+             st[0].leaving, st[1].leaving, float(st[0].k), float(cfg.level_window)],
             dtype=torch.float64,
         )  # fmt: skip
         dev = loss.device
@@ -273,12 +326,10 @@ class SameStepGate:
         if self.count < 2 or not all(math.isfinite(v) for v in x):
             return (0.0, 1.0), (0.0, 1.0)
         out = []
-        for i, series in enumerate(self.values):
-            held = series[: self.count]
-            mean = math.fsum(held) / self.count
-            var = math.fsum((v - mean) ** 2 for v in held) / (self.count - 1)
-            out.append(((x[i] - mean) / max(math.sqrt(var), self._floor(i, mean)),
-                        math.exp(x[i] - mean)))  # fmt: skip
+        for i in range(2):
+            st = self.stats(i)
+            out.append(((x[i] - st.level) / max(st.spread, self._floor(i, st.level)),
+                        math.exp(x[i] - st.level)))  # fmt: skip
         return out[0], out[1]
 
     def observe(self, loss: float, grad_norm: float, refused: bool) -> str:
@@ -411,10 +462,12 @@ def late_factor(
     """`limits_after` then `step_factor`, as one function of small tensors (so that it is
     one op, and one compiled kernel on CUDA). vs: six 0-dim float32 values on the device, the
     step before's loss, grad norm, factor and GradScaler overflow (its factor when there is no
-    scaler), then this step's loss and grad norm. h (12,) float64: the window's means, sums of
-    squared deviations and evicted values (each per series), its count, whether it is full,
-    the refusals in a row, whether there is an overflow flag, `min_loss_excess`, and the loss's
-    floor right after a rollback (`after_rollback_ratio`'s). Returns
+    scaler), then this step's loss and grad norm. h (18,) float64: per series the levels,
+    the sums of squared successive differences and the square that leaves a full window; the
+    window's count, whether it is full, the refusals in a row, whether there is an overflow
+    flag, `min_loss_excess`, the loss's floor right after a rollback (`after_rollback_ratio`'s);
+    per series the newest value and the one that leaves the level; the level's count and its
+    most (`Stats`, `level_window`). Returns
     (2,) float32: the factor (1 or 0) and its refusal flag (1 - factor: a fused AdamW's
     `found_inf`), made here so that no op on the loop thread makes the flag from the factor."""
     v = torch.stack(vs)
@@ -429,14 +482,15 @@ def late_factor(
     full, n = h[7], h[6]  # as limits_after: a full window keeps its count
     keep = pushed.double()
     n_new = keep * (1.0 - full) + n
-    mean0, dev2, e = h[0:2], h[2:4], h[4:6]  # e: 0 while the window is not full
-    d = torch.where(pushed, x.log() - mean0, 0.0)
-    s1 = keep * (d - e)
-    s2 = dev2 + keep * (d * d - e * e)
-    nn = n_new.clamp_min(1.0)
-    mean = mean0 + s1 / nn
-    var = ((s2 - s1 * s1 / nn) / (nn - 1.0).clamp_min(1.0)).clamp_min(0.0)
-    sd = var.sqrt()
+    level0, sq0, e, last, leaving = h[0:2], h[2:4], h[4:6], h[12:14], h[14:16]
+    k, kmax = h[16], h[17]  # the level's count, and its most
+    lx = torch.where(pushed, x.log(), 0.0)
+    k_new = torch.minimum(k + 1.0, kmax)
+    added = (lx - torch.where(k == kmax, leaving, 0.0) + level0 * k) / k_new
+    mean = torch.where(pushed, added, level0)  # the level
+    step_sq = torch.where(n > 0, (lx - last) ** 2, 0.0)
+    sq = sq0 + keep * (step_sq - e)  # e: 0 while the window is not full
+    sd = (sq / (2.0 * (n_new - 1.0).clamp_min(1.0))).clamp_min(0.0).sqrt()
     run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
     least = loss_floor(mean[0], sigma, floor, h[10])
     bar = loss_floor(mean[0], sigma, h[11], h[10])

@@ -258,9 +258,9 @@ class StepCore:
         if reached and max(reached) > step:
             lost = max(reached) - step
             line += (
-                f"; the process before reached step {max(reached)}: {lost} step"
-                f"{'s' if lost != 1 else ''} trained again (its points stay in the record as an "
-                "abandoned branch)"
+                f"; the process before recorded steps up to {max(reached)}: {lost} step"
+                f"{'s' if lost != 1 else ''} at least trained again (its points stay in the record "
+                "as an abandoned branch)"
             )
         else:
             line += "; steps after it are trained again"
