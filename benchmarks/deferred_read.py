@@ -6,7 +6,7 @@ before), so it reads them between backward and the update. Same model, data, ari
 
 On a CPU nothing is asynchronous, so the order costs nothing either way: the figure says the
 deferred read adds no work (goal: not slower, ratio >= 1.0 within noise). On a GPU the host
-path drains the launch queue each step; benchmarks/gpu_check.py measures that.
+path drains the launch queue each step; benchmarks/gpu/gpu_check.py measures that.
 
     python benchmarks/deferred_read.py [--steps 400] [--config tiny_cpu] [--aa]
 

@@ -51,7 +51,7 @@ def main() -> None:
     clocked(torch.autograd, "backward", "backward", mine)
     clocked(torch.optim.AdamW, "step", "optimizer", mine)
     clocked(torch.nn.utils, "clip_grad_norm_", "clip", mine)
-    for name in ("begin_step", "decide", "apply", "conclude"):
+    for name in ("begin_step", "gate", "apply", "conclude"):
         clocked(watch_mod.Watch, name, f"watch.{name}", mine)
     run = {"lightning": integrations.lightning_times, "hf": integrations.hf_times}[args.run]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared H200 check (issues 38, 47, 48, 49; about 10 minutes): benchmarks/gpu_check.py
+# The prepared H200 check (issues 38, 47, 48, 49; about 10 minutes): benchmarks/gpu/gpu_check.py
 # runs the product end to end (the demo, the plain loop compiled with named rows, fp16 with a
 # GradScaler, a stop and resume, the HF and Lightning examples, a fault at GPT-2-small shape,
 # torchtitan's own trainer with spikewatch.torchtitan: each must roll back and finish) and then
@@ -34,6 +34,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PAR
 # one call, <= 8 minutes: the product end to end (demo, examples, resume, fp16, a fault at 124M),
 # then its cost (syncs, MFU with the per-probe breakdown, the Triton kernel, the memory tier)
 # GPU_CHECK_ONLY=a,b (sections, in that order) and GPU_CHECK_TIMEOUT (s) for a shorter rerun
-timeout "${GPU_CHECK_TIMEOUT:-570}" python3 benchmarks/gpu_check.py "$out" --work /tmp/gpu_check_work \
+timeout "${GPU_CHECK_TIMEOUT:-570}" python3 benchmarks/gpu/gpu_check.py "$out" --work /tmp/gpu_check_work \
   ${GPU_CHECK_ONLY:+--only "$GPU_CHECK_ONLY"} \
   || echo "gpu_check.py exited $?"

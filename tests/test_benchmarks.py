@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import importlib.util, sys, pathlib
 failed = []
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
-    spec = importlib.util.spec_from_file_location(f"bench_{f.stem}", f)
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.py")):
+    spec = importlib.util.spec_from_file_location(f"bench_{f.parent.name}_{f.stem}", f)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     try:
@@ -30,7 +30,7 @@ sys.exit(1 if failed else 0)
 
 
 def test_every_benchmark_imports() -> None:
-    names = sorted(p.name for p in (REPO / "benchmarks").glob("*.py"))
+    names = sorted(p.name for p in (REPO / "benchmarks").rglob("*.py"))
     assert len(names) > 40  # the folder as it is: a glob that found nothing proves nothing
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO / "benchmarks")], env=env,

@@ -1,5 +1,5 @@
 """A genuine spike, nothing injected: the paper's MLP under the Watch spikes near step 140 on
-seed 1, the loss alone labels it, and the detector finds it (benchmarks/genuine_spikes.py runs
+seed 1, the loss alone labels it, and the detector finds it (benchmarks/studies/genuine_spikes.py runs
 the study; docs/spikes.md section 4)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _load(name: str, path: Path):
 
 @pytest.fixture(scope="module")
 def study():
-    return _load("genuine_study", ROOT / "benchmarks" / "genuine_spikes.py")
+    return _load("genuine_study", ROOT / "benchmarks" / "studies" / "genuine_spikes.py")
 
 
 def test_the_ground_truth_rule_on_a_known_curve(study) -> None:

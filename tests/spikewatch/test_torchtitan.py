@@ -242,7 +242,7 @@ def test_the_watchs_disk_tier_is_refused_and_settings_are_checked() -> None:
 
 
 def test_the_gpu_checks_torchtitan_job_is_a_compiled_llama_of_8_blocks() -> None:
-    """The GPU check's job (benchmarks/_gpu_titan.py, run only on a device) as built here: a
+    """The GPU check's job (benchmarks/gpu/_gpu_titan.py, run only on a device) as built here: a
     torchtitan Llama 3 of 8 blocks (1B's: d=2048, grouped-query attention), compiled, spikewatch
     on, every block's inner attention where the probes hook it; its model built on `meta`."""
     import importlib.util
@@ -251,7 +251,7 @@ def test_the_gpu_checks_torchtitan_job_is_a_compiled_llama_of_8_blocks() -> None
 
     from spikewatch.torchtitan import SpikewatchTrainer
 
-    spec = importlib.util.spec_from_file_location("_gpu_titan", REPO / "benchmarks/_gpu_titan.py")
+    spec = importlib.util.spec_from_file_location("_gpu_titan", REPO / "benchmarks/gpu/_gpu_titan.py")
     assert spec is not None and spec.loader is not None
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)

@@ -8,7 +8,7 @@ minor page faults and kernel time a step (`getrusage`), which unlike step times 
 with the machine's load. `bare` is the Watch with every part off (no probes, no store, no
 checkpoints): only its gate around the framework's optimizer.
 
-    python benchmarks/page_faults.py [--steps 150] [--batch-size 16] [--only lightning,loop]
+    python benchmarks/studies/page_faults.py [--steps 150] [--batch-size 16] [--only lightning,loop]
 
 Last line: {"<run>_<variant>_<malloc>_faults": per step, ...}.
 """
@@ -25,7 +25,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the other studies
+sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/_common
 from _common import machine  # noqa: E402
 
 VARIANTS: dict[str, dict] = {

@@ -1,11 +1,11 @@
 """Early warning, measured (issue 19): which signal moves before the loss does, how early, and
 how often it cries wolf.
 
-    python benchmarks/early_warning.py --root runs/warn                  # run, then the tables
-    python benchmarks/early_warning.py --root runs/warn --report         # the tables only
-    python benchmarks/early_warning.py --root runs/warn --clean-root runs/spikes   # + search grid
+    python benchmarks/studies/early_warning.py --root runs/warn                  # run, then the tables
+    python benchmarks/studies/early_warning.py --root runs/warn --report         # the tables only
+    python benchmarks/studies/early_warning.py --root runs/warn --clean-root runs/spikes   # + search grid
 
-**Spikes.** The genuine-spike search (benchmarks/spike_search.py) found none on this model, so the
+**Spikes.** The genuine-spike search (benchmarks/studies/spike_search.py) found none on this model, so the
 spikes are developing faults: the `ablation` config (lr 3e-3) with an `lr_ramp` fault that
 multiplies the learning rate by 1000^(i/100) over batches 250-349, run with detection only (no
 rollback, no same-step tier), one run per seed. A spike's **loss onset** is the onset the online
@@ -42,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the other studies
+sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/_common
 import numpy as np  # noqa: E402
 from _common import machine  # noqa: E402
 from sqlalchemy import select  # noqa: E402

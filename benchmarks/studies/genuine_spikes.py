@@ -1,7 +1,7 @@
 """Genuine spikes (issue 30): Adam's own instability on a CPU, detected, warned and cured.
 
-    python benchmarks/genuine_spikes.py --quick          # the MLP, 4 seeds, detection (< 10 min)
-    python benchmarks/genuine_spikes.py --root runs/gs   # + the LM, lead times, remedies
+    python benchmarks/studies/genuine_spikes.py --quick          # the MLP, 4 seeds, detection (< 10 min)
+    python benchmarks/studies/genuine_spikes.py --root runs/gs   # + the LM, lead times, remedies
 
 The cases are examples/genuine_spikes.py's (a user can run each). Every run goes through the
 Watch into a store (`--root`/spikewatch.db), so the dashboard shows them.
@@ -45,15 +45,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other studies
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_common
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def _example() -> Any:
     """examples/genuine_spikes.py (the same file name as this one)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "genuine_spikes.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "genuine_spikes.py"
     spec = importlib.util.spec_from_file_location("genuine_spike_cases", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,13 +1,13 @@
 """The genuine-spike search of issue 19: does the baseline spike by itself, and under what recipe?
 
-    python benchmarks/spike_search.py --root runs/spikes            # run (or resume) the grid
-    python benchmarks/spike_search.py --root runs/spikes --report   # the table only
+    python benchmarks/studies/spike_search.py --root runs/spikes            # run (or resume) the grid
+    python benchmarks/studies/spike_search.py --root runs/spikes --report   # the table only
 
 Each arm is the `ablation` config (2 layers, d=128, 4 heads, byte-level, T=128, B=16) with the
 `baseline` variant and a set of destabilising knobs, run for `--steps` steps at each learning rate
 of `--lr`, with no injected fault, no checkpoints and so no rollback: the online detector records
 what happens and nothing intervenes. Every probe runs every step (`probes.state_interval=1`), so
-the early-warning study (`benchmarks/early_warning.py`) can read the same runs.
+the early-warning study (`benchmarks/studies/early_warning.py`) can read the same runs.
 
 Each arm is its own sweep group (`spike-search-<arm>`), so the grid resumes where it stopped and
 each arm's census is `spikewatch sweep-report spike-search-<arm> --markdown`. The table printed
@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the other studies
+sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/_common
 import numpy as np  # noqa: E402
 from _common import machine  # noqa: E402
 from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402

@@ -1,4 +1,4 @@
-"""spikewatch in torchtitan on the GPU (issue 48, item 4), for benchmarks/gpu_check.py: a
+"""spikewatch in torchtitan on the GPU (issue 48, item 4), for benchmarks/gpu/gpu_check.py: a
 Llama-3-style model of 8 layers (torchtitan's Llama 3 1B blocks: d=2048, 16 heads, SwiGLU,
 RoPE; a 2048-token vocabulary), each block compiled by torchtitan, bf16 under FSDP2's mixed
 precision, T=2048, 4 rows, trained by torchtitan's own entry point with a poisoned region:
@@ -9,7 +9,7 @@ As a script, under torchrun, it is torchtitan's `torchtitan.train` with what the
 lacks stood in first (Hugging Face `datasets` and TensorBoard, which torchtitan 0.3 imports at
 start and this job does not use); as a module (`--module benchmarks._gpu_titan`), the configs:
 
-    torchrun --nproc_per_node=1 benchmarks/_gpu_titan.py --module benchmarks._gpu_titan \\
+    torchrun --nproc_per_node=1 benchmarks/gpu/_gpu_titan.py --module benchmarks._gpu_titan \\
         --config gpu_llama --dataloader.poison_at 60 ...
 
 The data are the tests' (tests/spikewatch/titan_data.py: a byte tokenizer, windows of the
@@ -25,7 +25,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TPS = re.compile(r"step:\s+(\d+).*?tps:\s+([\d,]+)")
 
 

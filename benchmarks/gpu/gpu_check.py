@@ -14,7 +14,7 @@ read back; `ok` says whether it did):
 - `builtin_fault`: the built-in trainer at GPT-2-small shape, compiled, bf16, a shifted-labels
   fault, rollbacks from the host-memory tier.
 - `torchtitan`: torchtitan's own trainer with `spikewatch.torchtitan`, 8 Llama 3 1B blocks
-  compiled, bf16, a poisoned region (benchmarks/_gpu_titan.py); and its tokens per second
+  compiled, bf16, a poisoned region (benchmarks/gpu/_gpu_titan.py); and its tokens per second
   with and without spikewatch (`ratio`, goal >= 0.97).
 
 Its cost:
@@ -36,7 +36,7 @@ Its cost:
    step time (goal <= 5%).
 
     bash benchmarks/gpu_check.sh [OUT_DIR]            # on the device
-    python benchmarks/gpu_check.py --smoke OUT_DIR     # tiny shapes, any device: the script's logic
+    python benchmarks/gpu/gpu_check.py --smoke OUT_DIR     # tiny shapes, any device: the script's logic
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_common
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _gpu_product import (  # noqa: E402
@@ -214,7 +215,7 @@ def mfu_check(smoke: bool) -> dict:
     from spikewatch import Watch
 
     spec = importlib.util.spec_from_file_location(
-        "plain_loop", Path(__file__).resolve().parents[1] / "examples/plain_loop.py"
+        "plain_loop", Path(__file__).resolve().parents[2] / "examples/plain_loop.py"
     )
     assert spec is not None and spec.loader is not None
     ex = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ follows, whichever way it goes.
   batch in "left in", each row alone as the attribution measures it (loss, gradient norm), the
   injected rows' medians against the clean rows', and what the attribution's rule names there.
 
-    python benchmarks/ngram_ablation.py [--steps 600] [--seeds 0,1] [--bursts 8]
+    python benchmarks/studies/ngram_ablation.py [--steps 600] [--seeds 0,1] [--bursts 8]
 
 Last line: {"hypothesis", "registered_utc", "filter": {...}, "arms": {...}, "attribution": {...}}.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 HYPOTHESIS = (

@@ -1,4 +1,4 @@
-"""The product end to end, as users run it, for the GPU check (benchmarks/gpu_check.py; issue
+"""The product end to end, as users run it, for the GPU check (benchmarks/gpu/gpu_check.py; issue
 49): each section runs one of spikewatch's commands (the demo, the examples, a resume, the
 built-in trainer with a fault) and reads its summary back; `ok` says whether it rolled back to
 before its onset and finished. A helper of gpu_check.py, not a script."""
@@ -40,7 +40,7 @@ def gpt_overrides(layers: int, d: int, heads: int, T: int, batch: int, steps: in
 
 
 # -- 0. the product end to end ----------------------------------------------------------------
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _subprocess(cmd: list[str], cwd: Path, timeout: float) -> dict:
