@@ -36,7 +36,7 @@ Its cost:
    step time (goal <= 5%).
 
     bash benchmarks/gpu_check.sh [OUT_DIR]            # on the device
-    python benchmarks/gpu/gpu_check.py --smoke OUT_DIR     # tiny shapes, any device: the script's logic
+    python benchmarks/gpu/gpu_check.py --smoke OUT_DIR  # tiny shapes, any device: its logic
 """
 
 from __future__ import annotations

@@ -251,7 +251,9 @@ def test_the_gpu_checks_torchtitan_job_is_a_compiled_llama_of_8_blocks() -> None
 
     from spikewatch.torchtitan import SpikewatchTrainer
 
-    spec = importlib.util.spec_from_file_location("_gpu_titan", REPO / "benchmarks/gpu/_gpu_titan.py")
+    spec = importlib.util.spec_from_file_location(
+        "_gpu_titan", REPO / "benchmarks/gpu/_gpu_titan.py"
+    )
     assert spec is not None and spec.loader is not None
     gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu)
