@@ -6,8 +6,7 @@ how often it cries wolf.
     python benchmarks/studies/early_warning.py --root runs/warn --clean-root runs/spikes  # + grid
 
 **Spikes.** The genuine-spike search (benchmarks/studies/spike_search.py) found none on this model,
-so the
-spikes are developing faults: the `ablation` config (lr 3e-3) with an `lr_ramp` fault that
+so the spikes are developing faults: the `ablation` config (lr 3e-3) with an `lr_ramp` fault that
 multiplies the learning rate by 1000^(i/100) over batches 250-349, run with detection only (no
 rollback, no same-step tier), one run per seed. A spike's **loss onset** is the onset the online
 detector gave its first `spike` verdict (or the first non-finite step, if earlier).

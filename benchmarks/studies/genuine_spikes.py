@@ -1,7 +1,6 @@
 """Genuine spikes (issue 30): Adam's own instability on a CPU, detected, warned and cured.
 
-    python benchmarks/studies/genuine_spikes.py --quick          # the MLP, 4 seeds, detection (<
-    10 min)
+    python benchmarks/studies/genuine_spikes.py --quick         # the MLP, 4 seeds (< 10 min)
     python benchmarks/studies/genuine_spikes.py --root runs/gs   # + the LM, lead times, remedies
 
 The cases are examples/genuine_spikes.py's (a user can run each). Every run goes through the

@@ -1,7 +1,6 @@
 """The genuine-spike search of issue 19: does the baseline spike by itself, and under what recipe?
 
-    python benchmarks/studies/spike_search.py --root runs/spikes            # run (or resume) the
-    grid
+    python benchmarks/studies/spike_search.py --root runs/spikes            # run (or resume) it
     python benchmarks/studies/spike_search.py --root runs/spikes --report   # the table only
 
 Each arm is the `ablation` config (2 layers, d=128, 4 heads, byte-level, T=128, B=16) with the

@@ -4,8 +4,7 @@ There the log-loss swings by a unit or more from one step to the next, so the no
 wide; a genuine spike is a smooth climb of three decades that stays under the z threshold, and
 its tail bounces back over the threshold for a few steps at a time. The golden curves are the
 MLP's of `benchmarks/studies/genuine_spikes.py` (seeds 0 and 2) with the spikes its label rule,
-which
-reads the loss alone, finds in them."""
+which reads the loss alone, finds in them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A genuine spike, nothing injected: the paper's MLP under the Watch spikes near step 140 on
 seed 1, the loss alone labels it, and the detector finds it (benchmarks/studies/genuine_spikes.py
-runs
-the study; docs/spikes.md section 4)."""
+runs the study; docs/spikes.md section 4)."""
 
 from __future__ import annotations
 
