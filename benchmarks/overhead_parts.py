@@ -10,7 +10,7 @@ Watch's step beyond the plain loop's own clip, optimizer step, schedule and zero
     python benchmarks/overhead_parts.py [--steps 600] [--batch-size 8]
 
 Last line: {"ratio": without / with, "overhead_ms": ..., "<part>_ms": ...}. Parts nest
-(`watch_step` holds `decide`, which holds `measure`...): they are not to be summed.
+(`watch_step` holds `gate`, which holds `measure`...): they are not to be summed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def main() -> None:
     args.d_model, args.layers, args.seq_len = 128, 2, 128
     quiet_one_thread(args)
 
-    import spikewatch.hf as hf
     import spikewatch.trainer.checkpoints.disk as disk
     import spikewatch.trainer.checkpoints.memory as memory
     import spikewatch.trainer.core.probes as probes
@@ -48,16 +47,17 @@ def main() -> None:
     import spikewatch.trainer.core.step_core as step_core
     import spikewatch.trainer.watch as watch_mod
     from spikewatch import Watch
+    from spikewatch.trainer.model.attn_max import AttnMax
 
     spent: Counter = Counter()
     for obj, name, label in [
-        (hf, "max_logits", "attn_max"),
+        (AttnMax, "record_logits", "attn_max"),
         (watch_mod.Watch, "step", "watch_step"),
-        (watch_mod.Watch, "decide", "decide"),
+        (watch_mod.Watch, "gate", "gate"),
         (watch_mod.Watch, "_tensors", "clip_and_gather"),
-        (step_core.StepCore, "measure", "measure"),
-        (same_step.SameStepGate, "check", "same_step"),
-        (step_core.StepCore, "decide", "guard_and_policy"),
+        (step_core.StepCore, "gate", "measure"),
+        (same_step.SameStepGate, "limits", "same_step"),
+        (step_core.StepCore, "_agree", "guard_and_policy"),
         (watch_mod.Watch, "conclude", "conclude"),
         (probes.Probes, "after_update", "update_and_adam_stats"),
         (step_core.StepCore, "save_if_due", "checkpoints"),
@@ -78,7 +78,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         w = Watch(*watched, grad_clip=1.0, run_dir=Path(tmp) / "run", db=f"sqlite:///{tmp}/b.db")
         w.open()
-        hf.attach_attention(watched[0], w.attn)
         total = Counter()
         for i in range(args.steps):
             if i == SKIP:

@@ -261,16 +261,23 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="one seed of 60 steps a group, d=32")
     args = ap.parse_args()
     print("machine:", json.dumps(machine()))
     url = resolve_url(f"sqlite:///{Path(args.root).resolve() / 'spikewatch.db'}")
+    groups, seeds = GROUPS, SEEDS
+    if args.smoke:  # the study's whole path at a tiny size: its tables, not its findings
+        tiny = ["train.max_steps=60", "model.d_model=32", "eval.interval=30"]
+        ramp = 'faults=[{kind="lr_ramp", start=20, length=20, factor=1000}]'
+        groups = {g: [ramp if o == RAMP else o for o in over] + tiny for g, over in GROUPS.items()}
+        seeds = dict.fromkeys(SEEDS, 1)
     if not args.report:
-        for group, over in GROUPS.items():
+        for group, over in groups.items():
             run_sweep(
                 "ablation",
                 variants=["baseline"],
                 lrs=[LR],
-                seeds=list(range(SEEDS[group])),
+                seeds=list(range(seeds[group])),
                 overrides=over,
                 root=args.root,
                 group=group,

@@ -232,7 +232,9 @@ class Restorer:
             dropped_checkpoints=abandoned,
             skipped=said,
             restore_fallbacks=fallbacks or None,
-            check_s=ck.memory.last_check_s if ck.last_tier == MEMORY and ck.memory else None,
+            check_s=(
+                ck.memory.last_check_s if ck.last_tier == MEMORY and ck.memory is not None else None
+            ),
             replay_proof=proof,
             suspect_devices=suspects or None,
             skipped_samples=n_named,
