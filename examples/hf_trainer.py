@@ -148,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         db=args.db,
         name="hf-trainer",
         checkpoint_every=args.checkpoint_every or None,
-        settings={"guard": {"rollback": not args.no_rollback}},
+        settings={  # --no-rollback: detect and record only (no refused update either)
+            "guard": {
+                "rollback": not args.no_rollback,
+                "same_step": {"enabled": not args.no_rollback},
+            }
+        },
     )
     training_args = TrainingArguments(
         output_dir=args.output_dir,

@@ -129,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         name="lightning",
         checkpoint_every=args.checkpoint_every or None,
         warmup_steps=max(1, args.steps // 10),  # the LR warmup: no level to detect against yet
-        settings={"guard": {"rollback": not args.no_rollback}},
+        settings={  # --no-rollback: detect and record only (no refused update either)
+            "guard": {
+                "rollback": not args.no_rollback,
+                "same_step": {"enabled": not args.no_rollback},
+            }
+        },
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))  # processes under torchrun
 

@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_every=args.checkpoint_every,
         blocklist=args.blocklist,  # `spikewatch quarantine RUN --out FILE` of an earlier run
         settings={
-            "guard": {"rollback": not args.no_rollback, "skip_samples": not args.whole_batches}
+            "guard": {
+                "rollback": not args.no_rollback,
+                "same_step": {"enabled": not args.no_rollback},  # detect and record only
+                "skip_samples": not args.whole_batches,
+            }
         },
         scaler=scaler,  # fp16: the Watch steps and updates it
     ) as watch:

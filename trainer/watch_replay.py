@@ -92,7 +92,7 @@ class Replays:
         if guard is not None:
             guard.classify = True
 
-    def _replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
+    def _replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[bool], None]]:
         """For the cause of a spike (the core's replay): batch `index` again, through the
         client's `run_step` or the user's `loss_fn`, its update applied only if the core finds
         it finite."""
@@ -116,8 +116,9 @@ class Replays:
         # the optimizer's own step (not accelerate's, which would step the scaler)
         raw = w.amp.optimizer.step if w.amp.in_step else w._inner_step or w.optimizer.step
 
-        def update() -> None:
-            w.apply(raw)
+        def update(applied: bool) -> None:  # the scheduler steps on a refused step too, as
+            if applied:  # it did in the run (`Watch.step`, a routed scheduler)
+                w.apply(raw)
             if w.scheduler is not None:
                 w.scheduler.step()
 

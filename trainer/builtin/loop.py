@@ -272,12 +272,18 @@ class Trainer:
             apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau, gate.factor)
         return core.conclude()
 
-    def replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[], None]]:
+    def replay(self, step: int, index: int) -> tuple[StepTensors, Callable[[bool], None]]:
         """For the cause of a spike (the core's replay): batch `index` again, as step `step`
-        (with the step's probes on, so that a compiled forward needs no graph of its own)."""
+        (with the step's probes on, so that a compiled forward needs no graph of its own). Its
+        LR comes from the step's number: a refused step has nothing else to advance."""
         t, lr_mult, _ = self._compute(step, index, probing=True)
         tau = self.cfg.optim.qk_clip_tau
-        return t, lambda: apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
+
+        def end(applied: bool) -> None:
+            if applied:
+                apply_update(self.model, self.optimizer, lr_mult, t.attn_max, tau)
+
+        return t, end
 
     def swap(self, step: int, index: int) -> torch.Tensor:
         """For the device check of a spike (core/cause.py): the next rank's rows of batch

@@ -60,8 +60,10 @@ log = logging.getLogger(__name__)
 REPLAY_RTOL = 1e-3
 
 # Replay of one batch for the cause of a spike: (step, batch index) -> the step's tensors after
-# backward, and the function that applies its update. None: the client cannot draw it again.
-Replay = Callable[[int, int], tuple["StepTensors", Callable[[], None]]]
+# backward, and the function that ends the step as the run ended it: `end(True)` applies its
+# update, `end(False)` does not (a step the run refused) but advances what the run advanced for
+# it all the same (the LR schedule of a Watch: a refused step is a step of the run).
+Replay = Callable[[int, int], tuple["StepTensors", Callable[[bool], None]]]
 # The device check under torchrun: (step, batch index) -> the loss of the next rank's (rank + 1
 # mod W) rows of that batch, computed on this rank's device, forward only, on the current weights.
 Swap = Callable[[int, int], torch.Tensor]
@@ -386,7 +388,7 @@ class Restorer:
         for step, index in pairs:
             if step <= from_step:
                 continue
-            t, apply = core.replay(step, index)
+            t, end = core.replay(step, index)
             t = core.world.reduce(t, stop=False)
             if t.rank_losses is not None:
                 self._replayed_ranks[(step, index)] = t.rank_losses.tolist()
@@ -395,8 +397,7 @@ class Restorer:
                     w = len(done)  # rank k computed rank k + 1's rows: by owner, k + 1's first
                     self._swapped_ranks[(step, index)] = [done[(o - 1) % w] for o in range(w)]
             loss, gnorm = torch.stack([t.loss, t.grad_norm]).tolist()  # rare path: one sync
-            if math.isfinite(loss) and math.isfinite(gnorm) and step not in refused:
-                apply()
+            end(math.isfinite(loss) and math.isfinite(gnorm) and step not in refused)
             core.optimizer.zero_grad(set_to_none=True)
             losses[step] = loss if math.isfinite(loss) else math.inf
         return losses
