@@ -147,6 +147,12 @@ class Stats:
     leaving: float
     k: int
 
+    def pushed(self, level_window: int) -> tuple[float, float]:
+        """(a, b): the level once a value x is added is a + b x (so the device adds it in two
+        operations)."""
+        k_new = min(self.k + 1, level_window)
+        return (self.level * self.k - self.leaving) / k_new, 1.0 / k_new
+
 
 class SameStepGate:
     """Per step: `limits()` before it, `observe(loss, grad_norm, refused)` after its read (host
@@ -244,21 +250,19 @@ class SameStepGate:
         pushed = ~over & learnable & ~refused
         full = n == cfg.window
         n_new = pushed.to(f64) * (0.0 if full else 1.0) + n
+        a, b = zip(*(t.pushed(cfg.level_window) for t in st), strict=True)
         window = torch.tensor(  # one small copy
             [*(t.level for t in st), *(t.sq for t in st), *(t.evicted for t in st),
-             *(t.last for t in st), *(t.leaving for t in st)],
+             *(t.last for t in st), *a],
             dtype=f64, device=dev,
         )  # fmt: skip
-        level0, sq0, e, last, leaving = (window[j : j + 2] for j in range(0, 10, 2))
+        level0, sq0, e, last, added0 = (window[j : j + 2] for j in range(0, 10, 2))
         keep = pushed.to(f64)
         lx = torch.where(pushed, x.log(), 0.0)
-        k = st[0].k
-        k_new = min(k + 1, cfg.level_window)  # the level's count once a value is added
-        added = (lx - (leaving if k == cfg.level_window else 0.0) + level0 * k) / k_new
-        level = torch.where(pushed, added, level0)
-        step_sq = (lx - last) ** 2 if n else torch.zeros_like(lx)
-        sq = sq0 + keep * (step_sq - (e if full else 0.0))
-        sd = (sq / (2.0 * (n_new - 1.0).clamp_min(1.0))).clamp_min(0.0).sqrt()
+        level = torch.where(pushed, added0 + lx * b[0], level0)
+        sq = sq0 + keep * ((lx - last) ** 2 - e)  # e: 0 while the window is not full
+        c_push, c_keep = _spread_scale(n + (0 if full else 1)), _spread_scale(n)
+        sd = (sq * (c_keep + keep * (c_push - c_keep))).clamp_min(0.0).sqrt()
         run = torch.where(over, float(self.refused), torch.where(refused, self.refused + 1.0, 0.0))
         least = loss_floor(level[0], cfg.sigma, cfg.floor, cfg.min_loss_excess)
         bar = loss_floor(level[0], cfg.sigma, self.after_floor, cfg.min_loss_excess)
@@ -296,11 +300,13 @@ class SameStepGate:
         n = self.count
         st = [self.stats(i) for i in range(2)]
         prev_loss, prev_norm, prev_factor, overflow = ahead
+        full = n == cfg.window
+        (a0, b), (a1, _) = (t.pushed(cfg.level_window) for t in st)
         h = torch.tensor(
             [st[0].level, st[1].level, st[0].sq, st[1].sq, st[0].evicted, st[1].evicted,
-             float(n), float(n == cfg.window), float(self.refused), float(overflow is not None),
-             cfg.min_loss_excess, self.after_floor, st[0].last, st[1].last,
-             st[0].leaving, st[1].leaving, float(st[0].k), float(cfg.level_window)],
+             float(n), float(full), float(self.refused), float(overflow is not None),
+             cfg.min_loss_excess, self.after_floor, st[0].last, st[1].last, a0, a1, b,
+             _spread_scale(n + (0 if full else 1)), _spread_scale(n)],
             dtype=torch.float64,
         )  # fmt: skip
         dev = loss.device
@@ -445,6 +451,11 @@ def loss_floor(
     return torch.log1p(excess * torch.exp(-mean)).div(sigma).clamp_min(floor)
 
 
+def _spread_scale(n: int) -> float:
+    """1 / (2 (n - 1)): the squared successive differences of n values to a variance."""
+    return 1.0 / (2.0 * max(n - 1, 1))
+
+
 def _log(v: float) -> float:
     """log, with what has none (<= 0, nan) as nan: never learnt, never refused."""
     return math.log(v) if v > 0 else math.nan
@@ -462,12 +473,12 @@ def late_factor(
     """`limits_after` then `step_factor`, as one function of small tensors (so that it is
     one op, and one compiled kernel on CUDA). vs: six 0-dim float32 values on the device, the
     step before's loss, grad norm, factor and GradScaler overflow (its factor when there is no
-    scaler), then this step's loss and grad norm. h (18,) float64: per series the levels,
+    scaler), then this step's loss and grad norm. h (19,) float64: per series the levels,
     the sums of squared successive differences and the square that leaves a full window; the
     window's count, whether it is full, the refusals in a row, whether there is an overflow
     flag, `min_loss_excess`, the loss's floor right after a rollback (`after_rollback_ratio`'s);
-    per series the newest value and the one that leaves the level; the level's count and its
-    most (`Stats`, `level_window`). Returns
+    per series the newest value and the level's constant part once a value is added, its
+    factor (`Stats.pushed`), and the variance's scale with and without the value. Returns
     (2,) float32: the factor (1 or 0) and its refusal flag (1 - factor: a fused AdamW's
     `found_inf`), made here so that no op on the loop thread makes the flag from the factor."""
     v = torch.stack(vs)
@@ -482,15 +493,11 @@ def late_factor(
     full, n = h[7], h[6]  # as limits_after: a full window keeps its count
     keep = pushed.double()
     n_new = keep * (1.0 - full) + n
-    level0, sq0, e, last, leaving = h[0:2], h[2:4], h[4:6], h[12:14], h[14:16]
-    k, kmax = h[16], h[17]  # the level's count, and its most
+    level0, sq0, e, last, added0 = h[0:2], h[2:4], h[4:6], h[12:14], h[14:16]
     lx = torch.where(pushed, x.log(), 0.0)
-    k_new = torch.minimum(k + 1.0, kmax)
-    added = (lx - torch.where(k == kmax, leaving, 0.0) + level0 * k) / k_new
-    mean = torch.where(pushed, added, level0)  # the level
-    step_sq = torch.where(n > 0, (lx - last) ** 2, 0.0)
-    sq = sq0 + keep * (step_sq - e)  # e: 0 while the window is not full
-    sd = (sq / (2.0 * (n_new - 1.0).clamp_min(1.0))).clamp_min(0.0).sqrt()
+    mean = torch.where(pushed, added0 + lx * h[16], level0)  # the level
+    sq = sq0 + keep * ((lx - last) ** 2 - e)  # e: 0 while the window is not full
+    sd = (sq * (h[18] + keep * (h[17] - h[18]))).clamp_min(0.0).sqrt()
     run = torch.where(over, h[8], torch.where(refused, h[8] + 1.0, 0.0))
     least = loss_floor(mean[0], sigma, floor, h[10])
     bar = loss_floor(mean[0], sigma, h[11], h[10])
