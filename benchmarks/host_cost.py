@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,7 @@ class MetaDevice:
         self.due_reads = 0
         self.background_bytes = 0  # copies to the host made off the loop thread
         self.due = False
+        self.step = 0  # the loop's step (the harness sets it)
         self._lib: Any = None
         self._main = threading.main_thread()
 
@@ -96,6 +97,8 @@ class MetaDevice:
         self._lib = torch.library.Library("aten", "IMPL")
         self._lib.impl("_local_scalar_dense", self._item, "Meta")
         self._lib.impl("copy_", self._copy, "Meta")
+        # one multi-tensor launch on a GPU: one call here (meta's own runs a copy_ a tensor)
+        self._lib.impl("_foreach_copy_", self._foreach_copy, "Meta")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -106,9 +109,15 @@ class MetaDevice:
         self.waits["item"] += 1
         return 1.0 if x.dtype.is_floating_point else (True if x.dtype == torch.bool else 1)
 
+    def _foreach_copy(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False
+    ) -> None:
+        return None
+
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
         if dst.device.type == "cpu" and src.device.type == "meta":
-            if threading.current_thread() is not self._main:
+            if threading.current_thread() is not self._main or non_blocking:
+                # queued (a side stream's DMA into pinned memory) or off the loop: no wait
                 self.background_bytes += src.numel() * src.element_size()
             elif self.due:
                 self.due_reads += 1
@@ -117,6 +126,52 @@ class MetaDevice:
             if dst.numel() <= 65536:
                 dst.fill_(1)
         return dst
+
+
+class StandInStream:
+    """A CUDA stream on meta: what is queued on it runs at once (meta runs nothing)."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class StandInEvent:
+    """A CUDA event on meta. The host waiting for it on the loop thread is a wait unless it
+    was recorded in an earlier step (a snapshot's copy evicted steps later; the step's
+    transfer, read one step late: on a GPU they have landed by then) or the read is due."""
+
+    def __init__(self, dev: MetaDevice, step: int) -> None:
+        self.dev, self.step = dev, step
+
+    def synchronize(self) -> None:
+        if threading.current_thread() is not self.dev._main:
+            return
+        if self.dev.due or self.step < self.dev.step:
+            self.dev.due_reads += 1
+        else:
+            self.dev.waits["event"] += 1
+
+
+def meta_as_cuda(dev: MetaDevice, patch: Callable[[Any, str, Any], None]) -> None:
+    """`meta` takes spikewatch's CUDA paths (trainer/core/streams.py): side streams, events,
+    the step's transfer into a host buffer, the memory tier's staged copy of a snapshot into
+    a host block (registration as pinning is the only part left out: a GPU host's one-off)."""
+    from spikewatch.trainer.checkpoints import pinned
+    from spikewatch.trainer.core import streams
+
+    stream = StandInStream()
+    patch(streams, "is_cuda", lambda t: t.device.type in ("cuda", "meta"))
+    patch(streams, "new_stream", lambda device: stream)
+    patch(streams, "current_stream", lambda device: stream)
+    patch(streams, "record_event", lambda device, s=None: StandInEvent(dev, dev.step))
+    patch(streams, "on", lambda s: contextlib.nullcontext())
+    patch(streams, "free_bytes", lambda device: 1 << 40)  # room to stage on the device
+    patch(streams, "host_buffer", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    patch(pinned, "_register", lambda ptr, size: True)
+    patch(pinned, "_unregister", lambda ptr: None)
 
 
 @contextlib.contextmanager
@@ -482,6 +537,7 @@ class Harness:
 
         patch(HostTransfer, "start", start_)
         patch(HostTransfer, "fetch", fetch_)
+        meta_as_cuda(self.dev, patch)
         patch(attention, "fused_max", fused_max_on_meta)
         patch(attention, "fused_heads_into", fused_heads_on_meta)
         patch(attention, "fused_table_refusal", fused_table_refusal_on_meta)
@@ -598,7 +654,7 @@ class Harness:
         gc.collect()
         gc.freeze()
         for i in range(self.steps):
-            self.step = i + 1
+            self.step = self.dev.step = i + 1
             self._events = set()
             waits0 = sum(self.dev.waits.values())
             taken = core.step_count + 1

@@ -117,4 +117,5 @@ def test_a_fused_adamws_refusal_flag_comes_with_the_factor_no_op_makes_it() -> N
     h = _host_cost().Harness("smoke", 4, disk=False)
     rows = h.run(count_every=1)
     assert [r.by_op.get("eq", 0) for r in rows[1:]] == [0, 0, 0]
-    assert [r.by_op.get("_to_copy", 0) for r in rows[1:]] == [2, 2, 2]
+    # (the step's transfer to the host is a `copy_` into a host buffer, as on CUDA)
+    assert [r.by_op.get("_to_copy", 0) for r in rows[1:]] == [1, 1, 1]

@@ -171,38 +171,6 @@ def test_a_snapshot_copies_a_tensor_put_in_place_of_another(tmp_path) -> None:
     assert torch.equal(bufs["p/weight"], torch.full((2, 3), 3.0))
 
 
-def test_a_staged_copy_lands_every_byte_where_the_direct_copy_does() -> None:
-    """The device staging of the memory tier's copies (trainer/checkpoints/pinned.py), run on
-    CPU tensors: a host block's views take one copy of the whole span, separate buffers one
-    each; either way every destination ends equal to its source, dtypes and shapes mixed."""
-    from spikewatch.trainer.checkpoints.pinned import HostBlock, layout, staged_copy
-
-    g = torch.Generator().manual_seed(0)
-    srcs = {
-        "w": torch.randn(33, 17, generator=g),
-        "b": torch.randn(5, generator=g).to(torch.bfloat16),
-        "step": torch.tensor(7.0),
-        "m": torch.randn(3, 4, 5, generator=g).to(torch.float16),
-    }
-    block = HostBlock(srcs, pin=False)
-    pairs = [(block.tensors[k], t) for k, t in srcs.items()]
-    base, offsets, span = layout([d for d, _ in pairs])
-    assert base is not None and offsets == sorted(offsets) and span <= block.nbytes
-    marks = []
-    free, landed = staged_copy(
-        pairs, torch.zeros(span, dtype=torch.uint8), lambda: marks.append(1) or len(marks)
-    )
-    assert (free, landed) == (1, 2)
-    for k, t in srcs.items():
-        assert torch.equal(block.tensors[k], t), k
-    apart = [(torch.zeros_like(t), t) for t in srcs.values()]
-    base, _, span = layout([d for d, _ in apart])
-    assert base is None
-    staged_copy(apart, torch.zeros(span, dtype=torch.uint8))
-    for dst, src in apart:
-        assert torch.equal(dst, src)
-
-
 def test_a_warning_pins_the_newest_snapshot_of_each_tier(tmp_path) -> None:
     """A leading signal pins a pre-spike anchor: the newest host-memory snapshot (step 15) and
     the newest disk checkpoint (step 10) too, since memory may soon drop its newest and a

@@ -23,7 +23,7 @@ import torch
 
 from spikewatch.trainer.core import streams
 
-__all__ = ["HostBlock", "SideCopies", "device_wait", "host_wait"]
+__all__ = ["BlockLayout", "HostBlock", "SideCopies", "device_wait", "host_wait"]
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,36 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-class HostBlock:
-    """Host tensors shaped like `like` ({key: tensor}) in one allocation of exactly their size
-    (each aligned to 512 bytes), pinned by registration when `pin`."""
+class BlockLayout:
+    """Where tensors shaped like `like` ({key: tensor}) lie in one block: their keys, shapes,
+    dtypes, sizes and byte offsets (each aligned to 512 bytes), and the block's bytes. Made
+    once per shape by its owner (the memory tier's copy plan), so that a block is allocated
+    without a Python step a tensor."""
 
-    def __init__(self, like: dict[str, torch.Tensor], pin: bool) -> None:
-        offsets, total = {}, 0
-        for k, t in like.items():
-            offsets[k] = total
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    def __init__(self, like: dict[str, torch.Tensor]) -> None:
+        self.keys = tuple(like)
+        self.shapes = [t.shape for t in like.values()]
+        self.dtypes = [t.dtype for t in like.values()]
+        self.sizes = [t.numel() * t.element_size() for t in like.values()]
+        self.offsets, total = [], 0
+        for n in self.sizes:
+            self.offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
         self.nbytes = total
+        self.signature = (self.keys, tuple(zip(self.shapes, self.dtypes, strict=True)))
+
+
+class HostBlock:
+    """Host tensors shaped like `like` ({key: tensor}, or their `BlockLayout`) in one
+    allocation of exactly their size, pinned by registration when `pin`. The tensors
+    themselves (views of the block, three dispatches each) are made when first asked for:
+    a snapshot's copy on a GPU fills the block by byte ranges (`SideCopies.start_block`), and
+    the block made ahead in a thread took the GIL from the loop for ~5 ms at 124M making them."""
+
+    def __init__(self, like: dict[str, torch.Tensor] | BlockLayout, pin: bool) -> None:
+        self.layout = like if isinstance(like, BlockLayout) else BlockLayout(like)
+        self.offsets = self.layout.offsets  # each tensor's first byte, in the layout's order
+        total = self.nbytes = self.layout.nbytes
         self.pinned = False
         self.data = torch.empty(max(total, 1), dtype=torch.uint8)
         if pin and total and not _register(self.data.data_ptr(), total):
@@ -59,9 +79,15 @@ class HostBlock:
             self.data = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         else:
             self.pinned = pin and total > 0
-        self.tensors = {
-            k: self.data[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for (k, t), o in zip(like.items(), offsets.values(), strict=True)
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        lay = self.layout
+        return {
+            k: self.data[o : o + n].view(dtype).view(shape)
+            for k, o, n, dtype, shape in zip(
+                lay.keys, lay.offsets, lay.sizes, lay.dtypes, lay.shapes, strict=True
+            )
         }
 
     def __del__(self) -> None:  # before the memory itself goes (the block holds it until then)
@@ -81,16 +107,28 @@ Events = list[tuple[torch.device, Any, Any]]
 class SideCopies:
     """`dst.copy_(src)` for (host dst, device src) pairs, queued on one side stream per device.
 
-    With `stage` (the host-memory tier), a device with room for it (twice the sources' bytes
-    free) first copies the sources into one staging buffer on the device, kept for the next
-    snapshot (HBM to HBM, a few ms for a 1B model with AdamW, where the copy to the host takes
-    ~0.2 s over PCIe), and then to the host from there: the sources may change as soon as the
-    staging copy is done, so the next update waits for that copy, not for the host's."""
+    `start` copies any pairs straight to the host (the disk tier's staging). `start_block`
+    copies into a `HostBlock` (the host-memory tier's snapshot): with `stage`, a device with
+    room for it (twice its sources' bytes free) first copies its sources into one staging
+    buffer on the device, kept for the next snapshot (HBM to HBM, a few ms for a 1B model with
+    AdamW, where the copy to the host takes ~0.2 s over PCIe), and then to the host from there:
+    the sources may change as soon as the staging copy is done, so the next update waits for
+    that copy, not for the host's."""
 
     def __init__(self, stage: bool = False) -> None:
         self._streams: dict[torch.device, Any] = {}
         self.stage = stage
         self._staging: dict[torch.device, torch.Tensor] = {}
+        # start_block's layout, made once per plan: (plan, the block's offsets, its runs)
+        self._planned: tuple[object, list[int], list[_Run]] | None = None
+        self._held: list[torch.Tensor] = []  # start_block's sources, until `release`
+
+    def _stream(self, dev: torch.device) -> Any:
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = streams.new_stream(dev)
+        stream.wait_stream(streams.current_stream(dev))  # after what made the tensors
+        return stream
 
     def start(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Events:
         """Queue the copies (no wait); returns the events of each source device. A source on
@@ -103,84 +141,126 @@ class SideCopies:
             by_device.setdefault(src.device, []).append((dst, src))
         events: Events = []
         for dev, group in by_device.items():
-            stream = self._streams.get(dev)
-            if stream is None:
-                stream = self._streams[dev] = streams.new_stream(dev)
-            stream.wait_stream(streams.current_stream(dev))  # after what made the tensors
-            with torch.cuda.stream(stream):
-                for _, src in group:
+            stream = self._stream(dev)
+            with streams.on(stream):
+                for dst, src in group:
                     src.record_stream(stream)  # its memory is not reused before the copy
-                flat = self._staging_buffer(dev, group) if self.stage else None
-                if flat is None:
-                    for dst, src in group:
-                        dst.copy_(src, non_blocking=True)
-                    landed = free = streams.record_event(dev, stream)
-                else:
-                    mark = functools.partial(streams.record_event, dev, stream)
-                    free, landed = staged_copy(group, flat, mark)
-            events.append((dev, landed, free))
+                    dst.copy_(src, non_blocking=True)
+                landed = streams.record_event(dev, stream)
+            events.append((dev, landed, landed))
         return events
 
-    def _staging_buffer(
-        self, dev: torch.device, group: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor | None:
-        """The device's staging buffer for `group` (made at the first snapshot if twice its
-        size is free on the device, then kept), or None: copy straight to the host."""
-        _, _, span = layout([dst for dst, _ in group])
+    def start_block(
+        self, block: HostBlock, sources: Sequence[torch.Tensor], plan: object
+    ) -> Events:
+        """`block`'s tensors (in its keys' order) copied from `sources` (in the same order),
+        queued (no wait); returns the events of each source device.
+
+        What depends only on the layout is made once per `plan` (an object the caller keeps
+        while its sources' devices, shapes and dtypes hold: the memory tier's copy plan): the
+        runs of consecutive sources on one device and, per device, the staging buffer's views
+        and the run's byte range in the block. A snapshot then costs the loop thread, per run,
+        one multi-tensor copy into the staging buffer, one copy of the run's bytes to the host
+        and two events, whatever the number of tensors (the views were made a tensor at a
+        time, three dispatches each, every snapshot). Sources on the CPU (torch's non-fused
+        Adam keeps its step counts there) are copied at once, and a device's copy to the host
+        covers its own run's bytes only: one span over the whole block overwrote them with the
+        staging buffer's. The sources are held until `release` (the compute streams wait for
+        their copy before anything may change or free them: `device_wait`), where a
+        `record_stream` cost a call a tensor."""
+        runs = self.prepare(block.layout, sources, plan)
+        dsts: list[torch.Tensor] = []  # the block's views: only where a run copies a tensor each
+        if any(run.dev is None or run.views is None for run in runs):
+            dsts = list(block.tensors.values())
+        events: Events = []
+        self._held = list(sources)
+        with torch.no_grad():  # the sources are the live tensors: parameters need no detach
+            for run in runs:
+                a, b = run.first, run.end
+                if run.dev is None:  # host memory already: at once
+                    torch._foreach_copy_(dsts[a:b], self._held[a:b])
+                    continue
+                stream = self._stream(run.dev)
+                with streams.on(stream):
+                    if run.views is None:  # no room on the device: straight to the host
+                        for dst, src in zip(dsts[a:b], self._held[a:b], strict=True):
+                            dst.copy_(src, non_blocking=True)
+                        landed = free = streams.record_event(run.dev, stream)
+                    else:
+                        torch._foreach_copy_(run.views, self._held[a:b])
+                        free = streams.record_event(run.dev, stream)
+                        block.data[run.lo : run.hi].copy_(run.staged, non_blocking=True)
+                        landed = streams.record_event(run.dev, stream)
+                events.append((run.dev, landed, free))
+        return events
+
+    def release(self) -> None:
+        """The compute streams wait for the copies now: the sources need not be held."""
+        self._held = []
+
+    def prepare(
+        self, layout: BlockLayout, sources: Sequence[torch.Tensor], plan: object
+    ) -> list[_Run]:
+        """`start_block`'s plan for blocks of `layout` (made at its first call if not before:
+        the memory tier makes it ahead, at the set-up step, with its own copy plan)."""
+        planned = self._planned
+        if planned is not None and planned[0] is plan and planned[1] == layout.offsets:
+            return planned[2]
+        runs: list[_Run] = []
+        sizes = layout.sizes
+        for i, src in enumerate(sources):
+            dev = src.device if streams.is_cuda(src) else None
+            if runs and runs[-1].dev == dev:
+                runs[-1].end = i + 1
+            else:
+                runs.append(_Run(dev, i, i + 1))
+        need: dict[torch.device, int] = {}
+        for run in runs:
+            run.lo = layout.offsets[run.first]
+            run.hi = layout.offsets[run.end - 1] + sizes[run.end - 1]
+            if run.dev is not None:
+                need[run.dev] = max(need.get(run.dev, 0), run.hi - run.lo)
+        flats = {dev: self._staging_buffer(dev, n) for dev, n in need.items()} if self.stage else {}
+        for run in runs:
+            flat = flats.get(run.dev) if run.dev is not None else None
+            if flat is None:
+                continue
+            run.staged = flat[: run.hi - run.lo]
+            run.views = [
+                flat[o - run.lo : o - run.lo + n].view(t.dtype).view(t.shape)
+                for o, n, t in zip(
+                    layout.offsets[run.first : run.end],
+                    sizes[run.first : run.end],
+                    sources[run.first : run.end],
+                    strict=True,
+                )
+            ]
+        self._planned = (plan, list(layout.offsets), runs)
+        return runs
+
+    def _staging_buffer(self, dev: torch.device, span: int) -> torch.Tensor | None:
+        """The device's staging buffer of at least `span` bytes (made at the first snapshot if
+        twice its size is free on the device, then kept), or None: copy straight to the host."""
         flat = self._staging.get(dev)
         if flat is not None and flat.numel() >= span:
             return flat
-        free, _ = torch.cuda.mem_get_info(dev)
         held = 0 if flat is None else flat.numel()
-        if span * 2 > free + held:
+        if span * 2 > streams.free_bytes(dev) + held:
             self._staging.pop(dev, None)
             return None
         self._staging[dev] = flat = torch.empty(span, dtype=torch.uint8, device=dev)
         return flat
 
 
-def layout(dsts: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, list[int], int]:
-    """Where each of `dsts` goes in a staging buffer: (the host block they are carved from, as
-    bytes, or None; each one's byte offset; the bytes spanned). Destinations carved from one
-    block (HostBlock) keep the block's offsets, so one copy moves them all to the host."""
-    storage = dsts[0].untyped_storage()
-    base_ptr = storage.data_ptr()
-    if all(d.untyped_storage().data_ptr() == base_ptr and d.is_contiguous() for d in dsts):
-        offsets = [d.data_ptr() - base_ptr for d in dsts]
-        span = max(o + d.numel() * d.element_size() for o, d in zip(offsets, dsts, strict=True))
-        block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        return block, offsets, span
-    offsets, total = [], 0
-    for d in dsts:
-        offsets.append(total)
-        total += -(-d.numel() * d.element_size() // _ALIGN) * _ALIGN
-    return None, offsets, total
+class _Run:
+    """Consecutive sources of a block on one device (None: the host), [first, end) by index
+    and [lo, hi) in the block's bytes; with a staging buffer, its views for them."""
 
-
-def staged_copy(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    flat: torch.Tensor,
-    mark: Any = None,
-) -> tuple[Any, Any]:
-    """The sources into `flat` (bytes, on their device) in one multi-tensor copy, then from
-    there to the destinations: one copy of the whole span when they are carved from one host
-    block, else one each. `mark()` (an event on the copies' stream) after each of the two;
-    returns (sources free, landed)."""
-    dsts = [dst for dst, _ in pairs]
-    block, offsets, span = layout(dsts)
-    views = [
-        flat[o : o + s.numel() * s.element_size()].view(s.dtype).view(s.shape)
-        for o, (_, s) in zip(offsets, pairs, strict=True)
-    ]
-    torch._foreach_copy_(views, [s for _, s in pairs])
-    free = mark() if mark is not None else None
-    if block is not None:
-        block[:span].copy_(flat[:span], non_blocking=True)
-    else:
-        for dst, v in zip(dsts, views, strict=True):
-            dst.copy_(v, non_blocking=True)
-    landed = mark() if mark is not None else None
-    return free, landed
+    def __init__(self, dev: torch.device | None, first: int, end: int) -> None:
+        self.dev, self.first, self.end = dev, first, end
+        self.lo = self.hi = 0
+        self.views: list[torch.Tensor] | None = None
+        self.staged: torch.Tensor | None = None
 
 
 def device_wait(events: Events) -> None:

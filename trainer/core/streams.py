@@ -5,6 +5,10 @@ which is not the tensor's when a model spans devices or a rank's tensors live on
 than the current one: an event recorded on the wrong stream completes before the copy it should
 mark, and the host then reads a stale pinned buffer (the guard sees a wrong loss). Every stream
 and event spikewatch makes comes from here, named by the tensor's device.
+
+Being one place, it is also where `benchmarks/host_cost.py` stands `meta` in for a GPU (streams
+and events that run nothing, host buffers unpinned), so that the loop thread's work on a GPU's
+paths is what it counts.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["current_stream", "is_cuda", "new_stream", "record_event"]
+__all__ = [
+    "current_stream",
+    "free_bytes",
+    "host_buffer",
+    "is_cuda",
+    "new_stream",
+    "on",
+    "record_event",
+]
 
 
 def is_cuda(t: torch.Tensor) -> bool:
@@ -36,3 +48,18 @@ def record_event(device: torch.device, stream: Any = None) -> Any:
     event = torch.cuda.Event()
     event.record(stream if stream is not None else current_stream(device))
     return event
+
+
+def on(stream: Any) -> Any:
+    """A context in which work is queued on `stream`."""
+    return torch.cuda.stream(stream)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes free on `device` (the driver's figure)."""
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def host_buffer(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor, which a non-blocking copy from the device fills by DMA."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -194,7 +194,7 @@ class HostTransfer:
         a CPU the values are host memory already."""
         flat = torch.cat(self.parts)
         if streams.is_cuda(flat):  # the copy and its event on the tensor's own device
-            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host = streams.host_buffer(flat.shape, flat.dtype)
             self._host.copy_(flat, non_blocking=True)
             self._copied = streams.record_event(flat.device)
         else:
