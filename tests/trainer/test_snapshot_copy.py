@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spikewatch.trainer.checkpoints import pinned
 from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.memory import MemoryTier
-from spikewatch.trainer.checkpoints import pinned
 from spikewatch.trainer.checkpoints.pinned import HostBlock, SideCopies
 from spikewatch.trainer.core import streams
 

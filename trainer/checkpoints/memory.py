@@ -100,6 +100,7 @@ class _Plan:
                     refs.append((f"o/{i}/{k}", st, k))
         # DTensors (FSDP2) are copied by their local shards; else each tensor as it is
         self.sharded = any(isinstance(holder[name], DTensor) for _, holder, name in refs)
+
         # grouped by device, in order of first appearance (the host-memory copy moves each
         # device's tensors as one run of the block: SideCopies.start_block)
         def where(t: torch.Tensor) -> tuple[bool, torch.device]:
