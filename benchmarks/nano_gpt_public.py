@@ -112,7 +112,12 @@ config = TrainConfig(total_batch_size=B * T * ACC, micro_batch_size=B, sequence_
                      checkpoint_steps=10**9)
 opt = create_optimizer(model, config, None, False)
 lrs = []  # the LR of each update this process applies
-opt.register_step_pre_hook(lambda o, args, kwargs: lrs.append(o.param_groups[0]["lr"]))
+def applied(o, args, kwargs):  # the optimizer is called for the updates applied alone
+    lrs.append(o.param_groups[0]["lr"])
+    print("APPLIED")
+
+
+opt.register_step_pre_hook(applied)
 t0 = time.perf_counter()
 train(model, opt, WorkerState("cpu"), config, stream(train_data, poison))
 seconds = time.perf_counter() - t0
@@ -187,20 +192,24 @@ def run(tmp: Path, package: Path, name: str, steps: int, poison: str = "0:0",
     result["resumed_at"] = resumed[0] if resumed else None
     # the poisoned micro-batches the loop trained on after the Watch's first rollback: of the
     # stream's yields before each of the loop's step lines, the last ACC are the step's (the
-    # ones before them, drawn and passed over by `watch.batches`, were skipped); a step whose
-    # update was refused (said before its line, on this CPU's host path) trained on none
+    # ones before them, drawn and passed over by `watch.batches`, were skipped); a step trained
+    # on them if its update was applied (the driver's "APPLIED": the optimizer was called, as
+    # it is for an applied update alone on this CPU's host path). Counted from the optimizer,
+    # not from the Watch's console, which tells a stretch of refusals in one line
     first = next((i for i, ln in enumerate(lines) if "rolled back from step" in ln), None)
-    trained, refused, drawn, refusals = 0, False, [], 0
-    for ln in lines[first:] if first is not None else []:
+    trained, applied, rolled, drawn, refusals = 0, False, False, [], 0
+    for ln in lines[first + 1 :] if first is not None else []:
         if ln.startswith("YIELD "):
             drawn.append(ln == "YIELD 1")
-        elif "update refused" in ln:
-            refused = True
+        elif ln == "APPLIED":
+            applied = True
+        elif "rolled back from step" in ln:
+            rolled = True
         elif LINE.search(ln):
             poisoned = sum(drawn[-ACC:]) if drawn else 0
-            trained += 0 if refused else poisoned
-            refusals += refused
-            drawn, refused = [], False
+            trained += poisoned if applied else 0
+            refusals += not (applied or rolled)
+            drawn, applied, rolled = [], False, False
     result["poisoned_micro_batches_trained_after_rollback"] = trained
     result["refused_after_rollback"] = refusals
     return result
