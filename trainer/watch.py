@@ -667,10 +667,12 @@ class Watch:
                 "takes them from watch.step_count")  # fmt: skip
         return outcome
 
-    def drain(self) -> str:
+    def read_in_flight(self) -> str:
         """Read the step in flight now (on a GPU a step is read one step late) and act on it:
         before a framework publishes a checkpoint of its own, which must hold decided steps."""
-        return self._c.drain()
+        return self._c.read_in_flight()
+
+    drain = read_in_flight  # its name before 2026-12-07
 
     @property
     def scaler(self) -> Any:
@@ -824,7 +826,7 @@ class Watch:
         try:
             if ended:
                 core.start(anchor=False)  # failed before its first step: recorded all the same
-                core.settle()
+                core.finish_pending()
                 for cb in core.callbacks:
                     cb.on_fit_end(core.fit_state("failed" if status == "failed" else "stopped"))
             else:

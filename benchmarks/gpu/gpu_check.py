@@ -204,7 +204,7 @@ def _switch(watch, variant: str) -> None:  # noqa: ANN001
     if memory is not None:
         memory.interval = 25 if flags.get("memory") else 10**9
     core = watch.core
-    core.drain()  # the step read late, before the order changes
+    core.read_in_flight()  # the step read late, before the order changes
     core.reads_late = not flags.get("same_step") and core.probes.device.type == "cuda"
 
 

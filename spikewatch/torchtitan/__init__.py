@@ -256,7 +256,7 @@ class SpikewatchTrainer(Trainer):
         watch = self._adapter.watch
         if watch is None:
             return True
-        watch.drain()
+        watch.read_in_flight()
         return watch.step_count == step
 
     def _log(self, total: torch.Tensor, tokens: torch.Tensor, lr_metrics: dict) -> None:

@@ -46,7 +46,8 @@ class Trace:
             transfer.HostTransfer.start,
             transfer.HostTransfer.fetch,
         )
-        drain, save, rollback = step_core.StepCore.drain, Tiers.save, step_core.StepCore.rollback
+        drain, save = step_core.StepCore.read_in_flight, Tiers.save
+        rollback = step_core.StepCore.rollback
 
         def traced_gate(core, *a: Any, **k: Any):  # noqa: ANN001, ANN202
             now["step"] = core.step_count + 1
@@ -80,7 +81,7 @@ class Trace:
         monkeypatch.setattr(step_core.StepCore, "gate", traced_gate)
         monkeypatch.setattr(transfer.HostTransfer, "start", traced_start)
         monkeypatch.setattr(transfer.HostTransfer, "fetch", traced_fetch)
-        monkeypatch.setattr(step_core.StepCore, "drain", traced_drain)
+        monkeypatch.setattr(step_core.StepCore, "read_in_flight", traced_drain)
         monkeypatch.setattr(Tiers, "save", traced_save)
         monkeypatch.setattr(step_core.StepCore, "rollback", traced_rollback)
 

@@ -140,7 +140,7 @@ class Trainer:
                     if self._eval_due(last):
                         self._evaluate()
                     core.save_if_due()
-                    if core.step_count >= last and core.drain() == ROLLED_BACK:
+                    if core.step_count >= last and core.read_in_flight() == ROLLED_BACK:
                         continue  # read late: the last step's values rolled back; train on
                 if core.stop_requested:
                     log.warning(
@@ -150,7 +150,7 @@ class Trainer:
                         self._evaluate()
                 core.finish(core.status())
             finally:
-                core.settle()
+                core.finish_pending()
         elapsed = time.perf_counter() - t0
         return self._result(elapsed, core.run.tokens - tokens0)
 

@@ -542,7 +542,7 @@ class StepCore:
         self._record(after, Continue(), False, act=False)
         self.rollback(action)
 
-    def drain(self) -> str:
+    def read_in_flight(self) -> str:
         """Read late: the step in flight is read, decided on and recorded now (one wait for
         its copy), as at a checkpoint and at the end of a run. Returns what it came to
         ('applied' when nothing was in flight)."""
@@ -635,7 +635,7 @@ class StepCore:
         if DISK in due and self._in_flight is not None and not ck.disk.awaits:
             # a file holds only steps read and decided: a synchronous or sharded save drains
             self.probes.start_pending()  # their copy enqueued first: the drain's wait covers it
-            self.drain()
+            self.read_in_flight()
             due = ck.due(self.step_count, self.seconds_per_step)
         if due and self._in_flight is not None and self._awaiting is None:
             # the step in flight: no wait. Its decided state completes the snapshot when the
@@ -712,14 +712,14 @@ class StepCore:
         checkpoint, then the callbacks hear how it ended."""
         self.start()
         try:
-            self.drain()  # read late: the last step's values
+            self.read_in_flight()  # read late: the last step's values
             self._end_stretch()
             self.flush_probes()
             disk = self.checkpointer.disk
             if disk.enabled and disk.last_saved != self.step_count:
                 self.save([DISK])
         finally:
-            self.settle()
+            self.finish_pending()
         if self.world.is_main:  # a resume="auto" of this directory knows the run is over
             write_json(
                 self.run.run_dir / ENDED,
@@ -728,7 +728,7 @@ class StepCore:
         for cb in self.callbacks:
             cb.on_fit_end(self.fit_state(status))
 
-    def settle(self) -> None:
+    def finish_pending(self) -> None:
         """Whatever happened: the waiting statistics out, the save in flight on disk (its
         error raised), the landed checkpoints told. Safe to call more than once."""
         if self.watchdog is not None:
