@@ -136,3 +136,31 @@ def test_the_watch_reports_the_same_statistics_without_a_parameter_copy(
             rtol=1e-4,
             atol=1e-12,
         )
+
+
+def test_a_state_step_walks_its_tensors_once() -> None:
+    """The check before the update and the pass after it take the same tensors (Adam updates
+    its state in place): each parameter, m and v is asked for once a state step, not again by
+    the pass (four walks of ~450 tensors at 124M were ~1.3 ms of a state step on meta); the
+    columns of the sums are sliced only when asked for."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    asked: list[int] = []
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        asked.append(id(t))
+        return t
+
+    params = list(model.parameters())
+    one = AdamState(params, opt, local)
+    one.prepare()  # the plan, built ahead on a plain step
+    asked.clear()
+    assert one.refusal() is None  # before the update
+    opt.step()
+    out = one(1e-16)  # after it
+    assert len(asked) == 3 * len(params) + 1  # p, m and v once each, and the device
+    assert set(out) == {"sums", "v_max"}
+    torch.testing.assert_close(out["m2"], out["sums"][:, 2])

@@ -93,9 +93,9 @@ def test_the_one_pass_plan_is_built_on_a_plain_step_not_on_the_first_state_step(
     built: list[int] = []
     plan_for = AdamState._plan_for
 
-    def recording(self, device):  # noqa: ANN001, ANN202
+    def recording(self, device, ps=None):  # noqa: ANN001, ANN202
         before = self._shape
-        out = plan_for(self, device)
+        out = plan_for(self, device, ps)
         if self._shape != before:
             built.append(h.step)
         return out

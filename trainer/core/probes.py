@@ -391,6 +391,8 @@ class Probes:
         for the next host transfer."""
         prev, self._prev = self._prev, None  # parameter-sized: not kept past this step
         one_pass, self._one_pass_step = self._one_pass_step == step, None
+        if one_pass and not applied:
+            self._one_pass.discard()  # its checked tensors are this step's alone
         if not (self.state_active(step) and applied):
             if applied and not self._prepared:
                 self._prepare_one_pass()

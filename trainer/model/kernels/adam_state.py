@@ -116,6 +116,18 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
+class _Columns(dict[str, torch.Tensor]):
+    """`sums` and `v_max`, and each column of `sums` by name when asked for (the probes take
+    `sums` whole: a slice each was five more dispatches a state step on the loop thread)."""
+
+    COLUMNS = {"p2": 0, "u2": 1, "m2": 2, "root_v": 3, "tiny": 5}
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        if key not in self.COLUMNS:
+            raise KeyError(key)
+        return self["sums"][:, self.COLUMNS[key]]
+
+
 class AdamState:
     """The per-tensor statistics of torch's Adam / AdamW state after an applied update, in one
     launch. Built once per (parameters, optimizer); `refusal` says why it cannot take them."""
@@ -137,6 +149,7 @@ class AdamState:
         self._plan: tuple[torch.Tensor, ...] = ()
         self._group_index: list[int] = []  # each tensor's param group
         self._step_values: torch.Tensor | None = None  # the step counts, where not on the device
+        self._checked: tuple[list[torch.Tensor], ...] | None = None  # `refusal`'s tensors
 
     @staticmethod
     def optimizer_refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -154,23 +167,37 @@ class AdamState:
         why = self.optimizer_refusal(self.optimizer)
         if why is not None:
             return why
-        state = self.optimizer.state
-        device = self.local(self.params[0]).device
+        state, local = self.optimizer.state, self.local
+        device = local(self.params[0]).device
+        ps, ms, vs = [], [], []
         for p in self.params:
             s = state.get(p)
             if not s or "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s:
                 return "a parameter without Adam's state yet"
-            for x in map(self.local, (p, s["exp_avg"], s["exp_avg_sq"])):
+            trio = (local(p), local(s["exp_avg"]), local(s["exp_avg_sq"]))
+            for x in trio:
                 if x.dtype != torch.float32 or x.device != device or not x.is_contiguous():
                     return "state that is not contiguous float32 on one device"
+            ps.append(trio[0])
+            ms.append(trio[1])
+            vs.append(trio[2])
+        # the tensors as checked, for this state step's pass after the update (Adam updates
+        # its state in place: the same tensors), so that it walks them no second time
+        self._checked = (ps, ms, vs)
         return None
+
+    def discard(self) -> None:
+        """The state step whose tensors `refusal` checked takes no pass (its update refused)."""
+        self._checked = None
 
     def prepare(self) -> None:
         """Build the chunk plan ahead (once a shape), on a step with nothing else to do."""
         self._plan_for(self.local(self.params[0]).device)
 
-    def _plan_for(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        numel = [self.local(p).numel() for p in self.params]
+    def _plan_for(
+        self, device: torch.device, ps: list[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        numel = [p.numel() for p in (ps if ps is not None else map(self.local, self.params))]
         shape = (tuple(numel), device)
         if self._shape != shape:
             tensor, start = [], []
@@ -216,13 +243,15 @@ class AdamState:
     @torch.no_grad()
     def __call__(self, tiny: float) -> dict[str, torch.Tensor]:
         """(P,) per tensor: p2, u2, m2, root_v (sums), v_max, tiny (the sampled count)."""
-        state = self.optimizer.state
-        local = self.local
-        ps = [local(p).detach() for p in self.params]
+        checked, self._checked = self._checked, None
+        if checked is None:  # not checked this step (a direct call): check now
+            if (why := self.refusal()) is not None:
+                raise ValueError(f"the one pass cannot take this optimizer's state: {why}")
+            checked, self._checked = self._checked, None
+        assert checked is not None
+        ps, ms, vs = checked  # (their addresses alone are read: no detach needed)
         device = ps[0].device
-        owner, start, numel, stride, onehot, member = self._plan_for(device)
-        ms = [local(state[p]["exp_avg"]) for p in self.params]
-        vs = [local(state[p]["exp_avg_sq"]) for p in self.params]
+        owner, start, numel, stride, onehot, member = self._plan_for(device, ps)
         groups = self.optimizer.param_groups
         hyper = [  # per group: lr, ln b1, ln b2, eps, decoupled decay (no device value read)
             [float(g["lr"]), _log(g["betas"][0]), _log(g["betas"][1]), float(g["eps"]),
@@ -243,12 +272,4 @@ class AdamState:
         )  # fmt: skip
         sums = onehot @ partial  # (P, 6), a fixed order
         vmax = torch.where(member, partial[:, 4].unsqueeze(0), 0.0).amax(dim=1)
-        return {
-            "sums": sums,  # (P, 6): the columns below; column 4 is no statistic
-            "p2": sums[:, 0],
-            "u2": sums[:, 1],
-            "m2": sums[:, 2],
-            "root_v": sums[:, 3],
-            "v_max": vmax,
-            "tiny": sums[:, 5],
-        }
+        return _Columns(sums=sums, v_max=vmax)  # (P, 6): column 4 is no statistic
