@@ -376,7 +376,7 @@ class MemoryTier:
         _landed(slot)
         self.free.append(slot.buffers)
 
-    def _buffers(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _buffers(self, live: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Host buffers shaped like `live`: reused from an evicted snapshot when they match."""
         plan = self._plan
         assert plan is not None

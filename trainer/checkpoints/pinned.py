@@ -182,7 +182,7 @@ class SideCopies:
                     continue
                 stream = self._stream(run.dev)
                 with streams.on(stream):
-                    if run.views is None:  # no room on the device: straight to the host
+                    if run.views is None or run.staged is None:  # no room: straight to the host
                         for dst, src in zip(dsts[a:b], self._held[a:b], strict=True):
                             dst.copy_(src, non_blocking=True)
                         landed = free = streams.record_event(run.dev, stream)
