@@ -1,36 +1,10 @@
-"""Online loss-spike detection, the same code online (trainer) and offline (scan).
+"""Online loss-spike detection, the same code online (the trainer's guard) and offline (scan).
 
-Loss: robust statistics on log-loss. The level is the median of the last `level_window`
-normal points; the noise scale is the MAD of first differences over `window` normal points
-(first differences cancel the downward trend of a healthy run, so the scale is the step-to-step
-noise, not the progress), floored at `noise_floor`. A step is an excursion when its robust
-z-score passes `threshold`; `persistence` consecutive excursion steps make a spike, so one
-noisy batch never does, nor do isolated ones separated by calm steps (spike, calm, spike, calm,
-spike is three blips, not a spike). The **onset** is where the excursion began: the detector
-walks back over the points just before the first excursion while they stand above
-`onset_threshold`. Points inside an excursion never enter the baseline, and neither do the
-points of a climb (z above `onset_threshold`, not yet an excursion) while it lasts: otherwise a
-slow climb on a noisy floor (a genuine Adam spike near zero loss rises a thousandfold over 25
-steps, each step under the threshold) drags the level up with it and is never reported. A climb
-that stops short joins the baseline then; one that lasts `window` steps is a new level.
-Where the noise is too wide for any z-score (a loss near zero swings a hundredfold from step to
-step), a **climb** is an excursion too: `climb_steps` rises in a row that multiply the loss by
-`climb_factor` (the smooth exponential rise of an Adam instability; no LM loss does that and
-lives). A spike is over when the loss is back near its level (`persistence` steps in a row under
-`onset_threshold`), or has stayed under `threshold` for `settle_steps` (it settled higher): its
-slow, bouncing tail is the same spike, not new ones. A fresh climb out of that tail is a new spike.
-
-What it must not fire on, and how: warmup (nothing fires before `ignore_before` nor before
-`min_history` normal points), known regime changes such as a data-mixture stage switch or the
-start of a WSD decay (`rebase(step)` restarts the baseline there: the trainer knows its own
-schedule), and slow divergence (a rise of the long EMA of log-loss over its running minimum by
-`trend_rise`: reported once as kind "divergence", never as a spike). Non-finite losses are
-reported at once as kind "nonfinite".
-
-Leading signals raise warnings (kind "warning"), which the trainer answers by pinning its
-newest checkpoint as a pre-spike anchor: a gradient-norm jump (same robust scheme on log grad
-norm, `grad_threshold`), a per-layer update-norm jump (`update_jump` times its median) and a
-max attention logit above `attn_warn`.
+A loss spike is a rise that persists above the run's own robust level and noise (log-loss,
+median and MAD of first differences), dated from where it began, so that a rollback can go
+back to before it; what it must not fire on (warmup, a known regime change, slow divergence)
+is held apart, and leading signals warn before it. The rules in full and why each is as it
+is: docs/detection.md, "The detector's rules".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """From a verdict to an intervention: roll back to before the onset, skip the batches, escalate.
 
-PaLM's recipe, automated: restore the newest retained checkpoint strictly before the onset
-minus `margin` steps (the state is corrupted before the loss shows it: an LR-spike update at
-step s raises the loss only at s+1, hence margin 1), and skip the batches from that step's
-batch through the detection step's, plus `skip_extra` more. A spike within `repeat_window` steps
-of the previous rollback is a repeat: the extra skip grows by `skip_growth` and the LR is scaled
-by `lr_decay` each time; after `max_rollbacks` repeats the run halts with a message that says
-why. Non-finite steps are refused by the loop; `nonfinite_tolerance` of them in a row roll back.
-
-A spike the replay found in the optimizer state (cause "state": it came back from the restored
-state on batches the run had trained on without trouble, so the data is not its cause; Adam's
-own instability, Bai et al.) is not cured by skipping, only by the LR cuts, which push it
-later each time: its repeats halt the run after `max_state_rollbacks` instead of
-`max_rollbacks` (docs/spikes.md: on the genuine spikes, three rollbacks within 500 steps
-halted runs that further cuts cured), and its LR cuts are not given back (11 of 13 give-backs
-brought the spike back within 12 steps); its extra skip does not grow either (skipping
-cannot help it).
-
-With `warning_horizon` (100 steps by default; None turns it off), a leading signal moves the
-rollback target earlier: when a warning episode (observatory/detect.py's warnings) began at most
-that many steps before the onset, the restore point precedes the earliest such start and the
-skip covers the batches from there (docs/spikes.md measures what it buys).
-
-Two ways out of a cut: after `repeat_window` calm steps since the last rollback, one LR cut is
-given back (`recover`), and so on each window, up to the full LR. And a real new plateau (a
-data change the trainer was not told about) is not a spike: when, `accept_level_after`
-rollbacks in a row, the loss rose again right where the skipped batches ended, to the same
-level (within `level_tolerance` in log-loss), the policy accepts it as the new level (plan
-"accept": the detector restarts its baseline at the onset; those rollbacks no longer count as
-repeats and their LR cuts are given back).
-Pure: it sees the retained checkpoint steps and the step -> batch-index (and loss) maps it is
-given.
+PaLM's recipe, automated, and pure (it sees the retained checkpoints and the step -> batch
+maps it is given): the state is corrupted before the loss shows it, so the restore point lies
+before the onset; the batches through the detection are skipped; repeats skip more, cut the
+LR where the cause is the model's own state, and halt; a real new level is accepted. The
+rules in full: docs/detection.md, "The policy's rules".
 """
 
 from __future__ import annotations

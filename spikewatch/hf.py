@@ -1,34 +1,11 @@
 """Hugging Face `transformers.Trainer`: one callback gives a run the whole loop.
 
-    from spikewatch.hf import SpikewatchCallback
+    trainer = Trainer(..., callbacks=[SpikewatchCallback(db="sqlite:///runs/spikewatch.db")])
 
-    trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[SpikewatchCallback(db="sqlite:///runs/spikewatch.db")])
-
-The callback only translates Trainer events into the `Watch` (trainer/watch.py), which owns
-probes, detection, policy, checkpoints and rollback:
-- on_train_begin builds the Watch around the Trainer's model, optimizer and scheduler and
-  routes their `step()` through it (`Watch.route`): a callback cannot refuse an update, so this
-  is the one hook into the Trainer. The Watch also takes over `max_grad_norm` clipping (the
-  same arithmetic) because the Trainer clips before any callback sees the gradients, and a
-  clipped norm hides the spike.
-- The step's loss comes from the model's output (`outputs.loss`) through a forward hook, each
-  micro-batch of gradient accumulation included.
-- Per-head attention maxima: the model runs the attention function registered here as
-  `attn_implementation="spikewatch"` (SDPA, or the fused Triton kernel on CUDA, plus the max
-  pre-softmax logit per head, grouped-query attention included). The callback switches a model
-  that uses "sdpa" or "eager"; other implementations are left alone and get no maxima.
-- The global step is the run's updates, as the user counts them: after a rollback (or a
-  refused update) it is set back to the Watch's step, so `max_steps`, `logging_steps`,
-  `save_steps` and `eval_steps` keep their meaning and the run ends at `max_steps`. The data
-  position (the Trainer's steps taken, which the rollback does not give back: the data flows
-  on) is the callback's own count; the Trainer's resume skips data by the `global_step` of
-  `trainer_state.json`, so each checkpoint's file carries the data position there (the true
-  step is the folder's name and the Watch's state). Give the Trainer data to spare for the
-  steps a rollback repeats.
-- The Watch's state goes into each Trainer checkpoint (`checkpoint-N/spikewatch.json`), so
-  `trainer.train(resume_from_checkpoint=...)` resumes the guard, the run in the store and the
-  skips with the weights.
+A callback cannot refuse an update, so the callback routes the Trainer's optimizer and
+scheduler through the `Watch`, which owns the rest; it translates the Trainer's events and
+keeps its step counts meaning what the user set. What it does, hook by hook:
+docs/integrations.md, "What the callback does".
 """
 
 from __future__ import annotations

@@ -644,7 +644,12 @@ def _add_tools(sub: Any) -> None:
     follow = sub.add_parser(
         "follow", help="follow TensorBoard / CSV / JSON-lines / MLflow / W&B logs, live"
     )
-    old = sub.add_parser("watch", help="the old name of `spikewatch follow` (says so)")
+    old = sub.add_parser(
+        "watch",
+        help="the old name of `spikewatch follow` (says so)",
+        description="The old name of `spikewatch follow`: the same command, which says so "
+        "when it runs (`spikewatch follow --help`).",
+    )
     for watch in (follow, old):
         watch.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files")
         watch.add_argument("--db", default=None, help="store URL (default as for serve)")

@@ -1,35 +1,9 @@
 """`spikewatch follow`: follow the logs of training we do not control, into the store, live.
 
-Sources, each followed as it grows:
-  a TensorBoard log directory: every directory below it holding `events.out.tfevents.*` files
-    is one run (HF Trainer, Lightning, torchtitan and Megatron write one per run; a new event
-    file appearing there, after a restart, continues the same run);
-  a CSV file with a header row `step,<metric>,...`;
-  a JSON-lines file, one object per line with a `step` (or `global_step`, `iteration`) and
-    numbers (nested objects flatten to `a/b`);
-  MLflow's file store (`mlruns/`) and its SQLite database;
-  W&B run files (`wandb/offline-run-*/run-*.wandb`, below a directory given or named
-    themselves; observatory/readers/wandb_log.py), each run named by its run directory.
-Every scalar becomes a series of the run (the recognised loss tag, or `--metric`, is stored
-under spikewatch's loss name and a recognised grad-norm tag under its grad-norm name,
-observatory/metric_names.py, so the dashboard draws them as for native runs). The online
-detector (observatory/detect.py) runs on the loss and the grad norm; its verdicts are events,
-exactly as the trainer records them.
-
-Files are read incrementally from an offset, never whole. TensorBoard files are read in bulk
-by observatory/readers/tfevents.py (framing, both masked CRC-32C checksums, decoding): a record
-still being written is read on a later poll once complete; a record whose data fails its checksum is
-reported (a log line and a note event) and skipped; a length that fails its checksum leaves the
-rest of that file unreadable (reported once). CSV and JSON lines wait for their newline; a line
-that is not a row is reported and skipped. A poll's new points of a run go to the sink as one
-record of columns (`log_series`), so a large log imports at the writer's speed, and its loss
-reaches the detector in step order.
-
-Restart-safe: with `state_path` (the CLI's default), where each source was read to and each
-run's detector are saved once what was read is durable, and a restarted watch goes on from there.
-Without it, a new watch reads every source from the start again; points keep their first value
-(observatory/store/ingest.py) and events have content-derived uids, so the store ends with every
-point and event exactly once either way.
+TensorBoard, CSV, JSON lines, MLflow and W&B logs are read incrementally as they grow, their
+loss goes through the same online detector as a native run's, and a restarted follower goes on
+where it stopped with every point and event stored once. Sources, reading rules and restarts:
+docs/follow.md, "How `spikewatch follow` reads".
 """
 
 from __future__ import annotations

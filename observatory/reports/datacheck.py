@@ -1,5 +1,5 @@
 """`spikewatch data-check PATH...`: documents with long repeated n-gram runs (OLMo 2's filter,
-observatory/repeats.py) in a corpus, before training, written as the same JSON-lines blocklist
+reports/repeats.py) in a corpus, before training, written as the same JSON-lines blocklist
 that `spikewatch quarantine` writes for the samples a rollback named.
 
 Reads, streaming: JSON-lines (one document per line, its text in `--field`, its id in "id" if it
@@ -23,7 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from spikewatch.observatory.repeats import MAX_N, MIN_REPEATS, Repeat, scan_texts, scan_tokens
+from spikewatch.observatory.reports.repeats import (
+    MAX_N,
+    MIN_REPEATS,
+    Repeat,
+    scan_texts,
+    scan_tokens,
+)
 
 __all__ = ["Doc", "add_parser", "check", "documents"]
 

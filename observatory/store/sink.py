@@ -1,35 +1,9 @@
 """The trainer-side writer: the training step never waits on the database.
 
-API (the same on `DbSink` and on `NullSink`, which stores nothing)::
-
-    sink = DbSink(url, spool_dir=run_dir / "spool")   # or NullSink()
-    sink.start_run(run_id, name=..., config=cfg_dict, tags=[...], sweep_group=..., hypothesis=...,
-                   run_dir=...)                          # branch 0 comes with the run
-    sink.log_metrics(run_id, branch, step, {"train/loss": 2.3, "layer/0/grad_norm": 0.1, ...})
-    sink.log_series(run_id, branch, {"train/loss": (steps, values), ...})  # many steps at once
-    sink.start_branch(run_id, 1, parent=0, fork_step=120, reason="rollback after spike at 131")
-    sink.log_event(run_id, "rollback", step=131, branch=0, message=..., data={...})
-    sink.log_checkpoint(run_id, step=120, path=..., pinned=True, checksum_status="ok")
-    sink.set_status(run_id, "completed")
-    sink.flush(timeout=10)   # optional: wait until everything so far is in the database
-    sink.close()
-
-Every public method validates on the caller's thread (a bad value raises `RecordError` naming
-it, and nothing of that call is queued), then enqueues one record: a `put_nowait` on a bounded
-queue. A writer thread drains the queue in batches (up to `batch_values` metric values, or
-whatever arrived within `linger_s`) and writes each batch in one transaction
-(observatory/store/ingest.py). A writer that fell behind takes up to a million values at once: the
-store rewrites each series' newest window once per batch, so a 70B model's 6,000 values a step
-go in at 2.5M values/s (the writer alone) in batches of 168 steps and at 0.17M in batches of 8.
-When the queue is full, it goes to the spool file (with the batch in flight) instead of blocking.
-When the database is unreachable, batches go to the spool in the run directory; the writer retries
-with backoff and replays the spool, oldest first, before writing anything new. `persist` (before
-a checkpoint is published) makes every record durable in the database or the spool, whichever
-is first: a store known to be unreachable or behind is not waited for (observatory/store/backlog.py
-keeps the one order; docs/store_faults.md). If the spool cannot be written either (its directory
-read-only or full), records are held in memory up to `hold_values` values; what is dropped past
-that, or held when the sink stops, is counted in `stats["lost"]` and said in an error line.
-Writes are idempotent, so a replay never duplicates a row. NaN and +-inf are valid values.
+Each call is validated on the caller's thread and queued; a writer thread stores batches in
+one transaction each, and spools to the run directory (replayed first, later) when the store
+is unreachable or the queue is full, so a slow or absent database costs the loop nothing. The
+API and its fault rules: docs/store.md, "The sink".
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """torchtitan (0.3): `SpikewatchTrainer`, a torchtitan `Trainer` whose every step goes through
-the `Watch` (trainer/watch.py). torchtitan has no callback API; its extension route is a
-`Trainer` subclass with its own nested `Config`, which a config function returns:
+the `Watch` (trainer/watch.py).
 
-    torchrun --nproc_per_node=8 -m torchtitan.train --module spikewatch.torchtitan \\
+torchtitan has no callback API; its extension route is a `Trainer` subclass with its own
+nested `Config`, which a config function returns:
+
+    torchrun --nproc_per_node=8 -m torchtitan.train --module spikewatch.torchtitan \
         --config llama3_8b --spikewatch.db postgresql+psycopg://...
 
-`--module spikewatch.torchtitan --config NAME` takes any config function of torchtitan's own
-registries (`llama3_debugmodel`, `llama3_8b`, `qwen3_...`) with spikewatch on; in a config
-module of your own, `return with_spikewatch(your_config(), db=...)` does the same.
-
-What the subclass does, and only that (the Watch owns the rest):
-- it opens the Watch at the first step (after torchtitan has loaded its checkpoint) around
-  the model, its optimizer and LR scheduler, and routes their `step()` through it: the Watch
-  measures the gradient (global norm, per layer), clips with `training.max_norm` (torchtitan's
-  own clip is not called: the Watch measures before clipping), refuses a bad update on the
-  device, holds the LR schedule when it refuses, decides once for every rank;
-- its `train_step` is torchtitan's (gradient accumulation, the global token count) with the
-  Watch's phases: the batch's position, each micro-batch's loss (a share of the step's, as
-  torchtitan normalises by the global token count), the routed optimizer step;
-- each attention module's inner attention (`layers.N.attention.inner_attention`) records the
-  per-head maximum pre-softmax logit (maxima.py): on a GPU, FlexAttention's own (its kernel
-  gives them, with the block mask applied); else of its q and k, causal, in a pass of its own;
-- a rollback restores the newest retained state before the onset, from host memory or from
-  torchtitan's own DCP checkpoints (checkpoints.py: kept on spikewatch's exponential schedule,
-  the pre-spike ones pinned, the restored step written again), and sets `self.step` back; the
-  data loader flows on, so the batches between the target and the detection are skipped, and
-  the run trains on to `training.steps` updates;
-- the batches of the last `replay_steps` steps stay on the host as drawn: a rollback replays
-  the spike's steps from the restored state through torchtitan's forward and backward (its
-  cause) and measures each row of its batches (the rows named, by the loader's "id" if any);
-- the Watch's state and the data position travel in torchtitan's own checkpoints
-  (`state_dict` of the trainer), so its resume resumes spikewatch.
-Not supported (refused at start with one line): pipeline parallelism, several optimizers
-(model parts), and CUDA graphs (`training.disable_cuda_graphs=False` replays the forward
-without Python: pass `--training.disable_cuda_graphs`).
+What the subclass does, and what it refuses: docs/torchtitan.md, "What the subclass does".
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from spikewatch.observatory.repeats import scan_texts, scan_tokens
 from spikewatch.observatory.reports.datacheck import check
+from spikewatch.observatory.reports.repeats import scan_texts, scan_tokens
 from spikewatch.trainer.cli import main
 
 

@@ -1,35 +1,9 @@
 """The same-step tier: refuse an isolated extreme update on the step it happens.
 
-OLMo-core's answer to a one-batch blow-up (its skip-step optimizers): compare the step's loss
-and gradient norm with their rolling level and deviation over the last `window` accepted steps,
-and refuse the update when either lies more than `sigma` deviations above (log-space, like the
-detector, so the multiplicative noise of a loss is one scale). Unlike OLMo-core's mean and
-standard deviation of the window, the level is the mean of the last `level_window` steps and
-the deviation is taken from successive differences: early in a run the window holds the
-loss's first descent, whose spread (and a mean that lags it) let a batch of garbage labels at
-2.8x the loss through at step 76 of a new user's first run. The update
-is refused (recorded as a skip) without the host reading anything before `optimizer.step`:
-
-- before the step, the host turns the window into two thresholds (`limits`: the log-values
-  above which the loss or the gradient norm is refused), host numbers it already has;
-- after backward, `step_factor` compares the step's (all-reduced) loss and norm with them on
-  the device, with the non-finite check: 1.0 applies the update, 0.0 refuses it, and the
-  optimizer folds it in (trainer/model/optim/factor.py);
-- the factor rides the step's one host read, after the update; `observe` then updates the
-  window from what the device decided, so host and device never disagree.
-
-Every rank computes the same factor from the same reduced values and the same window. An
-earlier version kept the window itself in device tensors (~55 small ops, ~0.5 ms of a CPU
-step); the thresholds need ~12 scalar ops on the device and ~20 us of host arithmetic.
-
-The spike guard's rollback stays the tier for what persists: after `max_refusals` refusals in a
-row the tier lets the next extreme update through (and learns from it), so a spike that keeps
-coming reaches the detector as consecutive excursions and is rolled back, and a real new level
-is learnt instead of being refused for ever. Right after a rollback the weights are known good:
-a high loss then is the data's (most often the rest of a bad stretch), so until a step is
-learnt, a loss at `after_rollback_ratio` times the rolling mean is refused whatever the
-window's spread, up to `after_rollback` times in a row (`after_restore`). Non-finite values
-are the loop's (always refused) and never enter the statistics.
+One bad batch should cost one skipped update, not a rollback (OLMo-core's skip-step idea):
+the step's loss and gradient norm are compared with their rolling level on the device, with
+no host read before the update; what persists is left to the rollback. The rule, and why its
+level and deviation are these: docs/recovery.md, "The same-step tier's rule".
 """
 
 from __future__ import annotations

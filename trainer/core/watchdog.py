@@ -1,35 +1,9 @@
 """The stall watchdog: a thread that notices when no step has ended for too long.
 
-Runs die of more than spikes: a rank stuck in a collective, a loader that never returns. Such a
-process does not crash; it just stops. The loop thread beats once a step (`beat`, from the step
-core's `conclude`); the watchdog learns the run's pace from those beats (the median of the
-recent step times) and, when no step has ended for longer than
-
-    bound = max(min_s, factor x median step time)
-
-it reports a stall once (`on_stall`, from its own thread) with every thread's Python stack, and
-the loop's next beat reports its end (`on_resume`, the stall's length). The same beats judge
-the pace: when the median of the last 16 step times is more than 1.5x the run's own baseline
-(the median of up to 256 earlier ones) and at least 5 ms longer (a run of millisecond steps
-jitters by more than half with the machine), and has stayed so for 30 s of steps (a shared
-machine's noise slows a run of fast steps for a second or two at a time, and a 16-step median
-of 50 ms steps moves with it), a slowdown is reported once (`on_slowdown`), and again
-when the pace is back (`on_pace_back`, within 1.2x); per token where the steps' tokens are
-told (`beat(step, tokens)`). Work that is slow by
-nature is excluded: the client wraps checkpoints, evaluations and a rollback's restore in
-`paused()`, and their time counts neither toward a stall nor into the pace.
-
-Defaults: factor 10 and min_s 120. A step that is slow by chance (a loader hiccup, a collection)
-is rarely 10x the median; the 120 s floor keeps a run of millisecond steps from alarming on a
-system hiccup and still reports a hung collective well before NCCL's own timeout (10 minutes)
-ends the job. `exit_after_s` (off by default) ends a process that stays stalled that long with
-`EXIT_STALLED` after the stall is recorded, so that an elastic launcher (`torchrun
---max-restarts`) starts it again and `resume="auto"` takes the newest checkpoint.
-
-Under torchrun each rank's watchdog also publishes, through the rendezvous store, where its loop
-is and the medians of its waits for its batches and of its forwards: a stall names the ranks
-behind and the collective rank 0 waits in (torch's flight recorder), and rank 0 names the
-straggler, slow in its batches or in its compute (`judge_ranks`).
+A rank stuck in a collective or a loader that never returns does not crash; it stops. The loop
+beats once a step; this thread learns the run's pace from the beats and reports a stall (with
+every thread's stack), its end, a lasting slowdown and, under torchrun, the ranks behind and
+the straggler. Its bounds, their defaults and why: docs/stalls.md, "The watchdog's rules".
 """
 
 from __future__ import annotations
