@@ -75,7 +75,11 @@ class _Steps(Callback):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("iters", "at", "length"), [(100, 40, 10), (200, 120, 40)])
+@pytest.mark.parametrize(
+    ("iters", "at", "length"),
+    # the 10-batch case: slow (the 40-batch case takes the same path, and two rollbacks)
+    [pytest.param(100, 40, 10, marks=pytest.mark.slow), (200, 120, 40)],
+)
 def test_a_corrupt_stretch_of_the_stream_is_rolled_back_once_and_never_trained_on(
     tmp_path, monkeypatch, iters: int, at: int, length: int
 ) -> None:

@@ -197,10 +197,10 @@ def test_a_lasting_warning_does_not_pin_every_checkpoint(tmp_path) -> None:
     assert sorted(ck.list_checkpoints(tmp_path / "checkpoints")) == [0, 32, 48, 56, 58, 59, 60]
 
 
-@pytest.mark.parametrize(
-    "tier",
-    ["true", pytest.param("false", marks=pytest.mark.slow)],  # one tier in make test
-)
+# its rule is in the fast tier: test_guard_rules.py (a spike that comes back is taken for a new
+# level), test_policy.py (a level that returns where the skip ends is accepted)
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["true", "false"])
 def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) -> None:
     """From batch 150 on the data changes for good (random bytes: a new, higher plateau the
     trainer was not told about). The guard rolls back, meets the same level where the skipped
@@ -222,6 +222,7 @@ def test_an_unannounced_new_level_is_accepted_after_it_persists(tmp_path, tier) 
     assert r.train_losses[-1] > 4.0  # training on at the new level, not rolled back forever
 
 
+@pytest.mark.slow  # its rule is in the fast tier: test_policy.py (an LR cut given back)
 def test_the_lr_cut_of_a_repeat_is_given_back_after_calm_steps(tmp_path, caplog) -> None:
     two = ", ".join(f'{{kind="shifted_labels", start={s}, length=6}}' for s in (100, 125))
     faults = f"faults=[{two}]"

@@ -82,6 +82,10 @@ def _run_trials(tmp_path: Path, n: int, seed: int, *extra: str) -> list[str]:
     return [_trial(tmp_path / f"t{i}", rng, reference, window, *extra) for i in range(n)]
 
 
+# slow: test_sigkill_many_trials is its long form; make test kills and resumes in
+# test_sigkill_during_async_saves (4 kills), tests/spikewatch/test_examples.py (each client),
+# test_exactly_once.py and test_rollback_crash.py
+@pytest.mark.slow
 def test_sigkill_always_resumes_from_an_intact_checkpoint(tmp_path) -> None:
     # seed 12 puts the kills at 0.57, 0.79, 0.80 and 0.17 of a run's lifetime (60 trials: slow)
     outcomes = _run_trials(tmp_path, n=4, seed=12)
