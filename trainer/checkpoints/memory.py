@@ -117,8 +117,8 @@ class _Plan:
         self.n_state = len(optimizer.state)
         live = self.live()
         self.signature = tuple((t.shape, t.dtype) for t in live.values())
-        self.need = sum(t.numel() * t.element_size() for t in live.values())
         self.layout = BlockLayout(live)  # a snapshot's host block, laid out once
+        self.need = sum(self.layout.sizes)
 
     def live(self) -> dict[str, torch.Tensor]:
         """The tensors as they are (parameters not detached: the copies run without grad),

@@ -70,7 +70,6 @@ class HostBlock:
 
     def __init__(self, like: dict[str, torch.Tensor] | BlockLayout, pin: bool) -> None:
         self.layout = like if isinstance(like, BlockLayout) else BlockLayout(like)
-        self.offsets = self.layout.offsets  # each tensor's first byte, in the layout's order
         total = self.nbytes = self.layout.nbytes
         self.pinned = False
         self.data = torch.empty(max(total, 1), dtype=torch.uint8)
