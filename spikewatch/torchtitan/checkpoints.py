@@ -200,6 +200,9 @@ class TitanDisk:
         self._changes.append((step, str(path), "deleted"))
 
     # -- the core's explicit saves: a rollback's rewrite ----------------------------------
+    def prepare(self, build: Callable[[Any], Any]) -> None:
+        """Nothing to make ahead: torchtitan's checkpointer stages its own saves."""
+
     def save(self, step: int, build: Callable[[Any], Any], awaiting: bool = False) -> float | None:
         """Write `step` again (after a rollback restored it): into a temporary folder, then in
         place of the old one. Step 0 is not written (torchtitan loads a step-0 checkpoint as

@@ -240,25 +240,6 @@ def test_device_an_event_is_recorded_on_the_tensors_device_not_the_current_one(m
     assert fake.log == [("record", gpu1)] and event.stream.device == gpu1
 
 
-def test_device_side_copies_run_on_each_source_devices_own_stream(monkeypatch) -> None:
-    fake = _FakeCuda()
-    fake.install(monkeypatch)
-    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    copied, kept = [], []
-    src = [SimpleNamespace(device=d, record_stream=kept.append) for d in (gpu0, gpu1, gpu1)]
-    dst = [SimpleNamespace(copy_=lambda s, non_blocking: copied.append(s.device)) for _ in src]
-    step = torch.tensor(7.0)  # torch's non-fused Adam keeps its step count on the CPU
-    on_host = torch.zeros(())
-    pairs = [*zip(dst, src, strict=True), (on_host, step)]
-    events = pinned.SideCopies().start(pairs)
-    assert copied == [gpu0, gpu1, gpu1] and on_host.item() == 7.0  # the CPU one at once
-    assert [s.device for s in kept] == [gpu0, gpu1, gpu1]  # not reused before the copy
-    assert [dev for dev, _, _ in events] == [gpu0, gpu1]  # no stream asked of the CPU
-    assert ("wait_stream", gpu1, gpu1) in fake.log  # after the work queued on gpu1
-    assert [e.stream.device for _, e, _ in events] == [gpu0, gpu1]
-    assert all(landed is free for _, landed, free in events)  # copied straight to the host
-
-
 def test_device_memory_tier_the_device_waits_for_the_copy_not_the_host(monkeypatch) -> None:
     """`before_mutation` runs between backward and the update: a host wait there stalls the
     launch queue every snapshot."""

@@ -147,3 +147,100 @@ class _Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         self.n += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_the_disk_tiers_copies_land_and_their_dispatches_do_not_grow(monkeypatch) -> None:
+    """`SideCopies.start` (a disk checkpoint's copy on a GPU): every byte lands, the host's
+    tensors at once, the sources held until the compute streams wait for the copy (no
+    `record_stream` a tensor), and a multi-tensor copy a device: the loop thread's dispatches
+    do not grow with the tensors (a `record_stream` and a `copy_` each before)."""
+    _Device().install(monkeypatch)
+
+    def dispatches(n: int) -> int:
+        src = _sources(n)
+        dst = [torch.full_like(t, 7) for t in src.values()]
+        copies = SideCopies()
+        with _Count() as count:
+            events = copies.start(list(zip(dst, src.values(), strict=True)))
+        assert len(events) == 1  # one device, one event; the host's copied at once
+        for d, t in zip(dst, src.values(), strict=True):
+            assert torch.equal(d, t)
+        held = [t for t in src.values() if t.dim() > 0]
+        assert len(copies._held) == len(held)  # until the streams wait for the copy
+        assert all(a is b for a, b in zip(copies._held, held, strict=True))
+        copies.release()
+        assert copies._held == []
+        return count.n
+
+    assert dispatches(40) == dispatches(4) <= 2
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=False, foreach=False)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+def test_a_disk_checkpoint_stages_each_file_into_its_own_block(monkeypatch, tmp_path) -> None:
+    """An async disk save on a GPU copies the snapshot's tensors into one pinned block a file,
+    made ahead by the writer thread (`prepare`), not a block a tensor made on the loop thread
+    at the save; each file holds its own tensors' bytes (torch.save writes a view's whole
+    storage: one block for every file would write every tensor into each), and reads back
+    as the state it saved."""
+    from spikewatch.trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints.disk import Checkpointer
+    from spikewatch.trainer.checkpoints.staging import to_host
+    from spikewatch.trainer.config import CheckpointConfig
+
+    _Device().install(monkeypatch)
+    model, opt = _trained()
+    disk = Checkpointer(tmp_path, CheckpointConfig(interval=10, async_save=True, fsync=False))
+    disk.open()
+
+    def build(stage):  # noqa: ANN001, ANN202
+        return ck.Snapshot(
+            step=10,
+            torch_files={"model.pt": to_host(model.state_dict(), stage, "model"),
+                         "optimizer.pt": to_host(opt.state_dict(), stage, "optimizer")},
+            json_files={"trainer.json": {"step": 10}}, meta={},
+        )  # fmt: skip
+
+    want = {"model.pt": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer.pt": {i: {k: v.clone() for k, v in s.items()}
+                             for i, s in opt.state_dict()["state"].items()}}  # fmt: skip
+    disk.prepare(build)
+    for ahead in disk._stager._ahead.values():
+        ahead.result()  # the writer thread made the blocks
+    made = []
+    real = pinned.HostBlock.__init__
+
+    def counted(self, like, pin):  # noqa: ANN001, ANN202
+        made.append(pin)
+        real(self, like, pin)
+
+    monkeypatch.setattr(pinned.HostBlock, "__init__", counted)
+    disk.save(10, build)
+    disk.before_mutation()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next update: the file keeps the step's values
+    disk.wait()
+    assert made == []  # the loop made no block at the save: the writer's, made ahead
+    got = ck.read_checkpoint(ck.step_dir(tmp_path, 10))
+    for k, v in want["model.pt"].items():
+        assert torch.equal(got["model.pt"][k], v), k
+    for i, s in want["optimizer.pt"].items():
+        for k, v in s.items():
+            assert torch.equal(got["optimizer.pt"]["state"][i][k], v), (i, k)
+    sizes = {
+        n: (ck.step_dir(tmp_path, 10) / n).stat().st_size for n in ("model.pt", "optimizer.pt")
+    }
+    model_bytes = sum(v.numel() * v.element_size() for v in want["model.pt"].values())
+    # the model's file: its own bytes (and 512-byte alignment, and pickled metadata), not
+    # the optimizer's moments too
+    assert sizes["model.pt"] < model_bytes + 512 * len(want["model.pt"]) + 4096

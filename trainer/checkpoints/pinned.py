@@ -131,22 +131,29 @@ class SideCopies:
 
     def start(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Events:
         """Queue the copies (no wait); returns the events of each source device. A source on
-        the CPU (torch's non-fused Adam keeps its step count there) is copied at once."""
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        the CPU (torch's non-fused Adam keeps its step count there) is copied at once. Each
+        device's copies are one multi-tensor copy from the loop thread (a `record_stream` and
+        a `copy_` a tensor were two dispatches each, ~1,200 for a 124M model with AdamW); the
+        sources are held until `release`, as `start_block`'s are."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for dst, src in pairs:
-            if src.device.type != "cuda":
-                dst.copy_(src)
-                continue
-            by_device.setdefault(src.device, []).append((dst, src))
+            dsts, srcs = (
+                by_device.setdefault(src.device, ([], [])) if streams.is_cuda(src) else host
+            )
+            dsts.append(dst)
+            srcs.append(src)
         events: Events = []
-        for dev, group in by_device.items():
-            stream = self._stream(dev)
-            with streams.on(stream):
-                for dst, src in group:
-                    src.record_stream(stream)  # its memory is not reused before the copy
-                    dst.copy_(src, non_blocking=True)
-                landed = streams.record_event(dev, stream)
-            events.append((dev, landed, landed))
+        with torch.no_grad():
+            if host[0]:
+                torch._foreach_copy_(*host)
+            for dev, (dsts, srcs) in by_device.items():
+                stream = self._stream(dev)
+                with streams.on(stream):
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                    landed = streams.record_event(dev, stream)
+                events.append((dev, landed, landed))
+                self._held += srcs  # their memory is not reused before the copy
         return events
 
     def start_block(

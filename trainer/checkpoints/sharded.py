@@ -146,6 +146,9 @@ class ShardedCheckpointer(Checkpointer):
     def awaits(self) -> bool:
         return False  # a step in flight is drained first (every rank writes before returning)
 
+    def prepare(self, build: Callable[[Stager | None], ck.Snapshot]) -> None:
+        """Nothing to make ahead: each rank writes its shards synchronously."""
+
     def save(
         self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
     ) -> float:

@@ -6,64 +6,116 @@ tensors are (trainer/core/state.py says that).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from spikewatch.trainer.checkpoints.pinned import Events, HostBlock, SideCopies
+from spikewatch.trainer.checkpoints.pinned import BlockLayout, Events, HostBlock, SideCopies
+from spikewatch.trainer.core import streams
 
-__all__ = ["Live", "NoTensors", "Queued", "Stager", "has_cuda", "stage_tensors", "to_host"]
+__all__ = [
+    "Live",
+    "NoTensors",
+    "Queued",
+    "Stager",
+    "has_cuda",
+    "leaves_of",
+    "stage_tensors",
+    "to_host",
+]
 
 
 class Stager:
     """Host buffers reused from save to save: an async save copies into memory that is already
     mapped (first-touch page faults cost more than the copy itself). The caller guarantees that
-    no earlier write still reads the buffers (one save in flight, joined before the next)."""
+    no earlier write still reads the buffers (one save in flight, joined before the next).
+
+    A snapshot's tensors are staged together (`stage`) into one `HostBlock` a file, pinned once
+    when they live on CUDA (a block a tensor was ~450 registrations at 124M, on the loop thread
+    at the first save), made ahead in a thread where the caller can (`prepare`)."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._blocks: dict[str, HostBlock] = {}
-
-    def buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The reused host buffer for `key`, shaped like `t` (pinned when `t` is on CUDA)."""
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            block = self._blocks[key] = HostBlock({key: t}, pin=t.is_cuda)
-            buf = self.buffers[key] = block.tensors[key]
-        return buf
+        self.blocks: dict[str, HostBlock] = {}  # `stage`'s, a file's each
+        self._ahead: dict[str, Future[HostBlock]] = {}
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return self.buffer(key, t).copy_(t.detach())
+        """A snapshot being built (`to_host`) holds the live tensors: `stage` copies them
+        together afterwards."""
+        return t.detach() if t.requires_grad else t
+
+    def block_for(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host tensors for `leaves` ({key: tensor}, keys under their file's name): one block
+        per file (torch.save writes the whole storage of any view it holds, so files must not
+        share one), the last one if its layout fits, else the one made ahead if it fits, else
+        a new one (made here)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, part in _by_file(leaves).items():
+            layout = BlockLayout(part)
+            block = self.blocks.get(name)
+            if block is None or block.layout.signature != layout.signature:
+                ahead = self._ahead.pop(name, None)
+                block = ahead.result() if ahead is not None else None
+                if block is None or block.layout.signature != layout.signature:
+                    block = HostBlock(layout, pin=any(map(streams.is_cuda, part.values())))
+                self.blocks[name] = block
+            out.update(block.tensors)
+        return out
+
+    def prepare(
+        self,
+        leaves: dict[str, torch.Tensor],
+        submit: Callable[..., Future[HostBlock]],
+    ) -> None:
+        """Make the blocks for `leaves`' layout ahead with `submit` (a thread's), where the
+        ones held do not fit."""
+        for name, part in _by_file(leaves).items():
+            layout = BlockLayout(part)
+            block = self.blocks.get(name)
+            if block is None or block.layout.signature != layout.signature:
+                pin = any(map(streams.is_cuda, part.values()))
+                self._ahead[name] = submit(HostBlock, layout, pin)
+
+    def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
+        views = self.block_for(leaves)
+        with torch.no_grad():  # (the live tensors: parameters need no detach)
+            torch._foreach_copy_(list(views.values()), list(leaves.values()))
+        return views
+
+
+def _by_file(leaves: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """`leaves` grouped by their file (a key's first part)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in leaves.items():
+        out.setdefault(key.split("/", 1)[0], {})[key] = t
+    return out
 
 
 class Queued(Stager):
-    """Device tensors staged on side streams (trainer/checkpoints/pinned.py): their pinned
-    buffers are handed out at once and the copies queued by `start` (nothing waits); host
-    tensors are copied at once, as `Stager` does."""
+    """Device tensors staged on side streams (trainer/checkpoints/pinned.py): the block's
+    pinned tensors are handed out at once and the copies queued by `start` (nothing waits);
+    host tensors are copied by `start` at once."""
 
     def __init__(self, stager: Stager) -> None:
         super().__init__()
         self.stager = stager
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_cuda:
-            return self.stager(key, t)
-        buf = self.stager.buffer(key, t)
-        self.pairs.append((buf, t.detach()))
-        return buf
+    def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        views = self.stager.block_for(leaves)
+        self.pairs = list(zip(views.values(), leaves.values(), strict=True))
+        return views
 
     def start(self, copies: SideCopies) -> Events:
-        """Queue every copy collected so far (one side stream and one event per device)."""
+        """Queue every copy staged (one multi-tensor copy and one event per device)."""
         pairs, self.pairs = self.pairs, []
         return copies.start(pairs)
 
 
 class Live(Stager):
     """No copy at all: the live tensors, for a background thread to stage later."""
-
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach() if t.requires_grad else t  # (state dicts' tensors are detached)
 
 
 class NoTensors(Live):
@@ -73,8 +125,9 @@ class NoTensors(Live):
 
 
 def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
-    """Tensors to CPU: staged copies with a `stage` (the live ones may change meanwhile), else
-    the tensors themselves (a synchronous save writes before training goes on)."""
+    """With a `stage`: the tensors as the stager hands them over (the live ones, copied
+    together by `stage_tensors` later), keyed by their path; without: copies on the CPU (a
+    synchronous save writes before training goes on)."""
     if torch.is_tensor(obj):
         return stage(key, obj) if stage is not None else obj.detach().cpu()
     if isinstance(obj, dict):
@@ -85,14 +138,48 @@ def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
 
 
 def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
-    """Every tensor of a snapshot's torch files copied into the stager's host buffers."""
-    return {name: to_host(obj, stage, name) for name, obj in files.items()}
+    """Every tensor of a snapshot's torch files copied into the stager's host block (one walk
+    to find them, one copy, one walk to put the block's tensors in their places)."""
+    leaves = leaves_of(files)
+    host = stage.stage(leaves) if leaves else {}
+    return {name: _put(obj, host, name) for name, obj in files.items()}
+
+
+def leaves_of(files: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a snapshot's torch files, by `to_host`'s keys."""
+    leaves: dict[str, torch.Tensor] = {}
+    for name, obj in files.items():
+        _leaves(obj, name, leaves)
+    return leaves
+
+
+def _leaves(obj: Any, key: str, out: dict[str, torch.Tensor]) -> None:
+    """`obj`'s tensors by `to_host`'s keys."""
+    if torch.is_tensor(obj):
+        out[key] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _leaves(v, f"{key}/{k}", out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _leaves(v, f"{key}/{i}", out)
+
+
+def _put(obj: Any, host: dict[str, torch.Tensor], key: str) -> Any:
+    """`obj` with each tensor replaced by `host`'s of its key."""
+    if torch.is_tensor(obj):
+        return host[key]
+    if isinstance(obj, dict):
+        return {k: _put(v, host, f"{key}/{k}") for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_put(v, host, f"{key}/{i}") for i, v in enumerate(obj))
+    return obj
 
 
 def has_cuda(obj: Any) -> bool:
     """Whether any tensor in `obj` (dicts, lists, tuples) lives on a CUDA device."""
     if torch.is_tensor(obj):
-        return obj.is_cuda
+        return streams.is_cuda(obj)
     if isinstance(obj, dict):
         return any(has_cuda(v) for v in obj.values())
     if isinstance(obj, list | tuple):

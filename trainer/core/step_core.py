@@ -152,6 +152,7 @@ class StepCore:
     _in_flight: _Read | None = None  # the step read late: its values read at the next step's end
     _unapplied: set[int] = field(default_factory=set)  # late: steps the device refused
     _awaiting: int | None = None  # late: a host-memory snapshot of the step still in flight
+    _disk_prepared: int = -1  # the optimizer's state count the disk tier's block was made for
     _stepper: StepFactor | None = None  # how the optimizer takes a step factor, if it does
     _read: _Read | None = None
     _step_tokens: int = 0  # the tokens of the step at the gate (0: not told)
@@ -652,6 +653,10 @@ class StepCore:
         ck.report(self.callbacks)  # an asynchronous save that landed meanwhile
         if ck.memory is not None:
             ck.memory.ahead()  # the next snapshot's pinned block, prepared off the loop
+        shapes = len(self.optimizer.state)  # the optimizer's state appears at its first step
+        if ck.disk.enabled and self._disk_prepared != shapes:
+            self._disk_prepared = shapes  # the disk tier's host block, made off the loop
+            ck.disk.prepare(lambda stage: self.snapshot(stage, decided=False))
         return False
 
     def save(self, tiers: list[str] | None = None, *, awaiting: bool = False) -> None:
