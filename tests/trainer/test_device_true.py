@@ -5,7 +5,6 @@ it guards (the first GPU run crashed at its first rollback)."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
