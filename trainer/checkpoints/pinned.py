@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,13 +82,29 @@ class HostBlock:
 
     @functools.cached_property
     def tensors(self) -> dict[str, torch.Tensor]:
+        return self.views()
+
+    def views(self, yield_every: int = 0) -> dict[str, torch.Tensor]:
+        """The block's tensors (`tensors` caches them). `yield_every` n > 0 (a thread making
+        them while the loop runs): the GIL is let go every n tensors, so the loop thread waits
+        for a few views at most, not for the interpreter's switch interval (5 ms) at a time."""
         lay = self.layout
-        return {
-            k: self.data[o : o + n].view(dtype).view(shape)
-            for k, o, n, dtype, shape in zip(
-                lay.keys, lay.offsets, lay.sizes, lay.dtypes, lay.shapes, strict=True
-            )
-        }
+        out = {}
+        for i, (k, o, n, dtype, shape) in enumerate(
+            zip(lay.keys, lay.offsets, lay.sizes, lay.dtypes, lay.shapes, strict=True)
+        ):
+            out[k] = self.data[o : o + n].view(dtype).view(shape)
+            if yield_every and i % yield_every == yield_every - 1:
+                time.sleep(0)
+        return out
+
+    @classmethod
+    def with_views(cls, layout: BlockLayout, pin: bool) -> HostBlock:
+        """A block made in a thread ahead of its use, its tensors made there too, a few at a
+        time (`views`)."""
+        block = cls(layout, pin)
+        block.__dict__["tensors"] = block.views(yield_every=16)
+        return block
 
     def __del__(self) -> None:  # before the memory itself goes (the block holds it until then)
         if getattr(self, "pinned", False):

@@ -75,7 +75,7 @@ class Stager:
             block = self.blocks.get(name)
             if block is None or block.layout.signature != layout.signature:
                 pin = any(map(streams.is_cuda, part.values()))
-                self._ahead[name] = submit(HostBlock, layout, pin)
+                self._ahead[name] = submit(HostBlock.with_views, layout, pin)
 
     def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
