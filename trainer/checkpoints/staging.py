@@ -52,13 +52,12 @@ class Stager:
         a new one (made here)."""
         out: dict[str, torch.Tensor] = {}
         for name, part in _by_file(leaves).items():
-            layout = BlockLayout(part)
             block = self.blocks.get(name)
-            if block is None or block.layout.signature != layout.signature:
+            if block is None or not _fits(block, part):
                 ahead = self._ahead.pop(name, None)
                 block = ahead.result() if ahead is not None else None
-                if block is None or block.layout.signature != layout.signature:
-                    block = HostBlock(layout, pin=any(map(streams.is_cuda, part.values())))
+                if block is None or not _fits(block, part):
+                    block = HostBlock(part, pin=any(map(streams.is_cuda, part.values())))
                 self.blocks[name] = block
             out.update(block.tensors)
         return out
@@ -71,11 +70,10 @@ class Stager:
         """Make the blocks for `leaves`' layout ahead with `submit` (a thread's), where the
         ones held do not fit."""
         for name, part in _by_file(leaves).items():
-            layout = BlockLayout(part)
             block = self.blocks.get(name)
-            if block is None or block.layout.signature != layout.signature:
+            if block is None or not _fits(block, part):
                 pin = any(map(streams.is_cuda, part.values()))
-                self._ahead[name] = submit(HostBlock.with_views, layout, pin)
+                self._ahead[name] = submit(HostBlock.with_views, BlockLayout(part), pin)
 
     def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
@@ -83,6 +81,12 @@ class Stager:
         with torch.no_grad():  # (the live tensors: parameters need no detach)
             torch._foreach_copy_(list(views.values()), list(leaves.values()))
         return views
+
+
+def _fits(block: HostBlock, part: dict[str, torch.Tensor]) -> bool:
+    """Whether `block` is laid out for `part`'s keys, shapes and dtypes (no layout made)."""
+    keys, shapes = block.layout.signature
+    return keys == tuple(part) and shapes == tuple((t.shape, t.dtype) for t in part.values())
 
 
 def _by_file(leaves: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
