@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = (
     "host_ms_per_step",
     "max_event_ms",
+    "max_disk_event_ms",
     "waits_per_step",
     "waits_per_snapshot",
     "kernels_per_step",
