@@ -110,11 +110,6 @@ def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, allow_nan=True).encode()
 
 
-# files written at once: one core is the loop's (a writer thread beside it on a 2-core host
-# took its core for ~5 ms at a time while ~1 GB was written and checksummed)
-_WRITERS = max(1, min(4, len(os.sched_getaffinity(0)) - 1))
-
-
 def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
     """Write `snap` atomically as `root/step{N:08d}`; replaces an older copy of the same step."""
     root.mkdir(parents=True, exist_ok=True)
@@ -125,7 +120,7 @@ def write_checkpoint(root: Path, snap: Snapshot, *, fsync: bool = True) -> Path:
     # Each torch file is saved, checksummed (read back from the page cache) and fsynced by its
     # own thread: torch.save's writer, zlib and fsync all release the GIL, so files (the
     # optimizer state comes in two halves) are written in parallel, not one after another.
-    pool = worker("ckpt-write", _WRITERS)  # long-lived (worker.py): none started per checkpoint
+    pool = worker("ckpt-write", 4)  # long-lived (worker.py): none started per checkpoint
     jobs = {
         name: pool.submit(_save_torch, obj, tmp / name, fsync)
         for name, obj in snap.torch_files.items()
