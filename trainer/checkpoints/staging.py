@@ -79,7 +79,7 @@ class Stager:
         """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
         views = self.block_for(leaves)
         with torch.no_grad():  # (the live tensors: parameters need no detach)
-            torch._foreach_copy_(list(views.values()), list(leaves.values()))
+            torch._foreach_copy_([views[k] for k in leaves], list(leaves.values()))
         return views
 
 
@@ -109,7 +109,7 @@ class Queued(Stager):
 
     def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         views = self.stager.block_for(leaves)
-        self.pairs = list(zip(views.values(), leaves.values(), strict=True))
+        self.pairs = [(views[k], t) for k, t in leaves.items()]
         return views
 
     def start(self, copies: SideCopies) -> Events:
