@@ -69,8 +69,14 @@ class HostBlock:
     a snapshot's copy on a GPU fills the block by byte ranges (`SideCopies.start_block`), and
     the block made ahead in a thread took the GIL from the loop for ~5 ms at 124M making them."""
 
-    def __init__(self, like: dict[str, torch.Tensor] | BlockLayout, pin: bool) -> None:
+    def __init__(
+        self, like: dict[str, torch.Tensor] | BlockLayout, pin: bool, separate: bool = False
+    ) -> None:
+        """`separate`: each tensor a storage of its own over the block's memory (a file's
+        tensors: torch.save refuses views of one storage as different dtypes, and writes a
+        view's whole storage), not a view of the block's."""
         self.layout = like if isinstance(like, BlockLayout) else BlockLayout(like)
+        self.separate = separate
         total = self.nbytes = self.layout.nbytes
         self.pinned = False
         self.data = torch.empty(max(total, 1), dtype=torch.uint8)
@@ -89,20 +95,27 @@ class HostBlock:
         them while the loop runs): the GIL is let go every n tensors, so the loop thread waits
         for a few views at most, not for the interpreter's switch interval (5 ms) at a time."""
         lay = self.layout
+        raw = self.data.numpy() if self.separate else None  # the block's memory, as a buffer
         out = {}
         for i, (k, o, n, dtype, shape) in enumerate(
             zip(lay.keys, lay.offsets, lay.sizes, lay.dtypes, lay.shapes, strict=True)
         ):
-            out[k] = self.data[o : o + n].view(dtype).view(shape)
+            if raw is None:
+                out[k] = self.data[o : o + n].view(dtype).view(shape)
+            elif n == 0:
+                out[k] = torch.empty(shape, dtype=dtype)
+            else:  # a storage of its own, over the block's bytes (which it keeps alive)
+                count = n // dtype.itemsize
+                out[k] = torch.frombuffer(raw, dtype=dtype, count=count, offset=o).view(shape)
             if yield_every and i % yield_every == yield_every - 1:
                 time.sleep(0)
         return out
 
     @classmethod
-    def with_views(cls, layout: BlockLayout, pin: bool) -> HostBlock:
+    def with_views(cls, layout: BlockLayout, pin: bool, separate: bool = False) -> HostBlock:
         """A block made in a thread ahead of its use, its tensors made there too, a few at a
         time (`views`)."""
-        block = cls(layout, pin)
+        block = cls(layout, pin, separate)
         block.__dict__["tensors"] = block.views(yield_every=16)
         return block
 

@@ -57,7 +57,8 @@ class Stager:
                 ahead = self._ahead.pop(name, None)
                 block = ahead.result() if ahead is not None else None
                 if block is None or not _fits(block, part):
-                    block = HostBlock(part, pin=any(map(streams.is_cuda, part.values())))
+                    pin = any(map(streams.is_cuda, part.values()))
+                    block = HostBlock(part, pin, separate=True)
                 self.blocks[name] = block
             out.update(block.tensors)
         return out
@@ -73,7 +74,7 @@ class Stager:
             block = self.blocks.get(name)
             if block is None or not _fits(block, part):
                 pin = any(map(streams.is_cuda, part.values()))
-                self._ahead[name] = submit(HostBlock.with_views, BlockLayout(part), pin)
+                self._ahead[name] = submit(HostBlock.with_views, BlockLayout(part), pin, True)
 
     def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
