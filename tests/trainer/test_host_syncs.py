@@ -9,6 +9,7 @@ The counter is checked against a loop that does read there (the host path, torch
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -29,8 +30,9 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 
 class HostReads:
-    """Counts host reads of tensor values (and torch.cuda.synchronize) made while `open`: from
-    the return of a backward to the start of the next optimizer step."""
+    """Counts host reads of tensor values (and torch.cuda.synchronize) made on the loop thread
+    while `open`: from the return of a backward to the start of the next optimizer step. (A
+    checkpoint's writer thread works meanwhile on host memory: its calls stall no loop.)"""
 
     def __init__(self) -> None:
         self.open = False
@@ -40,7 +42,7 @@ class HostReads:
         self._in_window = 0
 
     def _count(self, name: str) -> None:
-        if self.open:
+        if self.open and threading.current_thread() is threading.main_thread():
             self.reads[name] += 1
             self._in_window += 1
 
