@@ -285,6 +285,7 @@ def mfu_check(smoke: bool) -> dict:
         host_path = watch.core.host_path
         _switch(watch, "memory_tier")
         per_event = _per_event(runs, one, 30 if smoke else 110)
+        per_part = _per_part(runs["watched"], one, 30 if smoke else 110)
         host = _host_split(runs["watched"], one, 4 if smoke else 20)
         _profile(runs, one, 2 if smoke else 6)
         watch.close()
@@ -304,6 +305,7 @@ def mfu_check(smoke: bool) -> dict:
         "compile_s": compile_s,
         "watch_host_path": host_path,
         "per_event": per_event,
+        "per_part": per_part,
         "watch_host_split_ms": host,
         "nan_free": all(math.isfinite(t) for ts in times.values() for t in ts),
     }
@@ -391,6 +393,96 @@ def _per_event(runs: dict, one: Callable[[dict], None], steps: int) -> dict:
             "meta_host_ms_by_event": {
                 k: v.get("host_ms") for k, v in pred.get("events", {}).items()
             },
+        }
+    return out
+
+
+# the Watch's parts of a step, one after the other (none inside another): the attention
+# maxima (in the forward, a layer each), then the core's gate, conclude and checkpoint check
+PARTS = {
+    "maxima": ("spikewatch.trainer.model.attn_max", "AttnMax", "record_logits"),
+    "gate": ("spikewatch.trainer.core.step_core", "StepCore", "gate"),
+    "conclude": ("spikewatch.trainer.core.step_core", "StepCore", "conclude"),
+    "save_if_due": ("spikewatch.trainer.core.step_core", "StepCore", "save_if_due"),
+}
+
+
+def _per_part(run: dict, one: Callable[[dict], None], steps: int) -> dict:
+    """Each part of the watched step (PARTS) between CUDA events recorded at its entry and
+    exit, and its host time, summed over the step, by kind of step (as `_per_event` sorts
+    them): where on the device and on the host each event's cost lies. Its own pass, after
+    `_per_event`'s, so that the events recorded here add nothing to those figures."""
+    import importlib
+
+    from spikewatch.trainer.checkpoints.tiers import Tiers
+
+    core = run["watch"].core
+    found: list[tuple[str, Any, Any, float]] = []  # this step's (part, start, end, host s)
+    saved: list[str] = []
+    undo: list[Callable[[], None]] = []
+
+    def mark() -> Any:
+        if not CUDA:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def timed(part: str, owner: Any, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            start, t0 = mark(), time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                found.append((part, start, mark(), time.perf_counter() - t0))
+
+        setattr(owner, name, wrapper)
+        undo.append(lambda: setattr(owner, name, fn))
+
+    for part, (module, cls, name) in PARTS.items():
+        timed(part, getattr(importlib.import_module(module), cls), name)
+    tiers_save = Tiers.save
+
+    def save(tiers, step, build, which=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = tiers_save(tiers, step, build, which, **kw)
+        saved.extend(out)
+        return out
+
+    Tiers.save = save  # type: ignore[method-assign]
+    undo.append(lambda: setattr(Tiers, "save", tiers_save))
+    rows: list[tuple[str, list[tuple[str, Any, Any, float]]]] = []
+    try:
+        _sync()
+        for _ in range(steps):
+            state = core.probes.state_active(core.step_count + 1)
+            found.clear()
+            saved.clear()
+            one(run)
+            kind = "disk" if "disk" in saved else "memory" if saved else "state" if state else ""
+            rows.append((kind or "plain", list(found)))
+        _sync()
+    finally:
+        for u in undo:
+            u()
+    out: dict[str, Any] = {}
+    for kind in ("plain", "state", "memory", "disk"):
+        got = [parts for k, parts in rows[2:] if k == kind]
+        if not got:
+            continue
+        dev: Counter[str] = Counter()
+        host: Counter[str] = Counter()
+        calls: Counter[str] = Counter()
+        for parts in got:
+            for part, a, b, h in parts:
+                dev[part] += a.elapsed_time(b) if CUDA else 1e3 * h
+                host[part] += 1e3 * h
+                calls[part] += 1
+        n = len(got)
+        out[kind] = {"steps": n} | {
+            p: {"device_ms": dev[p] / n, "host_ms": host[p] / n, "calls": calls[p] / n}
+            for p in PARTS
         }
     return out
 
