@@ -313,7 +313,7 @@ def test_device_a_disk_save_of_a_step_in_flight_keeps_its_copies_ordered(
     w = torch.ones(3)
 
     def build(stage):  # noqa: ANN001, ANN202
-        return ck.Snapshot(step=10, torch_files={"model.pt": to_host({"w": w}, stage, "m")},
+        return ck.Snapshot(step=10, torch_files={"model.pt": to_host({"w": w}, stage)},
                            json_files={"trainer.json": {"step": 10}}, meta={})  # fmt: skip
 
     disk.save(10, build, awaiting=True)

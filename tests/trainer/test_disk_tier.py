@@ -27,7 +27,7 @@ def _build(w: torch.Tensor, step: int) -> Any:
     def build(stage: Stager | None) -> ck.Snapshot:
         return ck.Snapshot(
             step=step,
-            torch_files={"model.pt": to_host({"w": w}, stage, "model")},
+            torch_files={"model.pt": to_host({"w": w}, stage)},
             json_files={"trainer.json": {"step": step}},  # the decided keys left out
             meta={"loss": None},
         )

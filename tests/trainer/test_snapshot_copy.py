@@ -208,8 +208,8 @@ def test_a_disk_checkpoint_stages_each_file_into_its_own_block(monkeypatch, tmp_
     def build(stage):  # noqa: ANN001, ANN202
         return ck.Snapshot(
             step=10,
-            torch_files={"model.pt": to_host(model.state_dict(), stage, "model"),
-                         "optimizer.pt": to_host(opt.state_dict(), stage, "optimizer")},
+            torch_files={"model.pt": to_host(model.state_dict(), stage),
+                         "optimizer.pt": to_host(opt.state_dict(), stage)},
             json_files={"trainer.json": {"step": 10}}, meta={},
         )  # fmt: skip
 

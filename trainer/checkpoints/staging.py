@@ -40,7 +40,7 @@ class Stager:
         self.blocks: dict[str, HostBlock] = {}  # `stage`'s, a file's each
         self._ahead: dict[str, Future[HostBlock]] = {}
 
-    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """A snapshot being built (`to_host`) holds the live tensors: `stage` copies them
         together afterwards."""
         return t.detach() if t.requires_grad else t
@@ -129,16 +129,16 @@ class NoTensors(Live):
     walk of every module and state tensor on the loop thread)."""
 
 
-def to_host(obj: Any, stage: Stager | None, key: str = "") -> Any:
+def to_host(obj: Any, stage: Stager | None) -> Any:
     """With a `stage`: the tensors as the stager hands them over (the live ones, copied
-    together by `stage_tensors` later), keyed by their path; without: copies on the CPU (a
+    together by `stage_tensors` later, by their paths); without: copies on the CPU (a
     synchronous save writes before training goes on)."""
     if torch.is_tensor(obj):
-        return stage(key, obj) if stage is not None else obj.detach().cpu()
+        return stage(obj) if stage is not None else obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: to_host(v, stage, f"{key}/{k}") for k, v in obj.items()}
+        return {k: to_host(v, stage) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(to_host(v, stage, f"{key}/{i}") for i, v in enumerate(obj))
+        return type(obj)(to_host(v, stage) for v in obj)
     return obj
 
 

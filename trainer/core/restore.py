@@ -459,8 +459,8 @@ class Restorer:
         else:
             torch_files = {"rng.pt": rng_tensors}
             if not isinstance(stage, NoTensors):  # host memory copies the live tensors itself
-                torch_files["model.pt"] = to_host(core.model.state_dict(), stage, "model")
-                opt = to_host(core.optimizer.state_dict(), stage, "optimizer")
+                torch_files["model.pt"] = to_host(core.model.state_dict(), stage)
+                opt = to_host(core.optimizer.state_dict(), stage)
                 torch_files.update(split_optimizer(opt))
             if sched is not None:
                 torch_files["scheduler.pt"] = sched
