@@ -42,6 +42,7 @@ Its cost:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -51,7 +52,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -314,17 +315,21 @@ def mfu_check(smoke: bool) -> dict:
 OUT_DIR: Path | None = None  # where the profiles go (main sets it)
 
 
-def _per_event(runs: dict, one: Callable[[dict], None], steps: int) -> dict:
-    """Each step of the bare run and of the watched one (every default on) timed alone: its
-    device time between CUDA events at the step's boundaries and its host time on the loop
-    thread. The watched steps are sorted by what happened in them (a state step, a host-memory
-    snapshot, a disk checkpoint, nothing), and each kind is given over the bare step's: the
-    cost of each event where it happens, not cumulative variants over blocks that the 10- and
-    25-step cadences do not line up with. Beside each, benchmarks/host_cost.py's prediction
-    when OUT_DIR holds its JSON line (host_cost.json)."""
+def _mark() -> Any:
+    """A CUDA event recorded on the current stream now (None on a CPU)."""
+    if not CUDA:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+@contextlib.contextmanager
+def _tiers_saved() -> Iterator[list[str]]:
+    """The tiers each `Tiers.save` saved to, gathered in the list it gives (cleared by the
+    caller a step)."""
     from spikewatch.trainer.checkpoints.tiers import Tiers
 
-    core = runs["watched"]["watch"].core
     saved: list[str] = []
     tiers_save = Tiers.save
 
@@ -333,32 +338,40 @@ def _per_event(runs: dict, one: Callable[[dict], None], steps: int) -> dict:
         saved.extend(out)
         return out
 
-    def mark() -> Any:
-        if not CUDA:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    rows: dict[str, list[tuple[Any, Any, float, str]]] = {"none": [], "watched": []}
     Tiers.save = save  # type: ignore[method-assign]
     try:
+        yield saved
+    finally:
+        Tiers.save = tiers_save  # type: ignore[method-assign]
+
+
+def _kind(saved: list[str], state: bool) -> str:
+    """What happened in a step: a disk checkpoint, a snapshot, a state step, or nothing."""
+    return "disk" if "disk" in saved else "memory" if saved else "state" if state else "plain"
+
+
+def _per_event(runs: dict, one: Callable[[dict], None], steps: int) -> dict:
+    """Each step of the bare run and of the watched one (every default on) timed alone: its
+    device time between CUDA events at the step's boundaries and its host time on the loop
+    thread. The watched steps are sorted by what happened in them (a state step, a host-memory
+    snapshot, a disk checkpoint, nothing), and each kind is given over the bare step's: the
+    cost of each event where it happens, not cumulative variants over blocks that the 10- and
+    25-step cadences do not line up with. Beside each, benchmarks/host_cost.py's prediction
+    when OUT_DIR holds its JSON line (host_cost.json)."""
+    core = runs["watched"]["watch"].core
+    rows: dict[str, list[tuple[Any, Any, float, str]]] = {"none": [], "watched": []}
+    with _tiers_saved() as saved:
         for name in ("none", "watched"):
             run = runs[name]
             _sync()
             for _ in range(steps):
                 state = name == "watched" and core.probes.state_active(core.step_count + 1)
                 saved.clear()
-                start, t0 = mark(), time.perf_counter()
+                start, t0 = _mark(), time.perf_counter()
                 one(run)
                 host = time.perf_counter() - t0
-                kind = (
-                    "disk" if "disk" in saved else "memory" if saved else "state" if state else ""
-                )
-                rows[name].append((start, mark(), host, kind or "plain"))
+                rows[name].append((start, _mark(), host, _kind(saved, state)))
             _sync()
-    finally:
-        Tiers.save = tiers_save  # type: ignore[method-assign]
 
     def ms(start: Any, end: Any, host: float) -> tuple[float, float]:
         return (start.elapsed_time(end) if CUDA else 1e3 * host), 1e3 * host
@@ -414,55 +427,36 @@ def _per_part(run: dict, one: Callable[[dict], None], steps: int) -> dict:
     `_per_event`'s, so that the events recorded here add nothing to those figures."""
     import importlib
 
-    from spikewatch.trainer.checkpoints.tiers import Tiers
-
     core = run["watch"].core
     found: list[tuple[str, Any, Any, float]] = []  # this step's (part, start, end, host s)
-    saved: list[str] = []
     undo: list[Callable[[], None]] = []
-
-    def mark() -> Any:
-        if not CUDA:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def timed(part: str, owner: Any, name: str) -> None:
         fn = getattr(owner, name)
 
         def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            start, t0 = mark(), time.perf_counter()
+            start, t0 = _mark(), time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                found.append((part, start, mark(), time.perf_counter() - t0))
+                found.append((part, start, _mark(), time.perf_counter() - t0))
 
         setattr(owner, name, wrapper)
         undo.append(lambda: setattr(owner, name, fn))
 
     for part, (module, cls, name) in PARTS.items():
         timed(part, getattr(importlib.import_module(module), cls), name)
-    tiers_save = Tiers.save
-
-    def save(tiers, step, build, which=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        out = tiers_save(tiers, step, build, which, **kw)
-        saved.extend(out)
-        return out
-
-    Tiers.save = save  # type: ignore[method-assign]
-    undo.append(lambda: setattr(Tiers, "save", tiers_save))
     rows: list[tuple[str, list[tuple[str, Any, Any, float]]]] = []
     try:
-        _sync()
-        for _ in range(steps):
-            state = core.probes.state_active(core.step_count + 1)
-            found.clear()
-            saved.clear()
-            one(run)
-            kind = "disk" if "disk" in saved else "memory" if saved else "state" if state else ""
-            rows.append((kind or "plain", list(found)))
-        _sync()
+        with _tiers_saved() as saved:
+            _sync()
+            for _ in range(steps):
+                state = core.probes.state_active(core.step_count + 1)
+                found.clear()
+                saved.clear()
+                one(run)
+                rows.append((_kind(saved, state), list(found)))
+            _sync()
     finally:
         for u in undo:
             u()
