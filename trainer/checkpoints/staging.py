@@ -52,15 +52,14 @@ class Stager:
         a new one (made here)."""
         out: dict[str, torch.Tensor] = {}
         for name, part in _by_file(leaves).items():
-            block = self.blocks.get(name)
-            if block is None or not _fits(block, part):
+            if self._stale(name, part):
                 ahead = self._ahead.pop(name, None)
                 block = ahead.result() if ahead is not None else None
                 if block is None or not _fits(block, part):
                     pin = any(map(streams.is_cuda, part.values()))
                     block = HostBlock(part, pin, separate=True)
                 self.blocks[name] = block
-            out.update(block.tensors)
+            out.update(self.blocks[name].tensors)
         return out
 
     def prepare(
@@ -71,10 +70,14 @@ class Stager:
         """Make the blocks for `leaves`' layout ahead with `submit` (a thread's), where the
         ones held do not fit."""
         for name, part in _by_file(leaves).items():
-            block = self.blocks.get(name)
-            if block is None or not _fits(block, part):
+            if self._stale(name, part):
                 pin = any(map(streams.is_cuda, part.values()))
                 self._ahead[name] = submit(HostBlock.with_views, BlockLayout(part), pin, True)
+
+    def _stale(self, name: str, part: dict[str, torch.Tensor]) -> bool:
+        """No block is held for file `name`, or the one held is not laid out for `part`."""
+        block = self.blocks.get(name)
+        return block is None or not _fits(block, part)
 
     def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
