@@ -392,18 +392,23 @@ class Count(TorchDispatchMode):
 
 # -- timing spikewatch on the loop thread -------------------------------------------------------
 class Clock:
-    """Exclusive time by part: spikewatch's methods, wrapped; nested parts charge their own."""
+    """Exclusive time by part: spikewatch's methods, wrapped; nested parts charge their own.
+    Calls on the thread that made the clock (the loop's) only: a checkpoint's writer thread
+    runs some of the same methods (the disk tier's staging) on its own time."""
 
     def __init__(self) -> None:
         self.spent: Counter[str] = Counter()
         self._stack: list[list[Any]] = []
         self.calls: Counter[str] = Counter()
+        self.thread = threading.get_ident()
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
         fn = getattr(owner, name)
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != clock.thread:
+                return fn(*args, **kwargs)
             now = time.perf_counter()
             if clock._stack:
                 top = clock._stack[-1]
@@ -630,6 +635,20 @@ class Harness:
                 (StepCore, "_emit_update_metrics", "base:emit_update"),
             ):
                 clock.wrap(owner, name, part)
+            # a checkpoint's step split too: its state built, each tier's own part, the copies
+            from spikewatch.trainer.checkpoints.disk import Checkpointer
+            from spikewatch.trainer.checkpoints.pinned import SideCopies
+            from spikewatch.trainer.checkpoints.staging import Stager
+            from spikewatch.trainer.core.restore import Restorer
+
+            for owner, name, part in (
+                (Restorer, "snapshot", "checkpoint:build"),
+                (MemoryTier, "save", "checkpoint:memory"),
+                (Checkpointer, "save", "checkpoint:disk"),
+                (Stager, "stage", "checkpoint:stage"),
+                (SideCopies, "start", "checkpoint:copies"),
+            ):
+                clock.wrap(owner, name, part)
         import spikewatch.trainer.watch as watch_mod
 
         clock.wrap(watch_mod, "clip_by_global_norm", "clip")  # the user's clip: not spikewatch's
@@ -768,6 +787,7 @@ def summarise(rows: list[StepRow], skip: int = 2) -> dict[str, Any]:
                 "waits": statistics.mean(r.waits for r in with_ev),
             }
     snap = [r for r in rows if "memory" in r.events and "disk" not in r.events]
+    disk = [r for r in rows if "disk" in r.events and "decision" not in r.events]
     waits_plain = [r.waits for r in rows if not r.events or r.events == {"state"}]
     parts: dict[str, float] = defaultdict(float)
     rows = [r for r in rows if "decision" not in r.events]
@@ -799,6 +819,11 @@ def summarise(rows: list[StepRow], skip: int = 2) -> dict[str, Any]:
             (r.host_ms for r in rows if "disk" in r.events and "decision" not in r.events),
             default=0.0,
         ),
+        # the disk checkpoint's steps, part by part (with --detail: its build, each tier's own)
+        "disk_step_parts_ms": {
+            k: round(statistics.mean(r.parts.get(k, 0.0) for r in disk), 3)
+            for k in sorted({k for r in disk for k in r.parts})
+        },
         "waits_per_step": statistics.mean(waits_plain) if waits_plain else 0.0,
         "waits_per_snapshot": statistics.mean(r.waits for r in snap) if snap else 0.0,
         "events": per_event,
@@ -1006,6 +1031,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             s["max_event_ms_compiled"] if by_table else s["max_event_ms"], 3
         ),
         "max_disk_event_ms": round(s["max_disk_event_ms"], 3),
+        "disk_step_parts_ms": s["disk_step_parts_ms"],
         "pinned": args.pin,
         "waits_per_step": round(s["waits_per_step"], 3),
         "waits_per_snapshot": round(s["waits_per_snapshot"], 3),

@@ -203,10 +203,18 @@ class TitanDisk:
     def prepare(self, build: Callable[[Any], Any]) -> None:
         """Nothing to make ahead: torchtitan's checkpointer stages its own saves."""
 
-    def save(self, step: int, build: Callable[[Any], Any], awaiting: bool = False) -> float | None:
+    @property
+    def takes_lent(self) -> bool:
+        return False  # torchtitan's checkpointer writes the live state its own way
+
+    def save(
+        self, step: int, build: Callable[[Any], Any], awaiting: bool = False, lent: Any = None
+    ) -> float | None:
         """Write `step` again (after a rollback restored it): into a temporary folder, then in
         place of the old one. Step 0 is not written (torchtitan loads a step-0 checkpoint as
         the model alone; host memory holds the step-0 anchor). Returns the stall, or None."""
+        if lent is not None:
+            raise ValueError("torchtitan's checkpoints write the live state: nothing is lent")
         if awaiting:
             raise ValueError("torchtitan's checkpoints cannot take a step still in flight")
         if step == 0:

@@ -531,3 +531,107 @@ def test_auto_snapshots_as_often_as_their_measured_cost_allows(
     assert [m for m in said if "host-memory snapshots every" in m] == [
         m for m in said if f"every {every} steps" in m
     ] and len([m for m in said if "host-memory snapshots every" in m]) == 1
+
+
+def test_a_disk_checkpoint_on_a_snapshot_step_writes_host_memorys_copy(
+    tmp_path, monkeypatch
+) -> None:
+    """A background disk checkpoint due on a step host memory snapshots takes the weights and
+    the optimizer state from that snapshot (`MemoryTier.lend`): the loop thread builds no
+    state dict for it and copies nothing twice, and the files hold the step's state as torch's
+    own state dicts give it (taken here, at the step), its learning rate included."""
+    import threading
+
+    from spikewatch.trainer.checkpoints import format as ck
+    from spikewatch.trainer.core.state import join_optimizer
+    from spikewatch.trainer.watch import Watch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 1))  # fmt: skip
+    model.register_buffer("seen", torch.zeros(2, dtype=torch.int64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ckpt = {"interval": 10, "memory_interval": 5, "async_save": True, "fsync": False}
+    watch = Watch(model, opt, scheduler=sched, max_steps=20, run_dir=tmp_path, db="none",
+                  settings={"checkpoint": ckpt})  # fmt: skip
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    built: list[str] = []  # the state dicts built, by thread
+
+    def step() -> None:
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        watch.step(loss)
+
+    for _ in range(9):
+        step()
+    for owner in (torch.nn.Module, torch.optim.Optimizer):
+        real = owner.state_dict
+
+        def traced(self, *a, _real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            built.append(threading.current_thread().name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(owner, "state_dict", traced)
+    step()  # step 10: a snapshot and a file
+    core = watch.core
+    assert core is not None and core.step_count == 10
+    assert 10 in core.checkpointer.memory.slots
+    assert built == []  # neither on the loop thread nor in the writer's
+    monkeypatch.undo()
+    want_model = copy.deepcopy(model.state_dict())
+    want_opt = copy.deepcopy(opt.state_dict())
+    for _ in range(3):
+        step()  # the weights move on while the file is written
+    core.checkpointer.disk.wait()
+    got = ck.read_checkpoint(ck.step_dir(core.checkpointer.root, 10))
+    assert list(got["model.pt"]) == list(want_model)
+    for k, v in want_model.items():
+        assert torch.equal(got["model.pt"][k], v) and got["model.pt"][k].dtype == v.dtype, k
+    opt_file = join_optimizer(got)
+    assert opt_file["param_groups"] == want_opt["param_groups"]  # the step's lr, every setting
+    assert sorted(opt_file["state"]) == sorted(want_opt["state"])
+    for i, st in want_opt["state"].items():
+        assert sorted(opt_file["state"][i]) == sorted(st), i
+        for k, v in st.items():
+            assert torch.equal(opt_file["state"][i][k], v), (i, k)
+    assert core.checkpointer.memory.slots[10].unheld.is_set()  # the loan was given back
+    watch.close()
+
+
+def test_a_lent_snapshot_is_not_reused_until_the_file_has_copied_it(tmp_path) -> None:
+    """Host memory does not hand a lent snapshot's buffers to the next snapshot (a rollback's
+    drop, retention's eviction) until the disk tier has copied them, and a save that fails
+    before its writer runs gives the loan back."""
+    import threading
+
+    from spikewatch.trainer.checkpoints.disk import Checkpointer
+    from spikewatch.trainer.config import CheckpointConfig
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 20)
+    snap = Snapshot(step=0, torch_files={}, json_files={"trainer.json": {}}, meta={})
+    tier.save(1, snap, set())
+    lent = tier.lend(1)
+    assert lent is not None
+    files = lent.files()
+    assert torch.equal(files["model.pt"]["weight"], model.weight.detach())
+    dropped = threading.Thread(target=tier.drop, args=(1,))
+    dropped.start()
+    dropped.join(0.3)
+    assert dropped.is_alive() and not tier.free  # held: not reused
+    lent.release()
+    dropped.join(5)
+    assert not dropped.is_alive() and len(tier.free) == 1
+
+    tier.save(2, snap, set())
+    lent = tier.lend(2)
+    assert lent is not None
+    disk = Checkpointer(tmp_path, CheckpointConfig(interval=1, async_save=True))
+    disk._error = OSError("disk full")  # its last write failed: this save raises at once
+    with pytest.raises(RuntimeError, match="disk full"):
+        disk.save(2, lambda stage: snap, lent=lent)
+    assert tier.slots[2].unheld.is_set()

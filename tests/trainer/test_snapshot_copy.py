@@ -249,3 +249,25 @@ def test_a_disk_checkpoint_stages_each_file_into_its_own_block(monkeypatch, tmp_
     # the model's file: its own bytes (and 512-byte alignment, and pickled metadata), not
     # the optimizer's moments too
     assert sizes["model.pt"] < model_bytes + 512 * len(want["model.pt"]) + 4096
+
+
+def test_the_writer_thread_never_waits_for_a_block_queued_behind_it() -> None:
+    """The writer thread makes a disk checkpoint's blocks ahead (`prepare`) and stages host
+    tensors itself (host memory's lent snapshot): a block asked for ahead after the staging job
+    was queued is still behind it, so the writer makes its own rather than wait for ever (a
+    host_cost run hung there once the disk took host memory's snapshot)."""
+    import threading
+    from concurrent.futures import Future
+
+    from spikewatch.trainer.checkpoints.staging import Stager, stage_tensors
+
+    stager = Stager()
+    stager._ahead["model.pt"] = Future()  # queued behind the caller: never done while it waits
+    files = {"model.pt": {"w": torch.arange(6.0).reshape(2, 3)}}
+    out: list[dict] = []
+    writer = threading.Thread(target=lambda: out.append(stage_tensors(files, stager, wait=False)))
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive()
+    assert torch.equal(out[0]["model.pt"]["w"], files["model.pt"]["w"])
+    assert "model.pt" not in stager._ahead  # the late block is not waited for later either

@@ -20,6 +20,7 @@ from typing import Any
 from spikewatch.observatory.goodput.young_daly import daly
 from spikewatch.observatory.retention import keep
 from spikewatch.trainer.checkpoints import format as ck
+from spikewatch.trainer.checkpoints.memory import Lent
 from spikewatch.trainer.checkpoints.pinned import Events, SideCopies, device_wait, host_wait
 from spikewatch.trainer.checkpoints.staging import (
     Live,
@@ -84,6 +85,12 @@ class Checkpointer:
         return self.cfg.async_save
 
     @property
+    def takes_lent(self) -> bool:
+        """Writes a host-memory snapshot's weights and optimizer state (`save(lent=)`): a
+        background save, whose writer thread copies them."""
+        return self.cfg.async_save
+
+    @property
     def enabled(self) -> bool:
         return self.cfg.interval is not None
 
@@ -137,7 +144,11 @@ class Checkpointer:
             self._stager.prepare(leaves_of(snap.torch_files), self._writer().submit)
 
     def save(
-        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+        self,
+        step: int,
+        build: Callable[[Stager | None], ck.Snapshot],
+        awaiting: bool = False,
+        lent: Lent | None = None,
     ) -> float:
         """Save the state of `step`; returns how long this call blocked the loop (seconds).
 
@@ -152,9 +163,20 @@ class Checkpointer:
         written once the step is decided and applied (`complete` fills in the rest), or not at
         all (`drop`: the step was refused, or a rollback abandoned it). The loop waits for
         nothing: the step in flight is not drained.
+
+        `lent` (asynchronous only): the weights and optimizer state are those of the host-memory
+        snapshot of the same step (`build` left them out): the writer thread takes them from
+        it, so the loop neither builds their state dicts nor copies them from the device.
         """
         t0 = time.perf_counter()
-        self.wait()
+        try:
+            if lent is not None and not self.cfg.async_save:
+                raise ValueError("a synchronous save builds its own snapshot: nothing is lent")
+            self.wait()
+        except BaseException:
+            if lent is not None:
+                lent.release()  # host memory may reuse its buffers: no file will read them
+            raise
         if awaiting and not self.awaits:
             raise ValueError("a synchronous save cannot take a step still in flight")
         self._undecided = None
@@ -166,7 +188,9 @@ class Checkpointer:
             snap.meta = ck.copied(snap.meta)
             self._copied = threading.Event()
             events: Events = []
-            if has_cuda(snap.torch_files):  # queued here on side streams, into pinned memory
+            if lent is not None:  # the writer copies host memory's buffers: no live tensor
+                self._copied.set()
+            elif has_cuda(snap.torch_files):  # queued here on side streams, into pinned memory
                 queued = Queued(self._stager)
                 snap.torch_files = stage_tensors(snap.torch_files, queued)
                 events = self._events = queued.start(self._copies)
@@ -174,9 +198,11 @@ class Checkpointer:
             if awaiting:
                 self._undecided = _Undecided(snap, events, self.last_saved)
                 if not events:  # host tensors: the writer copies them, the write waits
-                    self._thread = self._writer().submit(self._stage, snap)
+                    self._thread = self._writer().submit(self._stage, snap, lent)
             else:
-                self._thread = self._writer().submit(self._stage_and_write, snap, pins, events)
+                self._thread = self._writer().submit(
+                    self._stage_and_write, snap, pins, events, lent
+                )
         else:
             self._write(build(None), pins)
         stall = time.perf_counter() - t0
@@ -218,10 +244,10 @@ class Checkpointer:
             for reason in sorted(moved):
                 self.pin(undecided.before, reason)
 
-    def _stage(self, snap: ck.Snapshot) -> None:
+    def _stage(self, snap: ck.Snapshot, lent: Lent | None = None) -> None:
         """An awaiting save's copy of host tensors (its write waits for the decision)."""
         try:
-            snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+            snap.torch_files = _staged(snap, self._stager, lent)
         except BaseException as e:
             self._error = e
         finally:
@@ -269,13 +295,17 @@ class Checkpointer:
         return waited
 
     def _stage_and_write(
-        self, snap: ck.Snapshot, pins: dict[int, set[str]], events: Events
+        self,
+        snap: ck.Snapshot,
+        pins: dict[int, set[str]],
+        events: Events,
+        lent: Lent | None = None,
     ) -> None:
         try:
             if events:
                 host_wait(events)  # this thread waits for the side-stream copies, not the loop
             else:
-                snap.torch_files = stage_tensors(snap.torch_files, self._stager)
+                snap.torch_files = _staged(snap, self._stager, lent)
         except BaseException as e:
             self._error = e
             return
@@ -431,3 +461,15 @@ class Checkpointer:
     def read(self, path: Path) -> dict[str, Any]:
         """What `snapshot.restore` needs from the checkpoint at `path` (verified first)."""
         return ck.read_checkpoint(path)
+
+
+def _staged(snap: ck.Snapshot, stager: Stager, lent: Lent | None) -> dict[str, Any]:
+    """The snapshot's torch files with every tensor copied into the stager's host blocks,
+    host memory's lent weights and optimizer state among them; the loan is given back once
+    copied, or if the copy fails."""
+    try:
+        files = snap.torch_files if lent is None else {**snap.torch_files, **lent.files()}
+        return stage_tensors(files, stager, wait=False)  # (on the writer thread)
+    finally:
+        if lent is not None:
+            lent.release()

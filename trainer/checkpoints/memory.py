@@ -48,9 +48,10 @@ from spikewatch.trainer.checkpoints.pinned import (
 )
 from spikewatch.trainer.checkpoints.worker import worker
 from spikewatch.trainer.core import streams
+from spikewatch.trainer.core.state import split_optimizer
 from spikewatch.trainer.core.world import local
 
-__all__ = ["MemoryTier", "default_budget_bytes", "snapshot_bytes"]
+__all__ = ["Lent", "MemoryTier", "default_budget_bytes", "snapshot_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class _Plan:
         self.signature = tuple((t.shape, t.dtype) for t in live.values())
         self.layout = BlockLayout(live)  # a snapshot's host block, laid out once
         self.need = sum(self.layout.sizes)
+        self.files = None if self.sharded else _FileShape.of(model, optimizer, refs)
 
     def live(self) -> dict[str, torch.Tensor]:
         """The tensors as they are (parameters not detached: the copies run without grad),
@@ -131,10 +133,87 @@ class _Plan:
         return optimizer.state is self.state_of and len(optimizer.state) == self.n_state
 
 
+class _FileShape:
+    """How a snapshot's buffers make the model's and the optimizer's state dicts as a disk
+    checkpoint holds them (`Lent`): each state-dict key's buffer key, the optimizer's groups'
+    sizes and its state's order and keys, found once per plan. None (`of`) where a state dict
+    holds what the plan does not copy (a module's extra state, a hook's tensor) or is made
+    another way (an optimizer's or a module's own `state_dict`, state-dict hooks; the built-in
+    trainer's AdamW keeps its step counts as numbers and saves them as tensors): the disk tier
+    builds its own then."""
+
+    def __init__(
+        self,
+        model_keys: list[tuple[str, str]],
+        group_sizes: list[int],
+        state: list[tuple[int, list[str]]],
+    ) -> None:
+        self.model_keys = model_keys
+        self.group_sizes = group_sizes
+        self.state = state  # (parameter index, its tensor keys), in the optimizer's order
+
+    @classmethod
+    def of(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        refs: list[tuple[str, dict[str, Any], str]],
+    ) -> _FileShape | None:
+        if (
+            type(optimizer).state_dict is not torch.optim.Optimizer.state_dict  # its own format
+            or optimizer._optimizer_state_dict_pre_hooks
+            or optimizer._optimizer_state_dict_post_hooks
+            or any(type(m).state_dict is not torch.nn.Module.state_dict for m in model.modules())
+        ):
+            return None
+        by_id = {id(holder[name]): key for key, holder, name in refs if key[0] in "pb"}
+        model_keys = []
+        for k, v in model.state_dict(keep_vars=True).items():
+            if not torch.is_tensor(v) or id(v) not in by_id:
+                return None
+            model_keys.append((k, by_id[id(v)]))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        if len(index) != len(params):  # a parameter in two groups: torch's own packing differs
+            return None
+        state = []
+        for p, st in optimizer.state.items():
+            if not torch.is_tensor(p) or id(p) not in index:
+                return None
+            state.append((index[id(p)], [k for k, v in st.items() if torch.is_tensor(v)]))
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        return cls(model_keys, sizes, state)
+
+    def state_dicts(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        other: dict[int, dict[str, Any]],
+        groups: list[dict[str, Any]],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(the model's state dict, the optimizer's) over `buffers`, as `state_dict()` gives
+        them: the optimizer's parameters by index, its groups' hyperparameters as saved."""
+        model = {k: buffers[key] for k, key in self.model_keys}
+        state = {
+            i: {**{k: buffers[f"o/{i}/{k}"] for k in keys}, **other.get(i, {})}
+            for i, keys in self.state
+        }
+        packed, start = [], 0
+        for g, n in zip(groups, self.group_sizes, strict=True):
+            packed.append({**g, "params": list(range(start, start + n))})
+            start += n
+        return model, {"state": state, "param_groups": packed}
+
+
 def snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes one snapshot of this rank's tensors takes (with the optimizer state as it is now;
     Adam's moments exist after its first step)."""
     return sum(t.numel() * t.element_size() for _, t in _live_tensors(model, optimizer))
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
 
 
 @dataclass
@@ -157,6 +236,9 @@ class _Slot:
     # when they are taken (None: they could not be)
     checksum: torch.Tensor | None = None
     sealed: threading.Event = field(default_factory=threading.Event)
+    # cleared while the disk tier copies the snapshot for a file (`Lent`): its buffers are
+    # not reused until then
+    unheld: threading.Event = field(default_factory=_set_event)
 
 
 # interval "auto" (CheckFreq, Mohan et al., FAST '21): a snapshot every k steps, k the fewest
@@ -374,7 +456,19 @@ class MemoryTier:
     def _evict(self, step: int) -> None:
         slot = self.slots.pop(step)
         _landed(slot)
+        slot.unheld.wait()  # a file's copy of it, in the disk's writer thread (`Lent`)
         self.free.append(slot.buffers)
+
+    def lend(self, step: int) -> Lent | None:
+        """The snapshot of `step` (just saved) for a disk checkpoint of the same step, which
+        then neither builds the state dicts nor copies the device's tensors a second time on
+        the loop thread (Tiers.save). None when it is not held or its plan cannot make the
+        files (`_FileShape`)."""
+        slot, plan = self.slots.get(step), self._plan
+        if slot is None or plan is None or plan.files is None:
+            return None
+        slot.unheld.clear()
+        return Lent(slot, plan.files)
 
     def _buffers(self, live: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Host buffers shaped like `live`: reused from an evicted snapshot when they match."""
@@ -542,6 +636,26 @@ class MemoryTier:
         for s in dropped:
             self._evict(s)
         return dropped
+
+
+class Lent:
+    """A host-memory snapshot lent to the disk tier (`MemoryTier.lend`): `files` (in the disk's
+    writer thread) waits for its copy to land and gives the model's and the optimizer's files
+    over its buffers, which the disk tier copies into its own before `release` lets the
+    memory tier reuse them. Always released, even when the save fails."""
+
+    def __init__(self, slot: _Slot, shape: _FileShape) -> None:
+        self.slot, self.shape = slot, shape
+
+    def files(self) -> dict[str, Any]:
+        slot = self.slot
+        _landed(slot)
+        _, other, groups = _unpack(slot.packed)
+        model, optimizer = self.shape.state_dicts(slot.buffers, other, groups)
+        return {"model.pt": model, **split_optimizer(optimizer)}
+
+    def release(self) -> None:
+        self.slot.unheld.set()
 
 
 _COPIERS = max(1, min(4, os.cpu_count() or 1))

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.disk import Checkpointer
+from spikewatch.trainer.checkpoints.memory import Lent
 from spikewatch.trainer.checkpoints.staging import Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World
@@ -149,9 +150,19 @@ class ShardedCheckpointer(Checkpointer):
     def prepare(self, build: Callable[[Stager | None], ck.Snapshot]) -> None:
         """Nothing to make ahead: each rank writes its shards synchronously."""
 
+    @property
+    def takes_lent(self) -> bool:
+        return False  # every rank writes its own shards through torch.distributed.checkpoint
+
     def save(
-        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+        self,
+        step: int,
+        build: Callable[[Stager | None], ck.Snapshot],
+        awaiting: bool = False,
+        lent: Lent | None = None,
     ) -> float:
+        if lent is not None:
+            raise ValueError("a sharded save writes the live tensors: nothing is lent")
         if awaiting:
             raise ValueError("a sharded save cannot take a step still in flight")
         t0 = time.perf_counter()

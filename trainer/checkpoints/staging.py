@@ -16,6 +16,7 @@ from spikewatch.trainer.checkpoints.pinned import BlockLayout, Events, HostBlock
 from spikewatch.trainer.core import streams
 
 __all__ = [
+    "FromMemory",
     "Live",
     "NoTensors",
     "Queued",
@@ -45,16 +46,21 @@ class Stager:
         together afterwards."""
         return t.detach() if t.requires_grad else t
 
-    def block_for(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def block_for(
+        self, leaves: dict[str, torch.Tensor], wait: bool = True
+    ) -> dict[str, torch.Tensor]:
         """Host tensors for `leaves` ({key: tensor}, keys under their file's name): one block
         per file (torch.save writes the whole storage of any view it holds, so files must not
         share one), the last one if its layout fits, else the one made ahead if it fits, else
-        a new one (made here)."""
+        a new one (made here). `wait` False (the writer thread, which makes the blocks ahead
+        itself: one still queued behind it would never come): a block made ahead is taken
+        only if it is made."""
         out: dict[str, torch.Tensor] = {}
         for name, part in _by_file(leaves).items():
             if self._stale(name, part):
                 ahead = self._ahead.pop(name, None)
-                block = ahead.result() if ahead is not None else None
+                ready = ahead is not None and (wait or ahead.done())
+                block = ahead.result() if ready and ahead is not None else None
                 if block is None or not _fits(block, part):
                     pin = any(map(streams.is_cuda, part.values()))
                     block = HostBlock(part, pin, separate=True)
@@ -79,9 +85,10 @@ class Stager:
         block = self.blocks.get(name)
         return block is None or not _fits(block, part)
 
-    def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns."""
-        views = self.block_for(leaves)
+    def stage(self, leaves: dict[str, torch.Tensor], wait: bool = True) -> dict[str, torch.Tensor]:
+        """`leaves` copied into the blocks' tensors (one multi-tensor copy), which it returns
+        (`wait`: as `block_for`'s)."""
+        views = self.block_for(leaves, wait)
         with torch.no_grad():  # (the live tensors: parameters need no detach)
             torch._foreach_copy_([views[k] for k in leaves], list(leaves.values()))
         return views
@@ -111,8 +118,8 @@ class Queued(Stager):
         self.stager = stager
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def stage(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        views = self.stager.block_for(leaves)
+    def stage(self, leaves: dict[str, torch.Tensor], wait: bool = True) -> dict[str, torch.Tensor]:
+        views = self.stager.block_for(leaves, wait)
         self.pairs = [(views[k], t) for k, t in leaves.items()]
         return views
 
@@ -131,6 +138,17 @@ class NoTensors(Live):
     the live tensors itself (memory.py), so the snapshot skips building their state dicts (a
     walk of every module and state tensor on the loop thread)."""
 
+    wants_stream = False  # the loader's position: a resume's, which host memory never serves
+
+
+class FromMemory(NoTensors):
+    """A disk checkpoint taken with the host-memory snapshot of the same step: its weights and
+    optimizer state are that snapshot's (memory.py `Lent`, written by the disk's writer
+    thread), so they are neither walked nor copied here; the rest, the loader's position
+    included, is built as for any file."""
+
+    wants_stream = True
+
 
 def to_host(obj: Any, stage: Stager | None) -> Any:
     """With a `stage`: the tensors as the stager hands them over (the live ones, copied
@@ -145,11 +163,12 @@ def to_host(obj: Any, stage: Stager | None) -> Any:
     return obj
 
 
-def stage_tensors(files: dict[str, Any], stage: Stager) -> dict[str, Any]:
+def stage_tensors(files: dict[str, Any], stage: Stager, wait: bool = True) -> dict[str, Any]:
     """Every tensor of a snapshot's torch files copied into the stager's host block (one walk
-    to find them, one copy, one walk to put the block's tensors in their places)."""
+    to find them, one copy, one walk to put the block's tensors in their places). `wait`
+    False: on the thread that makes the blocks ahead (`Stager.block_for`)."""
     leaves = leaves_of(files)
-    host = stage.stage(leaves) if leaves else {}
+    host = stage.stage(leaves, wait) if leaves else {}
     return {name: _put(obj, host, name) for name, obj in files.items()}
 
 

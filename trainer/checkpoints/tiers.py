@@ -26,11 +26,12 @@ from spikewatch.trainer.checkpoints import format as ck
 from spikewatch.trainer.checkpoints.memory import (
     AUTO_BUDGET,
     AUTO_STEPS,
+    Lent,
     MemoryTier,
     default_budget_bytes,
     snapshot_bytes,
 )
-from spikewatch.trainer.checkpoints.staging import Live, NoTensors, Stager
+from spikewatch.trainer.checkpoints.staging import FromMemory, Live, NoTensors, Stager
 from spikewatch.trainer.config import CheckpointConfig
 from spikewatch.trainer.core.world import World, local
 
@@ -72,10 +73,16 @@ class DiskTier(Protocol):
     def in_background(self) -> bool: ...
     @property
     def awaits(self) -> bool: ...  # takes a step still in flight: `save(awaiting=True)`
+    @property
+    def takes_lent(self) -> bool: ...  # writes a host-memory snapshot's tensors: `save(lent=)`
     def open(self) -> None: ...
     def due(self, step: int, seconds_per_step: float) -> bool: ...
     def save(
-        self, step: int, build: Callable[[Stager | None], ck.Snapshot], awaiting: bool = False
+        self,
+        step: int,
+        build: Callable[[Stager | None], ck.Snapshot],
+        awaiting: bool = False,
+        lent: Lent | None = None,
     ) -> float | None: ...
     def prepare(self, build: Callable[[Stager | None], ck.Snapshot]) -> None: ...  # ahead
     def complete(self, step: int, trainer: dict[str, Any], meta: dict[str, Any]) -> None: ...
@@ -156,23 +163,31 @@ class Tiers:
         stalls: dict[str, float] = {}
         memory = self.memory is not None and (tiers is None or MEMORY in tiers)
         disk = self.disk.enabled and (tiers is None or DISK in tiers)
-        live = None
-        if memory and disk and self.disk.in_background:  # one build for both: the disk's
-            t0 = time.perf_counter()  # (host memory takes what it needs of it)
-            live = build(Live())
+        live, lent = None, None
+        if memory and disk and self.disk.in_background:  # one build for both
+            t0 = time.perf_counter()
+            # the disk writes host memory's copy of the weights and optimizer state (`lend`):
+            # neither their state dicts nor a second copy from the device on the loop thread
+            live = build(FromMemory() if self.disk.takes_lent else Live())
             built = time.perf_counter() - t0
         if memory:
             assert self.memory is not None
             pins = self.pins.get(step, set())
             snap = live if live is not None else build(NoTensors())
             stalls[MEMORY] = self.memory.save(step, snap, pins, awaiting)
+            if live is not None and self.disk.takes_lent:
+                lent = self.memory.lend(step)  # None: not held (the budget), or no files made
             if self.memory.has(step):
                 self._changes.append((step, memory_path(step), "ok"))
         if disk:
+            # the snapshot built above, unless it left out the tensors and memory lent none
+            whole = live is not None and (lent is not None or not self.disk.takes_lent)
+            made = build
+            if live is not None and whole:
+                made = lambda stage: live  # noqa: E731 (the one snapshot built above)
             # None: this tier does not keep that step
-            made = build if live is None else (lambda stage: live)
-            stall = self.disk.save(step, made, awaiting=awaiting)
-            if stall is not None and live is not None:
+            stall = self.disk.save(step, made, awaiting=awaiting, lent=lent)
+            if stall is not None and whole:
                 stall += built
             if stall is not None:
                 stalls[DISK] = stall

@@ -448,7 +448,8 @@ class Restorer:
         sched = None if core.scheduler is None else core.scheduler.state_dict()
         # the loop's loader (the Watch's batches): its position, for a resume only (a rollback
         # lets the data flow on), so host memory does without it
-        stream = None if run.stream is None or isinstance(stage, NoTensors) else run.stream()
+        wanted = not isinstance(stage, NoTensors) or stage.wants_stream
+        stream = None if run.stream is None or not wanted else run.stream()
         if core.world.distributed:  # weights and optimizer: sharded, by the checkpointer
             own = {**rng_tensors, "json": rng_json}
             if sched is not None:
