@@ -459,6 +459,11 @@ class MemoryTier:
         slot.unheld.wait()  # a file's copy of it, in the disk's writer thread (`Lent`)
         self.free.append(slot.buffers)
 
+    @property
+    def lends(self) -> bool:
+        """Whether a snapshot of the tensors as last planned can be lent (`lend`)."""
+        return self._plan is not None and self._plan.files is not None
+
     def lend(self, step: int) -> Lent | None:
         """The snapshot of `step` (just saved) for a disk checkpoint of the same step, which
         then neither builds the state dicts nor copies the device's tensors a second time on

@@ -147,6 +147,11 @@ class Tiers:
         if self.disk.enabled and self.disk.last_saved != step:
             if self.disk.due(step, seconds_per_step):
                 due.append(DISK)
+        if due == [DISK] and memory is not None and self._mem_last() != step:
+            if self.disk.takes_lent and memory.lends:
+                # a snapshot too: the file takes its tensors (`save`), cheaper for the loop than
+                # the file's own walk and copy, and the step is a rollback target in memory
+                due.insert(0, MEMORY)
         return due
 
     def save(
