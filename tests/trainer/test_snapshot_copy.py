@@ -271,3 +271,58 @@ def test_the_writer_thread_never_waits_for_a_block_queued_behind_it() -> None:
     assert not writer.is_alive()
     assert torch.equal(out[0]["model.pt"]["w"], files["model.pt"]["w"])
     assert "model.pt" not in stager._ahead  # the late block is not waited for later either
+
+
+def test_a_file_written_from_a_lent_snapshot_on_a_gpus_path(monkeypatch, tmp_path) -> None:
+    """On a GPU the host-memory snapshot a disk checkpoint takes (`MemoryTier.lend`) is copied
+    by side streams; the disk's writer thread waits for those copies itself (never the loop)
+    before it copies the snapshot's buffers into its file's, and the file reads back as the
+    step's state, the weights moved on after it."""
+    from spikewatch.trainer.checkpoints import format as ck
+    from spikewatch.trainer.checkpoints.disk import Checkpointer
+    from spikewatch.trainer.config import CheckpointConfig
+
+    device = _Device()
+    device.install(monkeypatch)
+    waited: list[str] = []  # the threads that waited for the side streams' copies
+    real_wait = pinned.host_wait
+
+    def host_wait(events):  # noqa: ANN001, ANN202
+        import threading
+
+        waited.append(threading.current_thread().name)
+        return real_wait(events)
+
+    from spikewatch.trainer.checkpoints import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "host_wait", host_wait)
+    model, opt = _trained()
+    tier = MemoryTier(model, opt, interval=10, budget_bytes=1 << 24)
+    disk = Checkpointer(tmp_path, CheckpointConfig(interval=10, async_save=True, fsync=False))
+    disk.open()
+    snap = Snapshot(step=10, torch_files={}, json_files={"trainer.json": {"step": 10}}, meta={})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = {
+        i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()
+    }
+    tier.save(10, snap, set())
+    assert tier.slots[10].events  # the side streams' copies
+    lent = tier.lend(10)
+    assert lent is not None
+    disk.save(10, lambda stage: snap, lent=lent)
+    tier.before_mutation()
+    disk.before_mutation()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    disk.wait()
+    assert any(n.startswith("ckpt-writer") for n in waited)  # the writer waited for them,
+    assert "MainThread" not in waited  # not the loop
+    got = ck.read_checkpoint(ck.step_dir(tmp_path, 10))
+    for k, v in want.items():
+        assert torch.equal(got["model.pt"][k], v), k
+    state = {**got["optimizer.pt"]["state"], **got["optimizer.1.pt"]["state"]}
+    for i, s in want_opt.items():
+        for k, v in s.items():
+            assert torch.equal(state[i][k], v), (i, k)
+    assert tier.slots[10].unheld.is_set()
