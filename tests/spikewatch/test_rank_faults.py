@@ -75,6 +75,33 @@ def test_a_rank_slow_in_its_compute_is_named_the_straggler(tmp_path, part: str) 
     assert event.data[f"{part}_s"] >= 0.06 > event.data[f"others_{part}_s"]
 
 
+def test_a_rank_slow_under_fsdp2_is_named_by_its_arrivals_at_the_collectives(tmp_path) -> None:
+    """`stall_script.py OUT fsdp_slow`: the model sharded with FSDP2, rank 1's forward 60 ms
+    longer from step 10 on. Every rank waits inside the all-gathers and reduce-scatters for
+    it, so its batches, forwards and backwards take as long as rank 0's; each rank sums when
+    it reached blocks of the same collectives (torch's flight recorder), and rank 0 records one
+    slowdown naming rank 1 by its lateness there. On the way: a parameter with fewer rows than
+    ranks (the last layer's bias) has an empty shard on rank 1, which the optimizer state's
+    maxima refused (`_foreach_max` of an empty tensor) and now count as 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script = str(REPO / "tests" / "spikewatch" / "stall_script.py")
+    done = subprocess.run([*cmd, script, str(tmp_path), "fsdp_slow"], env=env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    if done.returncode and TEARDOWN_ABORT in done.stdout + done.stderr:
+        pytest.skip("torch's gloo teardown abort (see TEARDOWN_ABORT)")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    with Session(make_engine(f"sqlite:///{tmp_path / 'runs.db'}")) as session:
+        (run,) = store.list_runs(session)
+        events = store.events(session, run_id=run.run_id, kinds=["slowdown"])
+    named = [e for e in events if "straggler" in e.data]
+    assert len(named) == 1, [(e.message, e.data) for e in events]
+    (event,) = named
+    assert event.data["rank"] == 1 and event.data["slow_in"] == "arrival"
+    assert "rank 1 is the straggler, reaching the collectives" in event.message
+    assert 0.03 <= event.data["late_s"] <= 0.09 and event.data["others_late_s"] < 0.01
+
+
 @pytest.mark.parametrize("mode", ["own", pytest.param("batches", marks=pytest.mark.slow)])
 def test_a_sigterm_to_torchrun_stops_every_rank_after_one_step_and_reads_stopped(
     tmp_path, mode: str

@@ -326,3 +326,13 @@ def test_device_a_disk_save_of_a_step_in_flight_keeps_its_copies_ordered(
     disk.wait()
     assert ("synchronize", gpu) in fake.log  # the writer thread waited for them to land
     assert disk.has(10)
+
+
+def test_the_maxima_of_an_empty_shard_count_zero() -> None:
+    """Under FSDP2 a parameter with fewer rows than ranks has an empty shard on some rank; its
+    second moment's maximum counts 0 there (the values are magnitudes), where `_foreach_max`
+    refuses an empty tensor and took the step down."""
+    from spikewatch.trainer.core.norms import maxima
+
+    xs = [torch.tensor([1.0, 3.0]), torch.empty(0, 4), torch.tensor([[2.0], [0.5]])]
+    assert maxima(xs, torch.device("cpu")).tolist() == [3.0, 0.0, 2.0]

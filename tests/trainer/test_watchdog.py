@@ -359,3 +359,48 @@ def test_the_last_gradient_is_learnt_on_the_first_backward_and_its_hook_alone_ke
     last.remove()
     model(torch.tensor([3])).sum().backward()
     assert calls == [1]
+
+
+def test_a_rank_late_at_the_collectives_is_the_straggler_under_fsdp2() -> None:
+    """FSDP2: every rank waits inside the all-gathers and reduce-scatters for the slowest, so
+    only when each reaches them tells the straggler. Each rank publishes its enqueue times
+    summed over blocks of the same collectives (`arrival_blocks`, from torch's flight
+    recorder); rank 0 reads every rank's, and a rank later by 5 ms a step or more, and by more
+    than half the rest of the step, in three blocks running, is told once, by its lateness."""
+    from spikewatch.trainer.core.watchdog import RankBeats, late_arrival
+
+    ms = 1_000_000
+    shared = _Store()
+    clock, told = Clock(), []
+    w = Watchdog(StallConfig(min_s=1.0), lambda i: None, lambda i: None, clock=clock,
+                 on_straggler=told.append, ranks=RankBeats(shared, 0, 3))  # fmt: skip
+    w.arrivals = True
+    w._last = clock()
+    steps(w, clock, 20, 0.1)  # steps of 100 ms: a block of 128 collectives spans 10 of them
+
+    def publish(blocks: range, late_ms: dict[int, float]) -> None:
+        for rank in range(3):  # a block spans 1 s, 10 steps: late_ms[r] later in each
+            RankBeats(shared, rank, 3).publish_arrivals({
+                f"0:{b}": [128 * b * 100 * ms + int(late_ms.get(rank, 0.0) * ms * 10),
+                           1000 * ms] for b in blocks
+            })  # fmt: skip
+
+    publish(range(1, 4), {})  # in step: no one told
+    assert w.judge_ranks() is None and told == []
+    publish(range(2, 5), {2: 40.0})  # rank 2 40 ms late a step (its 100 ms against 60): 4 ...
+    assert w.judge_ranks() is None  # one block only
+    publish(range(5, 8), {2: 40.0})  # ... 5, 6, 7: three running
+    info = w.judge_ranks()
+    assert info is not None and told == [info]
+    assert info["rank"] == 2 and info["slow_in"] == "arrival"
+    assert abs(info["late_s"] - 0.04) < 1e-6 and info["others_late_s"] == 0.0
+    publish(range(8, 11), {2: 40.0})
+    assert w.judge_ranks() is None and len(told) == 1  # once
+    publish(range(11, 14), {})  # in step again: it may be told anew later
+    assert w.judge_ranks() is None and w._straggler is None
+    # a rank 3 ms late a step (under the 5 ms floor) is no straggler
+    assert late_arrival({0: {"0:1": [0, 10**9]}, 1: {"0:1": [0, 10**9]}}, 0.1) == [
+        (1, {0: 0.0, 1: 0.0})
+    ]
+    publish(range(14, 20), {1: 3.0})
+    assert w.judge_ranks() is None and len(told) == 1

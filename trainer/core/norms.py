@@ -41,13 +41,19 @@ def norms(
 
 
 def maxima(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """(P,) each tensor's maximum, on `device` (one foreach kernel per device)."""
+    """(P,) each tensor's maximum, on `device` (one foreach kernel per device). The tensors
+    are magnitudes (Adam's second moments): an empty one counts 0, the maximum's identity
+    there (an FSDP2 shard that holds no rows on this rank: a parameter with fewer rows than
+    ranks; `_foreach_max` refuses empty tensors)."""
     if not xs:
         return torch.zeros(0, device=device)
     by_device: dict[torch.device, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_device.setdefault(x.device, []).append(i)
     out: list[torch.Tensor | None] = [None] * len(xs)
+    for i, x in enumerate(xs):
+        if x.numel():
+            by_device.setdefault(x.device, []).append(i)
+        else:
+            out[i] = torch.zeros((), dtype=x.dtype, device=device)
     for dev, index in by_device.items():
         for i, m in zip(index, torch._foreach_max([xs[i] for i in index]), strict=True):
             out[i] = m if dev == device else m.to(device, non_blocking=True)

@@ -231,7 +231,12 @@ class Recorder(Callback):
 
     def on_straggler(self, info: Mapping[str, Any]) -> None:
         part = next((k for k in ("forward", "backward") if f"{k}_s" in info), None)
-        if part is not None:  # slow in its compute: the others wait for it in backward's sync
+        if "late_s" in info:  # FSDP2: it reaches the collectives last, the others wait inside
+            message = (
+                f"slowdown: rank {info['rank']} is the straggler, reaching the collectives "
+                f"{info['late_s']:.3g} s a step after the other ranks"
+            )
+        elif part is not None:  # slow in its compute: the others wait for it in backward's sync
             message = (
                 f"slowdown: rank {info['rank']} is the straggler, its {part} taking "
                 f"{info[f'{part}_s']:.3g} s a step against {info[f'others_{part}_s']:.3g} s on "

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from spikewatch.observatory import metric_names as M
 from spikewatch.observatory.strict_json import write_json
@@ -246,6 +247,11 @@ class StepCore:
                 on_straggler=self._tell("on_straggler"),
                 ranks=RankBeats.of_process_group() if self.world.size > 1 else None,
             )  # fmt: skip
+            # FSDP2: every rank waits inside the collectives for the slowest, so its step,
+            # forward and backward tell nothing; its arrivals at them do (the flight recorder)
+            self.watchdog.arrivals = self.world.size > 1 and any(
+                isinstance(p, DTensor) for p in self.probes.params
+            )
             self.watchdog.start()
 
     def _say_resume(self) -> None:

@@ -134,6 +134,24 @@ class RankBeats:
         values = many(keys) if many is not None else [self.store.get(k) for k in keys]
         return {r: float(bytes(v).decode()) for r, v in enumerate(values)}
 
+    ARRIVAL = "spikewatch/arrival/"  # the newest blocks of collectives' enqueue times
+
+    def publish_arrivals(self, blocks: dict[str, list[int]]) -> None:
+        """This rank's `arrival_blocks`, when they changed (one small `set`)."""
+        said = json.dumps(blocks, sort_keys=True)
+        if said != self._pace_sent.get(self.ARRIVAL):
+            self.store.set(f"{self.ARRIVAL}{self.rank}", said)
+            self._pace_sent[self.ARRIVAL] = said
+
+    def read_arrivals(self) -> dict[int, dict[str, list[int]]]:
+        """Every rank's last published `arrival_blocks`; empty until every rank has some."""
+        keys = [f"{self.ARRIVAL}{r}" for r in range(self.size)]
+        if not self.store.check(keys):
+            return {}
+        many = getattr(self.store, "multi_get", None)
+        values = many(keys) if many is not None else [self.store.get(k) for k in keys]
+        return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+
     def read(self) -> dict[int, tuple[int, int]]:
         """Every rank's last published progress (a rank that never published is left out)."""
         out = {}
@@ -150,6 +168,7 @@ WHAT = {RankBeats.PACE: "its batches", RankBeats.FORWARD: "its forward",
         RankBeats.BACKWARD: "its backward"}  # fmt: skip
 SLOW_IN = {RankBeats.PACE: "batches", RankBeats.FORWARD: "forward",
            RankBeats.BACKWARD: "backward"}  # the event's `slow_in`  # fmt: skip
+ARRIVING = "arrival"  # the event's `slow_in` for a rank late at its collectives (FSDP2)
 KEY = {RankBeats.PACE: "batch_wait_s", RankBeats.FORWARD: "forward_s",
        RankBeats.BACKWARD: "backward_s"}  # the event's figure  # fmt: skip
 
@@ -203,6 +222,71 @@ def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int,
     if slowest > factor * others and slowest - others >= min_s:
         return rank, others
     return None
+
+
+ARRIVAL_BLOCK = 128  # collectives a block: each rank sums its enqueue times over the same ones
+ARRIVAL_EVERY = 5  # wakes between two reads of the flight recorder (a dump of its whole ring)
+
+
+def arrival_blocks(block: int = ARRIVAL_BLOCK, keep: int = 3) -> dict[str, list[int]]:
+    """This rank's collectives as torch's flight recorder holds them, in blocks of `block`
+    sequence numbers of its busiest process group (FSDP2's all-gathers and reduce-scatters):
+    for each of the newest `keep` complete blocks ("<group>:<block>"), the sum of their
+    enqueue times (ns since the epoch) and the block's span (ns). The same block's sums on two
+    ranks differ by how much later one reached those collectives than the other: under FSDP2
+    every rank waits inside them for the slowest, so its steps, forwards and backwards take as
+    long as the others' and only its arrivals tell it. Empty where the recorder is not there."""
+    import pickle
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+
+        raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        entries = pickle.loads(raw).get("entries") or []
+    except Exception as e:  # a torch without the recorder, or a dump it cannot make now
+        log.debug("the flight recorder could not be read: %s", e)
+        return {}
+    times: dict[str, dict[int, int]] = collections.defaultdict(dict)
+    for entry in entries:
+        seq = int(entry.get("collective_seq_id", -1))
+        created = int(entry.get("time_created_ns", 0))
+        if entry.get("is_p2p") or seq < 0 or created <= 0:
+            continue
+        times[str((entry.get("process_group") or ["?"])[0])][seq] = created
+    if not times:
+        return {}
+    group = max(times, key=lambda g: len(times[g]))
+    blocks: dict[int, list[int]] = collections.defaultdict(list)
+    for seq, created in times[group].items():
+        blocks[seq // block].append(created)
+    full = sorted(b for b, ts in blocks.items() if len(ts) == block)[-keep:]
+    return {f"{group}:{b}": [sum(blocks[b]), max(blocks[b]) - min(blocks[b])] for b in full}
+
+
+def late_arrival(
+    arrivals: dict[int, dict[str, list[int]]], step_s: float
+) -> list[tuple[int, dict[int, float]]]:
+    """From every rank's `arrival_blocks`: each block all of them hold (by its number, oldest
+    first) and each rank's lateness a step in it (seconds: its enqueue times summed over the
+    median rank's, spread over the block's steps at `step_s` a step)."""
+    if len(arrivals) < 2 or step_s <= 0:
+        return []
+    common = set.intersection(*(set(d) for d in arrivals.values()))
+    out = []
+    for key in sorted(common, key=lambda k: int(k.rsplit(":", 1)[1])):
+        sums = {r: d[key][0] for r, d in arrivals.items()}
+        span_s = statistics.median(d[key][1] for d in arrivals.values()) / 1e9
+        steps = max(span_s / step_s, 1.0)
+        late = {}
+        for r, total in sums.items():
+            others = statistics.median(v for q, v in sums.items() if q != r)
+            late[r] = (total - others) / 1e9 / steps
+        out.append((int(key.rsplit(":", 1)[1]), late))
+    return out
 
 
 def behind(progress: dict[int, tuple[int, int]]) -> list[int]:
@@ -360,6 +444,12 @@ class Watchdog:
         self._begun_at: float | None = None
         self._straggler: dict[str, Any] | None = None
         self._straggling = dict.fromkeys(KINDS, 0)
+        # FSDP2 (the client sets it): the ranks' arrivals at their collectives, from torch's
+        # flight recorder, read every ARRIVAL_EVERY wakes; on rank 0 the last block judged
+        self.arrivals = False
+        self._wakes = 0
+        self._arrival_block: int | None = None
+        self._late_blocks = 0
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -607,6 +697,11 @@ class Watchdog:
                 self.ranks.publish_pace(statistics.median(self.forwards), RankBeats.FORWARD)
             if len(self.backwards) == self.backwards.maxlen:
                 self.ranks.publish_pace(statistics.median(self.backwards), RankBeats.BACKWARD)
+            self._wakes += 1
+            if self.arrivals and self._wakes % ARRIVAL_EVERY == 0:
+                blocks = arrival_blocks()
+                if blocks:
+                    self.ranks.publish_arrivals(blocks)
         except Exception as e:  # the store went away (the job ends): not the watchdog's end
             log.debug("progress not published: %s", e)
 
@@ -623,6 +718,15 @@ class Watchdog:
             paces = {k: self.ranks.read_pace(k) for k in KINDS}
         except Exception as e:  # the store: no judgement this wake
             log.debug("the ranks' pace could not be read: %s", e)
+            return None
+        if self._straggler is not None and self._straggler["slow_in"] == ARRIVING:
+            arrived = self._new_arrivals()
+            rank = self._straggler["rank"]
+            if arrived and arrived[-1].get(rank, 0.0) < self.cfg.slowdown_min_s:
+                log.info("rank %d keeps pace again (it reaches the collectives with the others)",
+                         rank)  # fmt: skip
+                self._straggler = None
+                self._late_blocks = 0
             return None
         if self._straggler is not None:
             rank = self._straggler["rank"]
@@ -655,6 +759,58 @@ class Watchdog:
             log.warning(
                 "straggler: rank %d takes %.3g s a step for %s, the other ranks %.3g s: the job "
                 "runs at its pace", rank, pace[rank], WHAT[kind], others,
+            )  # fmt: skip
+            self.on_straggler(info)
+            return info
+        return self._judge_arrivals(factor)
+
+    def _new_arrivals(self) -> list[dict[int, float]]:
+        """The ranks' lateness a step in each block of collectives they all hold that was not
+        judged yet, oldest first (`late_arrival`)."""
+        assert self.ranks is not None
+        step_s = statistics.median(self.durations) if self.durations else 0.0
+        try:
+            blocks = late_arrival(self.ranks.read_arrivals(), step_s)
+        except Exception as e:  # the store: no judgement this wake
+            log.debug("the ranks' arrivals could not be read: %s", e)
+            return []
+        new = [
+            (b, late)
+            for b, late in blocks
+            if self._arrival_block is None or b > self._arrival_block
+        ]
+        if new:
+            self._arrival_block = new[-1][0]
+        return [late for _, late in new]
+
+    def _judge_arrivals(self, factor: float) -> dict[str, Any] | None:
+        """FSDP2 (`arrivals`): a rank that reaches the collectives later than the others by
+        `slowdown_min_s` a step or more, and by more than (`slowdown` - 1) times the rest of
+        the step (its compute that much slower), in three blocks of collectives running, is a
+        straggler, told once."""
+        if not self.arrivals:
+            return None
+        step_s = statistics.median(self.durations) if self.durations else 0.0
+        for late in self._new_arrivals():
+            rank = max(late, key=lambda r: late[r])
+            others = max(0.0, statistics.median(v for r, v in late.items() if r != rank))
+            lag = late[rank] - others
+            slow = lag >= self.cfg.slowdown_min_s and lag > (factor - 1) * max(step_s - lag, 0)
+            self._late_blocks = self._late_blocks + 1 if slow else 0
+            if self._late_blocks < 3:
+                continue
+            self._straggler = info = {
+                "step": self.step,
+                "straggler": rank,
+                "rank": rank,
+                "slow_in": ARRIVING,
+                "late_s": round(late[rank], 6),
+                "others_late_s": round(others, 6),
+                "median_step_s": round(step_s, 6),
+            }
+            log.warning(
+                "straggler: rank %d reaches the collectives %.3g s a step after the other "
+                "ranks: the job runs at its pace", rank, late[rank],
             )  # fmt: skip
             self.on_straggler(info)
             return info
