@@ -17,6 +17,9 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   rank 1 as the rank behind, within the bound plus 1 s.
 - straggler: the same two ranks, rank 1's batches 60 ms each from batch 10 on (its loader
   slow, the job at its pace): one slowdown naming rank 1 (`stall_script.py OUT straggle`).
+- straggler under FSDP2: the model sharded with FSDP2, rank 1's forward 60 ms longer from
+  step 10 on (every rank waits inside the collectives for it): one slowdown naming rank 1 by
+  its lateness at the collectives (`stall_script.py OUT fsdp_slow`).
 - false alarms (`--false-alarms`): the demo and the four examples as a user runs them (their
   default sizes and steps, the examples with their poisoned region at batch 200 as their
   docstrings run them: checkpoints, evaluations and a rollback), each in a process of its
@@ -289,6 +292,17 @@ def ranks(tmp: Path, mode: str) -> dict[str, Any]:
             "batch_wait_s": [e.data["batch_wait_s"] for e in named],
             "others_s": [e.data["others_batch_wait_s"] for e in named],
         }
+    if mode == "fsdp_slow":
+        named = [e for e in events if "straggler" in e.data]
+        return {
+            "fault": "a rank's forward 60 ms longer under FSDP2 (2 gloo ranks)",
+            "named": [e.data["rank"] for e in named],
+            "slow_in": [e.data["slow_in"] for e in named],
+            "at_step": [e.step for e in named],
+            "late_s": [e.data["late_s"] for e in named],
+            "others_s": [e.data["others_late_s"] for e in named],
+            "median_step_s": [e.data["median_step_s"] for e in named],
+        }
     stalls = [e for e in events if e.kind == "stall"]
     return {
         "fault": "a rank's loader asleep 4 s (2 gloo ranks)",
@@ -454,7 +468,8 @@ def main() -> None:
     rows = []
     faults: Any = (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
                    ("gone", gone), ("clean", clean), ("rank_stops", lambda t: ranks(t, "")),
-                   ("straggler", lambda t: ranks(t, "straggle")))  # fmt: skip
+                   ("straggler", lambda t: ranks(t, "straggle")),
+                   ("straggler_fsdp2", lambda t: ranks(t, "fsdp_slow")))  # fmt: skip
     if args.false_alarms:
         faults = [(n, lambda t, n=n: false_alarms(t, n)) for n in CLEAN_RUNS]
     elif args.cost:

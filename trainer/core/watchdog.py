@@ -225,10 +225,13 @@ def straggler(pace: dict[int, float], factor: float, min_s: float) -> tuple[int,
 
 
 ARRIVAL_BLOCK = 128  # collectives a block: each rank sums its enqueue times over the same ones
-ARRIVAL_EVERY = 5  # wakes between two reads of the flight recorder (a dump of its whole ring)
+# wakes between two reads of the flight recorder: a dump of its whole ring (~2,000 entries),
+# 40-45 ms of the watchdog's thread on a 2-core CPU, so about 0.15% of a core at one in 30
+ARRIVAL_EVERY = 30
+ARRIVAL_KEEP = 12  # blocks a rank publishes: a read judges all those new since the last
 
 
-def arrival_blocks(block: int = ARRIVAL_BLOCK, keep: int = 3) -> dict[str, list[int]]:
+def arrival_blocks(block: int = ARRIVAL_BLOCK, keep: int = ARRIVAL_KEEP) -> dict[str, list[int]]:
     """This rank's collectives as torch's flight recorder holds them, in blocks of `block`
     sequence numbers of its busiest process group (FSDP2's all-gathers and reduce-scatters):
     for each of the newest `keep` complete blocks ("<group>:<block>"), the sum of their
