@@ -19,7 +19,8 @@ plain-loop GPT at 2 x 32, steps of ~10 ms, the store a SQLite file, alerts to a 
   slow, the job at its pace): one slowdown naming rank 1 (`stall_script.py OUT straggle`).
 - straggler under FSDP2: the model sharded with FSDP2, rank 1's forward 60 ms longer from
   step 10 on (every rank waits inside the collectives for it): one slowdown naming rank 1 by
-  its lateness at the collectives (`stall_script.py OUT fsdp_slow`).
+  its lateness at the collectives (`stall_script.py OUT fsdp_slow`); the same job with no rank
+  slowed (`fsdp_clean`): no stall, no slowdown.
 - false alarms (`--false-alarms`): the demo and the four examples as a user runs them (their
   default sizes and steps, the examples with their poisoned region at batch 200 as their
   docstrings run them: checkpoints, evaluations and a rollback), each in a process of its
@@ -292,6 +293,12 @@ def ranks(tmp: Path, mode: str) -> dict[str, Any]:
             "batch_wait_s": [e.data["batch_wait_s"] for e in named],
             "others_s": [e.data["others_batch_wait_s"] for e in named],
         }
+    if mode == "fsdp_clean":
+        return {
+            "fault": "none under FSDP2 (2 gloo ranks, 120 steps)",
+            "stalls": sum(e.kind == "stall" for e in events),
+            "slowdowns": sum(e.kind == "slowdown" for e in events),
+        }
     if mode == "fsdp_slow":
         named = [e for e in events if "straggler" in e.data]
         return {
@@ -469,7 +476,8 @@ def main() -> None:
     faults: Any = (("stall", lambda t: stall(t, args.hang)), ("slowdown", slowdown),
                    ("gone", gone), ("clean", clean), ("rank_stops", lambda t: ranks(t, "")),
                    ("straggler", lambda t: ranks(t, "straggle")),
-                   ("straggler_fsdp2", lambda t: ranks(t, "fsdp_slow")))  # fmt: skip
+                   ("straggler_fsdp2", lambda t: ranks(t, "fsdp_slow")),
+                   ("clean_fsdp2", lambda t: ranks(t, "fsdp_clean")))  # fmt: skip
     if args.false_alarms:
         faults = [(n, lambda t, n=n: false_alarms(t, n)) for n in CLEAN_RUNS]
     elif args.cost:

@@ -5,7 +5,8 @@ rank 1's batches take 60 ms each from batch 10 on (a slow loader on one node), f
 with `slow_forward`, rank 1's forward takes 60 ms more from step 10 on (a slow device); with
 `slow_backward`, its backward does (its forward as fast as rank 0's); with `fsdp_slow`, the
 model is sharded with FSDP2 (every rank waits inside the all-gathers and reduce-scatters for
-the slowest) and rank 1's forward takes 60 ms more from step 10 on."""
+the slowest) and rank 1's forward takes 60 ms more from step 10 on; `fsdp_clean`, the same
+with no rank slowed."""
 
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ def main() -> None:
     slow_forward = sys.argv[2:] == ["slow_forward"]
     slow_backward = sys.argv[2:] == ["slow_backward"]
     fsdp_slow = sys.argv[2:] == ["fsdp_slow"]
+    fsdp_clean = sys.argv[2:] == ["fsdp_clean"]  # the same job, no rank slowed: no straggler
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Embedding(32, 16), torch.nn.Flatten(), torch.nn.Linear(128, 1)
     )
-    if fsdp_slow:
+    if fsdp_slow or fsdp_clean:
         from torch.distributed.fsdp import fully_shard
 
         import spikewatch.trainer.core.watchdog as watchdog
@@ -63,19 +65,23 @@ def main() -> None:
                 time.sleep(0.06)
 
         model[2].register_full_backward_pre_hook(slow_in_backward)
-    ddp = model if fsdp_slow else DDP(model)
+    ddp = model if fsdp_slow or fsdp_clean else DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_at(i: int) -> torch.Tensor:
         if straggle and i >= 10 and rank == 1:
             time.sleep(0.06)
-        elif i == 30 and rank == 1 and not (straggle or slow_forward or slow_backward or fsdp_slow):
+        elif (
+            i == 30
+            and rank == 1
+            and not (straggle or slow_forward or slow_backward or fsdp_slow or fsdp_clean)
+        ):
             stuck_in_rank_1s_loader(i)
         return torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i))
 
     settings = {"guard": {"stall": {"min_s": 1.0, "factor": 10.0}}}
     steps = 80 if straggle or slow_forward or slow_backward else 40
-    steps = 120 if fsdp_slow else steps
+    steps = 120 if fsdp_slow or fsdp_clean else steps
     with Watch(ddp, opt, max_steps=steps, db=f"sqlite:///{out}/runs.db", run_dir=out / "run",
                settings=settings) as watch:  # fmt: skip
         for x in watch.batches(batch_at):
