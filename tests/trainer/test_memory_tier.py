@@ -636,3 +636,46 @@ def test_a_lent_snapshot_is_not_reused_until_the_file_has_copied_it(tmp_path) ->
     with pytest.raises(RuntimeError, match="disk full"):
         disk.save(2, lambda stage: snap, lent=lent)
     assert tier.slots[2].unheld.is_set()
+
+
+def test_a_resume_from_a_file_host_memory_lent_is_the_uninterrupted_run(tmp_path) -> None:
+    """A user's own loop (a GRU, SGD with momentum) with background files every 10 steps beside
+    host memory every 4: each file is written from host memory's snapshot of its step (10 and
+    30 off memory's interval: a snapshot made for the file). Resumed from the file of step 10,
+    the run goes on exactly as the one never stopped."""
+    from spikewatch.trainer.watch import Watch
+
+    def run(run_dir, until: int, resume: bool | str) -> dict[int, float]:  # noqa: ANN001
+        torch.manual_seed(0)
+        gru, head = torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 1)
+        model = torch.nn.ModuleDict({"gru": gru, "head": head})
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ckpt = {"interval": 10, "memory_interval": 4, "async_save": True, "fsync": False}
+        losses = {}
+
+        def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(4, 5, 8, generator=g), torch.randn(4, 1, generator=g)
+
+        with Watch(model, opt, max_steps=24, run_dir=run_dir, db="none", resume=resume,
+                   settings={"checkpoint": ckpt, "probes": {"attn_max": False}}) as w:  # fmt: skip
+            for x, y in w.batches(batch):
+                out, _ = gru(x)
+                loss = (head(out[:, -1]) - y).square().mean()
+                loss.backward()
+                w.step(loss)
+                losses[w.step_count] = loss.item()
+                if w.step_count >= until:
+                    break
+        return losses
+
+    full = run(tmp_path / "full", 24, False)
+    run(tmp_path / "cut", 15, False)
+    kept = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir())
+    assert kept == ["step00000000", "step00000010", "step00000015"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step00000015")  # the one made at close
+    rest = run(tmp_path / "cut", 24, "auto")
+    assert min(rest) == 11
+    assert all(rest[s] == full[s] for s in rest), [(s, rest[s], full[s]) for s in rest]
