@@ -126,13 +126,18 @@ class RankBeats:
 
     def read_pace(self, kind: str = PACE) -> dict[int, float]:
         """Every rank's last published median of `kind`; empty until every rank has published
-        one. Two store calls a wake, however many ranks (a `check` and a `multi_get`)."""
-        keys = [f"{kind}{r}" for r in range(self.size)]
+        one."""
+        return {r: float(v) for r, v in self._every_rank(kind).items()}
+
+    def _every_rank(self, prefix: str) -> dict[int, str]:
+        """Every rank's value under `prefix`, or none until every rank has set one: two store
+        calls, however many ranks (a `check` and a `multi_get`)."""
+        keys = [f"{prefix}{r}" for r in range(self.size)]
         if not self.store.check(keys):
             return {}
         many = getattr(self.store, "multi_get", None)
         values = many(keys) if many is not None else [self.store.get(k) for k in keys]
-        return {r: float(bytes(v).decode()) for r, v in enumerate(values)}
+        return {r: bytes(v).decode() for r, v in enumerate(values)}
 
     ARRIVAL = "spikewatch/arrival/"  # the newest blocks of collectives' enqueue times
 
@@ -145,12 +150,7 @@ class RankBeats:
 
     def read_arrivals(self) -> dict[int, dict[str, list[int]]]:
         """Every rank's last published `arrival_blocks`; empty until every rank has some."""
-        keys = [f"{self.ARRIVAL}{r}" for r in range(self.size)]
-        if not self.store.check(keys):
-            return {}
-        many = getattr(self.store, "multi_get", None)
-        values = many(keys) if many is not None else [self.store.get(k) for k in keys]
-        return {r: json.loads(bytes(v).decode()) for r, v in enumerate(values)}
+        return {r: json.loads(v) for r, v in self._every_rank(self.ARRIVAL).items()}
 
     def read(self) -> dict[int, tuple[int, int]]:
         """Every rank's last published progress (a rank that never published is left out)."""
