@@ -679,3 +679,83 @@ def test_a_resume_from_a_file_host_memory_lent_is_the_uninterrupted_run(tmp_path
     rest = run(tmp_path / "cut", 24, "auto")
     assert min(rest) == 11
     assert all(rest[s] == full[s] for s in rest), [(s, rest[s], full[s]) for s in rest]
+
+
+class _Averaging(torch.optim.SGD):
+    """SGD with momentum that counts its steps in each parameter's state (a number) and, from
+    its third step, keeps an average of the weights there too (a tensor entry that appears
+    while the number of parameters with state stays the same)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        super().step(closure)
+        for p in self.param_groups[0]["params"]:
+            st = self.state[p]
+            st["count"] = st.get("count", 0) + 1
+            if st["count"] >= 3:
+                avg = st.setdefault("avg", p.detach().clone())
+                avg.mul_(0.5).add_(p, alpha=0.5)
+
+
+def test_a_snapshot_holds_optimizer_state_that_appears_after_its_plan() -> None:
+    """The copy plan reads the optimizer's state through its dicts, made once: an entry that
+    a parameter's state gains later (a tensor, here from the optimizer's third step, with no
+    parameter newly holding state) is in the next snapshot, and the numbers kept beside the
+    tensors are the step's; a restore brings both back."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = _Averaging(model.parameters(), lr=0.1, momentum=0.9)
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 20)
+    x = torch.randn(4, 3)
+    for step in range(1, 6):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        snap = Snapshot(step=step, torch_files={}, json_files={"trainer.json": {}}, meta={})
+        tier.save(step, snap, set())
+    tier.before_mutation()
+    want = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    for _ in range(2):  # on past the snapshot
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    tier.read(5)
+    tier.load_tensors(5)
+    got = opt.state[model.weight]
+    assert sorted(got) == ["avg", "count", "momentum_buffer"] and got["count"] == 5
+    assert torch.equal(got["avg"], want["avg"]) and torch.equal(model.weight, weight)
+    assert torch.equal(got["momentum_buffer"], want["momentum_buffer"])
+
+
+def test_a_snapshots_small_tensors_come_back_as_they_were() -> None:
+    """The small state beside the weights (RNG states, a scheduler's or a user's tensors) is
+    kept as bytes: every dtype, shape and stride comes back equal, as a tensor of its own, and
+    what is no plain host tensor (a tensor that needs grad, a subclass) still comes back."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 20)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    small = {
+        "torch": torch.get_rng_state(),
+        "bf16": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+        "flags": torch.tensor([True, False, True]),
+        "zero_dim": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 5),
+        "strided": base.t(),  # not contiguous
+        "complex": torch.tensor([1 + 2j]).conj(),
+        "grad": torch.ones(2, requires_grad=True),
+        "param": torch.nn.Parameter(torch.full((2,), 3.0)),
+    }
+    want = {k: v.detach().clone() for k, v in small.items()}
+    snap = Snapshot(step=0, torch_files={"rng.pt": small}, json_files={"trainer.json": {}}, meta={})
+    tier.save(0, snap, set())
+    for v in small.values():  # the live objects change after the snapshot
+        if not v.requires_grad and not v.is_conj():
+            v.zero_()
+    got = tier.read(0)["rng.pt"]
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].resolve_conj(), v.resolve_conj()), k
+    assert got["grad"].requires_grad and isinstance(got["param"], torch.nn.Parameter)
+    assert got["torch"].data_ptr() != small["torch"].data_ptr()

@@ -22,8 +22,10 @@ still hold them). Buffers of evicted snapshots are reused, so memory is mapped o
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
+import operator
 import os
 import pickle
 import threading
@@ -94,11 +96,18 @@ class _Plan:
                         (f"{kind}/{prefix + '.' if prefix else ''}{name}", getattr(mod, attr), name)
                     )
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        # the optimizer's non-tensor state (a step count kept as a number), read through its
+        # dicts at each snapshot like the tensors: no walk of every parameter's state there
+        self.other: list[tuple[int, dict[str, Any], str]] = []
+        self.states = [st for p in params if (st := optimizer.state.get(p)) is not None]
+        self.state_sizes = [len(st) for st in self.states]
         for i, p in enumerate(params):
             st = optimizer.state.get(p, {})
             for k, v in sorted(st.items()):
                 if torch.is_tensor(v):
                     refs.append((f"o/{i}/{k}", st, k))
+                else:
+                    self.other.append((i, st, k))
         # DTensors (FSDP2) are copied by their local shards; else each tensor as it is
         self.sharded = any(isinstance(holder[name], DTensor) for _, holder, name in refs)
 
@@ -117,7 +126,9 @@ class _Plan:
         self.state_of = optimizer.state  # replaced by the optimizer's load_state_dict
         self.n_state = len(optimizer.state)
         live = self.live()
-        self.signature = tuple((t.shape, t.dtype) for t in live.values())
+        self.shapes = list(map(torch.Tensor.size, live.values()))
+        self.dtypes = list(map(_dtype, live.values()))
+        self.signature = tuple(zip(self.shapes, self.dtypes, strict=True))
         self.layout = BlockLayout(live)  # a snapshot's host block, laid out once
         self.need = sum(self.layout.sizes)
         self.files = None if self.sharded else _FileShape.of(model, optimizer, refs)
@@ -129,8 +140,25 @@ class _Plan:
             return {key: local(holder[name]) for key, holder, name in self.refs}
         return {key: holder[name] for key, holder, name in self.refs}
 
-    def fits(self, optimizer: torch.optim.Optimizer) -> bool:
-        return optimizer.state is self.state_of and len(optimizer.state) == self.n_state
+    def fits(self, optimizer: torch.optim.Optimizer, live: dict[str, torch.Tensor]) -> bool:
+        """The plan still holds for the tensors as they are (`live`, read through it): the
+        optimizer's state neither replaced nor grown (no parameter's state gained or lost an
+        entry), and every tensor of the shape and dtype planned."""
+        return (
+            optimizer.state is self.state_of
+            and len(optimizer.state) == self.n_state
+            and list(map(len, self.states)) == self.state_sizes
+            and list(map(torch.Tensor.size, live.values())) == self.shapes
+            and list(map(_dtype, live.values())) == self.dtypes
+        )
+
+    def other_state(self) -> dict[int, dict[str, Any]]:
+        """The optimizer's non-tensor state (a step count kept as a number) by parameter
+        index, as the snapshot holds it."""
+        out: dict[int, dict[str, Any]] = {}
+        for i, st, k in self.other:
+            out.setdefault(i, {})[k] = st[k]
+        return out
 
 
 class _FileShape:
@@ -229,6 +257,9 @@ class _Slot:
     # taken while its step was still on the device (read one step late): not a rollback
     # target until that step is decided (`complete`), dropped if it is refused (`drop`)
     awaiting: bool = False
+    # what `complete` filled in (the state as decided: trainer.json's parts, meta), kept
+    # beside `packed` rather than packed again with it
+    decided: bytes | Any = None
     ready: threading.Event = field(default_factory=threading.Event)
     events: Events = field(default_factory=list)  # CUDA: the side-stream copies' events
     nbytes: int = 0
@@ -344,6 +375,8 @@ class MemoryTier:
         t0 = time.perf_counter()
         self.before_mutation()
         live = self._live()
+        plan = self._plan
+        assert plan is not None
         need = self._plan_need
         if not self._make_room(step, need):
             return time.perf_counter() - t0
@@ -351,7 +384,7 @@ class MemoryTier:
         slot = _Slot(
             step=step,
             buffers=buffers,
-            packed=_pack(_small(snap), _optimizer_other(self.optimizer), _groups(self.optimizer)),
+            packed=_pack(_small(snap), plan.other_state(), _groups(self.optimizer)),
             pins=set(pins),
             awaiting=awaiting,
             nbytes=_nbytes(buffers),
@@ -370,9 +403,9 @@ class MemoryTier:
         """This rank's tensors by key, through the copy plan (made again when it no longer
         fits: the optimizer's state appeared or was replaced, or a shape changed)."""
         plan = self._plan
-        if plan is not None and plan.fits(self.optimizer):
+        if plan is not None:
             live = plan.live()
-            if tuple((t.shape, t.dtype) for t in live.values()) == plan.signature:
+            if plan.fits(self.optimizer, live):
                 return live
         plan = self._plan = _Plan(self.model, self.optimizer)
         live = plan.live()
@@ -547,10 +580,7 @@ class MemoryTier:
         slot = self.slots.get(step)
         if slot is None or not slot.awaiting:
             return False
-        small, other, groups = _unpack(slot.packed)
-        small["trainer.json"].update(trainer)
-        small["meta"].update(meta)
-        slot.packed = _pack(small, other, groups)
+        slot.decided = _copy_of((trainer, meta))
         slot.awaiting = False
         return True
 
@@ -571,7 +601,12 @@ class MemoryTier:
             raise CheckpointError(f"no host-memory snapshot of step {step}")
         _landed(self.slots[step])
         self.verify(step)
-        out = _unpack(self.slots[step].packed)[0]
+        slot = self.slots[step]
+        out = _unpack(slot.packed)[0]
+        if slot.decided is not None:
+            trainer, meta = _copied(slot.decided)
+            out["trainer.json"].update(trainer)
+            out["meta"].update(meta)
         out["memory"] = step
         return out
 
@@ -778,19 +813,57 @@ def _pack(
     """A slot's non-tensor state as one pickle (a copy by construction: `_unpack` gives new
     objects every time); a deep copy where something in it does not pickle (a function kept
     in an optimizer's param group, say)."""
-    try:
-        return pickle.dumps((small, other, groups), protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        return copy.deepcopy((small, other, groups))
+    return _copy_of((small, other, groups))
 
 
 def _unpack(
     packed: bytes | tuple[Any, ...],
 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    small, other, groups = (
-        pickle.loads(packed) if isinstance(packed, bytes) else copy.deepcopy(packed)
-    )
+    small, other, groups = _copied(packed)
     return small, other, groups
+
+
+def _copy_of(obj: Any) -> bytes | Any:
+    """`obj` pickled (`_SmallPickler`), or deep-copied where it does not pickle."""
+    try:
+        out = io.BytesIO()
+        _SmallPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return out.getvalue()
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return copy.deepcopy(obj)
+
+
+def _copied(packed: bytes | Any) -> Any:
+    """A new copy of what `_copy_of` kept."""
+    return pickle.loads(packed) if isinstance(packed, bytes) else copy.deepcopy(packed)
+
+
+class _SmallPickler(pickle.Pickler):
+    """A pickler that keeps a plain host tensor (the RNG states, a scheduler's or an
+    optimizer's small tensors) as its bytes: torch's own pickling of a tensor writes a
+    legacy `torch.save` archive of it (~0.25 ms to pickle a snapshot's small state on the
+    loop thread, and as much again to read it back, against ~0.03 ms this way)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout is torch.strided
+            and not obj.requires_grad
+            and not obj.is_conj()
+            and not obj.is_neg()
+            and not obj.is_quantized
+        ):
+            raw = obj.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _tensor_of, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def _tensor_of(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor `_SmallPickler` kept: its own memory, as it was."""
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -818,15 +891,7 @@ def _small(snap: Snapshot) -> dict[str, Any]:
     return out
 
 
-def _optimizer_other(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    """Non-tensor optimizer state (a step count kept as a number), per parameter index."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    out = {}
-    for i, p in enumerate(params):
-        other = {k: v for k, v in optimizer.state.get(p, {}).items() if not torch.is_tensor(v)}
-        if other:
-            out[i] = other
-    return out
+_dtype = operator.attrgetter("dtype")
 
 
 def default_budget_bytes() -> int:
