@@ -34,3 +34,19 @@ def test_values_after_hidden_ones_keep_their_names() -> None:
     xfer.add(["z"], torch.tensor(9.0))
     now, late = xfer.fetch()
     assert now == {"a": 2.0, "b": math.sqrt(5.0), "h1": 3.0, "c": 0.5, "z": 9.0} and not late
+
+
+def test_runs_of_values_are_read_by_name_late_sparse_and_empty_alike() -> None:
+    """A run read late, a sparse run late (its -inf left out, a NaN kept), a reduction over no
+    values (still asked: its metrics exist on every step), each under its own names."""
+    xfer = HostTransfer()
+    xfer.add(["a", "b"], torch.tensor([1.0, 2.0]))
+    xfer.add(["s0", "s1", "s2"], torch.tensor([NOT_RECORDED, math.nan, 4.0]), late=True,
+             sparse=True)  # fmt: skip
+    xfer.add_reduced(torch.zeros(0), lambda vs: {"count": float(len(vs))}, late=True)
+    xfer.add(["c"], torch.tensor(3.0), late=True)
+    now, late = xfer.fetch()
+    assert now == {"a": 1.0, "b": 2.0}
+    assert set(late) == {"s1", "s2", "count", "c"} and math.isnan(late["s1"])
+    assert (late["s2"], late["count"], late["c"]) == (4.0, 0.0, 3.0)
+    assert xfer.names == ["a", "b", "s0", "s1", "s2", "c"]

@@ -128,19 +128,25 @@ class HostTransfer:
     """Named device tensors gathered into one host copy (the loop's one sync per step)."""
 
     def __init__(self) -> None:
-        self.names: list[str] = []
-        self.late: list[bool] = []
-        self.sparse: list[bool] = []  # -inf there means "not recorded": left out
+        # the values' runs, in order: [start, end), their names, late, sparse (-inf there
+        # means "not recorded": left out). Read at `fetch` a run at a time, not a value at a
+        # time (a step's ~300 values: most of the read's Python was per value)
+        self._runs: list[tuple[int, int, list[str], bool, bool]] = []
+        self._n = 0  # values added
         # per-layer maxima taken on the host from their heads' values at `fetch` (no device
         # reduction, no extra values moved): (the layers' names, the first head's index, heads)
         self._layer_max: list[tuple[list[str], int, int]] = []
         # metrics made on the host at `fetch` from values that are none themselves:
         # (the values' [start, end), the function that makes them, late)
         self._reduced: list[tuple[int, int, Reduce, bool]] = []
-        self._hidden: list[tuple[int, int]] = []  # [start, end) of values that are no metric
         self.parts: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the values added (not those only `reduce` functions make)."""
+        return [name for _, _, names, _, _ in self._runs for name in names]
 
     def add(
         self, names: list[str], values: torch.Tensor, late: bool = False, sparse: bool = False
@@ -148,9 +154,9 @@ class HostTransfer:
         """`sparse`: maxima where -inf stands for nothing recorded (a layer of the attention
         maxima's table that did not record this step): such values are left out at `fetch`."""
         if names:
-            self.names += names
-            self.late += [late] * len(names)
-            self.sparse += [sparse] * len(names)
+            start = self._n
+            self._n += len(names)
+            self._runs.append((start, self._n, names, late, sparse))
             self.parts.append(flat32(values))
 
     def add_by_layer(self, names: list[str], norms: torch.Tensor, owner: list[int]) -> None:
@@ -163,10 +169,12 @@ class HostTransfer:
         """Metrics that `reduce` makes on the host at `fetch` from `values` (which are no
         metrics themselves): a reduction that would be a chain of small device ops per step
         (per-layer statistics from per-tensor sums) is a loop over a few hundred floats."""
-        first = len(self.names)
-        self.add([""] * values.numel(), values, late=late)
-        self._hidden.append((first, len(self.names)))
-        self._reduced.append((first, len(self.names), reduce, late))
+        n = values.numel()
+        start = self._n
+        self._n += n
+        self._reduced.append((start, self._n, reduce, late))
+        if n:
+            self.parts.append(flat32(values))
 
     def add_step(self, t: StepTensors) -> None:
         """Everything a `StepTensors` carries, under its metric names."""
@@ -182,7 +190,7 @@ class HostTransfer:
         if t.attn_max is not None:
             layers = t.attn_layers or tuple(range(t.attn_max.size(0)))
             heads, per_layer = attn_names(layers, t.attn_max.size(1))
-            self._layer_max.append((per_layer, len(self.names), t.attn_max.size(1)))
+            self._layer_max.append((per_layer, self._n, t.attn_max.size(1)))
             self.add(heads, t.attn_max, sparse=True)
         if t.rank_losses is not None:
             self.add([M.rank_loss(r) for r in range(t.rank_losses.numel())], t.rank_losses)
@@ -209,15 +217,19 @@ class HostTransfer:
             self._copied.synchronize()
         assert self._host is not None
         values = self._host.tolist()
+        if len(values) != self._n:
+            raise ValueError(f"{len(values)} values read for {self._n} added")
         now: dict[str, float] = {}
         late: dict[str, float] = {}
-        shown = list(zip(self.names, self.late, self.sparse, values, strict=True))
-        for start, end in reversed(self._hidden):
-            del shown[start:end]
-        for name, is_late, sparse, v in shown:
-            if sparse and v == NOT_RECORDED:
-                continue
-            (late if is_late else now)[name] = v
+        for start, end, names, is_late, sparse in self._runs:
+            out = late if is_late else now
+            if sparse:
+                row = values[start:end]
+                out.update((k, v) for k, v in zip(names, row, strict=True) if v != NOT_RECORDED)
+            elif end - start == 1:
+                out[names[0]] = values[start]
+            else:
+                out.update(zip(names, values[start:end], strict=True))
         for first, end, reduce, is_late in self._reduced:
             (late if is_late else now).update(reduce(values[first:end]))
         for per_layer, first, n in self._layer_max:
