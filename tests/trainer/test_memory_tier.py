@@ -638,18 +638,48 @@ def test_a_lent_snapshot_is_not_reused_until_the_file_has_copied_it(tmp_path) ->
     assert tier.slots[2].unheld.is_set()
 
 
-def test_a_resume_from_a_file_host_memory_lent_is_the_uninterrupted_run(tmp_path) -> None:
+class _Averaging(torch.optim.SGD):
+    """SGD with momentum that counts its steps in each parameter's state (a number) and, from
+    its `avg_from`-th step, keeps an average of the weights there too (a tensor entry that
+    appears while the number of parameters with state stays the same), which pulls the
+    weights a little towards it."""
+
+    def __init__(self, params, avg_from: int = 3, **kw) -> None:  # noqa: ANN001, ANN003
+        super().__init__(params, **kw)
+        self.avg_from = avg_from
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        super().step(closure)
+        for p in self.param_groups[0]["params"]:
+            st = self.state[p]
+            st["count"] = st.get("count", 0) + 1
+            if st["count"] >= self.avg_from:
+                avg = st.setdefault("avg", p.detach().clone())
+                avg.mul_(0.5).add_(p, alpha=0.5)
+                p.add_(avg - p, alpha=0.1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "averaging"])
+def test_a_resume_from_a_file_host_memory_lent_is_the_uninterrupted_run(
+    tmp_path, optimizer
+) -> None:
     """A user's own loop (a GRU, SGD with momentum) with background files every 10 steps beside
     host memory every 4: each file is written from host memory's snapshot of its step (10 and
     30 off memory's interval: a snapshot made for the file). Resumed from the file of step 10,
-    the run goes on exactly as the one never stopped."""
+    the run goes on exactly as the one never stopped. `averaging`: the optimizer's state gains
+    an entry at its 6th step, after the snapshots' copy plan was made (the file held none of
+    it when the plan was not made again)."""
     from spikewatch.trainer.watch import Watch
 
     def run(run_dir, until: int, resume: bool | str) -> dict[int, float]:  # noqa: ANN001
         torch.manual_seed(0)
         gru, head = torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 1)
         model = torch.nn.ModuleDict({"gru": gru, "head": head})
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = _Averaging(model.parameters(), avg_from=6, lr=0.05, momentum=0.9)
         ckpt = {"interval": 10, "memory_interval": 4, "async_save": True, "fsync": False}
         losses = {}
 
@@ -679,22 +709,6 @@ def test_a_resume_from_a_file_host_memory_lent_is_the_uninterrupted_run(tmp_path
     rest = run(tmp_path / "cut", 24, "auto")
     assert min(rest) == 11
     assert all(rest[s] == full[s] for s in rest), [(s, rest[s], full[s]) for s in rest]
-
-
-class _Averaging(torch.optim.SGD):
-    """SGD with momentum that counts its steps in each parameter's state (a number) and, from
-    its third step, keeps an average of the weights there too (a tensor entry that appears
-    while the number of parameters with state stays the same)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        super().step(closure)
-        for p in self.param_groups[0]["params"]:
-            st = self.state[p]
-            st["count"] = st.get("count", 0) + 1
-            if st["count"] >= 3:
-                avg = st.setdefault("avg", p.detach().clone())
-                avg.mul_(0.5).add_(p, alpha=0.5)
 
 
 def test_a_snapshot_holds_optimizer_state_that_appears_after_its_plan() -> None:
