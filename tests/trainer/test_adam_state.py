@@ -5,6 +5,7 @@ tolerance. Run through Triton's interpreter (CUDA's form, on a CPU)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -155,12 +156,53 @@ def test_a_state_step_walks_its_tensors_once() -> None:
         return t
 
     params = list(model.parameters())
+    plain = AdamState(params, opt, local)
+    assert plain.refusal() is None and plain(1e-16) and not asked  # nothing to unwrap
     one = AdamState(params, opt, local)
+    one._sharded = True  # as FSDP2's DTensors: each tensor read through `local`
     one.prepare()  # the plan, built ahead on a plain step
     asked.clear()
     assert one.refusal() is None  # before the update
     opt.step()
     out = one(1e-16)  # after it
-    assert len(asked) == 3 * len(params) + 1  # p, m and v once each, and the device
+    assert len(asked) == 3 * len(params)  # p, m and v once each
     assert set(out) == {"sums", "v_max"}
     torch.testing.assert_close(out["m2"], out["sums"][:, 2])
+
+
+def test_the_address_table_is_copied_again_only_when_a_tensor_moved(monkeypatch) -> None:
+    """The kernel's table of where p, m, v and the step counts live goes to the device once
+    while Adam updates its state in place, and again when the state's tensors are replaced (a
+    `load_state_dict`): the statistics are then the new tensors', not what the old addresses
+    held."""
+    from spikewatch.trainer.model.kernels import adam_state
+
+    copies: list[torch.dtype] = []
+    host_to = adam_state._host_to
+
+    def counted(values, dtype, device):  # noqa: ANN001, ANN202
+        copies.append(dtype)
+        return host_to(values, dtype, device)
+
+    monkeypatch.setattr(adam_state, "_host_to", counted)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    one = AdamState(params, opt)
+    tables = []
+    for round_ in range(4):
+        if round_ == 2:  # new state tensors, their values changed too
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for p in params:
+                opt.state[p]["exp_avg"].mul_(3.0)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        copies.clear()
+        assert one.refusal() is None
+        got = one(1e-16)
+        tables.append(copies.count(torch.int64))
+        m2 = torch.stack([opt.state[p]["exp_avg"].double().square().sum() for p in params])
+        torch.testing.assert_close(got["m2"].double(), m2, rtol=2e-5, atol=0)
+    assert tables == [1, 0, 1, 0]

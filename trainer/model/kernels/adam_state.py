@@ -26,11 +26,13 @@ same estimate.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from torch.distributed.tensor import DTensor
 
 __all__ = ["AdamState", "COLUMNS"]
 
@@ -50,7 +52,7 @@ def _one_minus_exp(x):
 
 @triton.jit
 def _adam_state_kernel(
-    P, M, V, STEP, TENSOR, START, NUMEL, HYPER, STRIDE, OUT, tiny,
+    P, M, V, STEP, TENSOR, START, NUMEL, GROUP, HYPER, STRIDE, OUT, tiny,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -64,11 +66,12 @@ def _adam_state_kernel(
     # the optimizer's own step count, read where it lives (the fused optimizer's device scalar):
     # the bias corrections are made here, not by a stack and a chain of ops on the loop thread
     count = tl.load(tl.load(STEP + t).to(tl.pointer_type(tl.float32)))
-    lr = tl.load(HYPER + t * 5)
-    step_size = lr / _one_minus_exp(count * tl.load(HYPER + t * 5 + 1))  # lr / (1 - b1^t)
-    bc2s = tl.sqrt(_one_minus_exp(count * tl.load(HYPER + t * 5 + 2)))  # sqrt(1 - b2^t)
-    eps = tl.load(HYPER + t * 5 + 3)
-    decay = tl.load(HYPER + t * 5 + 4)  # lr * weight_decay (AdamW), 0 (Adam)
+    hyper = HYPER + tl.load(GROUP + t) * 5  # the tensor's param group's
+    lr = tl.load(hyper)
+    step_size = lr / _one_minus_exp(count * tl.load(hyper + 1))  # lr / (1 - b1^t)
+    bc2s = tl.sqrt(_one_minus_exp(count * tl.load(hyper + 2)))  # sqrt(1 - b2^t)
+    eps = tl.load(hyper + 3)
+    decay = tl.load(hyper + 4)  # lr * weight_decay (AdamW), 0 (Adam)
     stride = tl.load(STRIDE + t)
     p2 = tl.zeros([BLOCK], tl.float32)
     u2 = tl.zeros([BLOCK], tl.float32)
@@ -100,6 +103,10 @@ def _adam_state_kernel(
     tl.store(out + 3, tl.sum(rv, 0))
     tl.store(out + 4, tl.max(vmax, 0))
     tl.store(out + 5, tl.sum(few, 0))
+
+
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
 
 
 def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -150,6 +157,12 @@ class AdamState:
         self._group_index: list[int] = []  # each tensor's param group
         self._step_values: torch.Tensor | None = None  # the step counts, where not on the device
         self._checked: tuple[list[torch.Tensor], ...] | None = None  # `refusal`'s tensors
+        # DTensor parameters (FSDP2): their state is too; each read through `local`
+        self._sharded = any(isinstance(p, DTensor) for p in params)
+        # the tensors' addresses as last copied to the device (Adam updates its state in
+        # place: the same addresses each state step, so the copy is made once), and that copy
+        self._addresses: list[int] = []
+        self._address_rows: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def optimizer_refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -163,24 +176,30 @@ class AdamState:
         return None
 
     def refusal(self) -> str | None:
-        """Why the one pass cannot take the state as it is now (None: it can)."""
+        """Why the one pass cannot take the state as it is now (None: it can). The checks run
+        over lists of the tensors (a few C-level passes, not a Python loop over ~450 of them
+        on the loop thread at every state step)."""
         why = self.optimizer_refusal(self.optimizer)
         if why is not None:
             return why
-        state, local = self.optimizer.state, self.local
-        device = local(self.params[0]).device
-        ps, ms, vs = [], [], []
-        for p in self.params:
-            s = state.get(p)
-            if not s or "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s:
-                return "a parameter without Adam's state yet"
-            trio = (local(p), local(s["exp_avg"]), local(s["exp_avg_sq"]))
-            for x in trio:
-                if x.dtype != torch.float32 or x.device != device or not x.is_contiguous():
-                    return "state that is not contiguous float32 on one device"
-            ps.append(trio[0])
-            ms.append(trio[1])
-            vs.append(trio[2])
+        states = list(map(self.optimizer.state.get, self.params))
+        try:
+            ps = list(self.params)
+            ms = [s["exp_avg"] for s in states]  # type: ignore[index]
+            vs = [s["exp_avg_sq"] for s in states]  # type: ignore[index]
+            _ = [s["step"] for s in states]  # type: ignore[index]  # (a step count each)
+        except (KeyError, TypeError):  # no state, or not Adam's all of it
+            return "a parameter without Adam's state yet"
+        if self._sharded:
+            ps, ms, vs = (list(map(self.local, xs)) for xs in (ps, ms, vs))
+        every = ps + ms + vs
+        device = ps[0].device
+        if (
+            set(map(_dtype, every)) != {torch.float32}
+            or set(map(_device, every)) != {device}
+            or not all(map(torch.Tensor.is_contiguous, every))
+        ):
+            return "state that is not contiguous float32 on one device"
         # the tensors as checked, for this state step's pass after the update (Adam updates
         # its state in place: the same tensors), so that it walks them no second time
         self._checked = (ps, ms, vs)
@@ -212,6 +231,7 @@ class AdamState:
             index = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
             self._group_index = [index[id(self._group_of[id(p)])] for p in self.params]
             self._plan = (
+                torch.tensor(self._group_index, dtype=torch.int64, device=device),
                 owner.to(device),
                 torch.tensor(start, dtype=torch.int64, device=device),
                 torch.tensor(numel, dtype=torch.int64, device=device),
@@ -240,6 +260,29 @@ class AdamState:
         self._step_values = values
         return [values.data_ptr() + 4 * i for i in range(len(steps))]
 
+    def _addresses_of(
+        self,
+        device: torch.device,
+        ps: list[torch.Tensor],
+        ms: list[torch.Tensor],
+        vs: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        """The kernel's table of where p, m, v and each step count live, (4, P) on the device:
+        copied there only when an address moved (the kernel reads what is at each address
+        when it runs, so an unchanged table is the right one)."""
+        at = [
+            *map(torch.Tensor.data_ptr, ps),
+            *map(torch.Tensor.data_ptr, ms),
+            *map(torch.Tensor.data_ptr, vs),
+            *self._step_addresses(device),
+        ]
+        rows = self._address_rows
+        if at != self._addresses or not rows or rows[0].device != device:
+            table = _host_to(at, torch.int64, device).view(4, len(ps))
+            self._address_rows = rows = tuple(table.unbind(0))
+            self._addresses = at
+        return rows
+
     @torch.no_grad()
     def __call__(self, tiny: float) -> dict[str, torch.Tensor]:
         """(P,) per tensor: p2, u2, m2, root_v (sums), v_max, tiny (the sampled count)."""
@@ -251,24 +294,19 @@ class AdamState:
         assert checked is not None
         ps, ms, vs = checked  # (their addresses alone are read: no detach needed)
         device = ps[0].device
-        owner, start, numel, stride, onehot, member = self._plan_for(device, ps)
-        groups = self.optimizer.param_groups
-        hyper = [  # per group: lr, ln b1, ln b2, eps, decoupled decay (no device value read)
-            [float(g["lr"]), _log(g["betas"][0]), _log(g["betas"][1]), float(g["eps"]),
-             float(g["lr"]) * float(g["weight_decay"]) if self.decoupled else 0.0]
-            for g in groups
-        ]  # fmt: skip
-        per_tensor = _host_to([hyper[i] for i in self._group_index], torch.float32, device)
-        addresses = _host_to(
-            [[x.data_ptr() for x in xs] for xs in (ps, ms, vs)] + [self._step_addresses(device)],
-            torch.int64,
+        group, owner, start, numel, stride, onehot, member = self._plan_for(device, ps)
+        hyper = _host_to(  # per group: lr, ln b1, ln b2, eps, decoupled decay (no device read)
+            [[float(g["lr"]), _log(g["betas"][0]), _log(g["betas"][1]), float(g["eps"]),
+              float(g["lr"]) * float(g["weight_decay"]) if self.decoupled else 0.0]
+             for g in self.optimizer.param_groups],
+            torch.float32,
             device,
-        )
+        )  # fmt: skip
+        p_at, m_at, v_at, step_at = self._addresses_of(device, ps, ms, vs)
         partial = torch.empty(owner.numel(), 6, device=device, dtype=torch.float32)
         _adam_state_kernel[(owner.numel(),)](
-            addresses[0], addresses[1], addresses[2], addresses[3], owner, start, numel,
-            per_tensor, stride, partial, float(tiny), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4,
-            num_stages=1,
+            p_at, m_at, v_at, step_at, owner, start, numel, group, hyper, stride, partial,
+            float(tiny), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4, num_stages=1,
         )  # fmt: skip
         sums = onehot @ partial  # (P, 6), a fixed order
         vmax = torch.where(member, partial[:, 4].unsqueeze(0), 0.0).amax(dim=1)
