@@ -773,3 +773,20 @@ def test_a_snapshots_small_tensors_come_back_as_they_were() -> None:
         assert torch.equal(got[k].resolve_conj(), v.resolve_conj()), k
     assert got["grad"].requires_grad and isinstance(got["param"], torch.nn.Parameter)
     assert got["torch"].data_ptr() != small["torch"].data_ptr()
+
+
+def test_a_snapshot_copies_a_parameters_state_dict_put_in_place_of_another() -> None:
+    """A parameter's optimizer state replaced by a new dict of the same entries between
+    snapshots (`opt.state[p] = {...}`, as code that resets or reloads one parameter's state
+    does) is the one the next snapshot copies."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 20)
+    snap = Snapshot(step=1, torch_files={}, json_files={"trainer.json": {}}, meta={})
+    tier.save(1, snap, set())
+    opt.state[model.weight] = {"momentum_buffer": torch.full((2, 3), 5.0)}
+    tier.save(2, snap, set())
+    tier.before_mutation()
+    assert torch.equal(tier.slots[2].buffers["o/0/momentum_buffer"], torch.full((2, 3), 5.0))

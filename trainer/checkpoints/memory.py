@@ -99,7 +99,8 @@ class _Plan:
         # the optimizer's non-tensor state (a step count kept as a number), read through its
         # dicts at each snapshot like the tensors: no walk of every parameter's state there
         self.other: list[tuple[int, dict[str, Any], str]] = []
-        self.states = [st for p in params if (st := optimizer.state.get(p)) is not None]
+        self.stateful = [p for p in params if optimizer.state.get(p) is not None]
+        self.states = [optimizer.state[p] for p in self.stateful]
         self.state_sizes = [len(st) for st in self.states]
         for i, p in enumerate(params):
             st = optimizer.state.get(p, {})
@@ -142,11 +143,12 @@ class _Plan:
 
     def fits(self, optimizer: torch.optim.Optimizer, live: dict[str, torch.Tensor]) -> bool:
         """The plan still holds for the tensors as they are (`live`, read through it): the
-        optimizer's state neither replaced nor grown (no parameter's state gained or lost an
-        entry), and every tensor of the shape and dtype planned."""
+        optimizer's state neither replaced nor grown (no parameter's state dict replaced, none
+        that gained or lost an entry), and every tensor of the shape and dtype planned."""
         return (
             optimizer.state is self.state_of
             and len(optimizer.state) == self.n_state
+            and all(map(operator.is_, map(optimizer.state.get, self.stateful), self.states))
             and list(map(len, self.states)) == self.state_sizes
             and list(map(torch.Tensor.size, live.values())) == self.shapes
             and list(map(_dtype, live.values())) == self.dtypes
