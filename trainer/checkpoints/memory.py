@@ -844,7 +844,10 @@ class _SmallPickler(pickle.Pickler):
     """A pickler that keeps a plain host tensor (the RNG states, a scheduler's or an
     optimizer's small tensors) as its bytes: torch's own pickling of a tensor writes a
     legacy `torch.save` archive of it (~0.25 ms to pickle a snapshot's small state on the
-    loop thread, and as much again to read it back, against ~0.03 ms this way)."""
+    loop thread, and as much again to read it back, against ~0.03 ms this way). Each such
+    tensor comes back with memory of its own: two that shared a storage (views of one tensor)
+    come back as two copies, their values as they were; a view of a large tensor keeps only
+    its own bytes, where torch's pickling keeps the whole storage."""
 
     def reducer_override(self, obj: Any) -> Any:
         if (
