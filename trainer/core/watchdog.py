@@ -453,6 +453,7 @@ class Watchdog:
         self._wakes = 0
         self._arrival_block: int | None = None
         self._late_blocks = 0
+        self._late_rank: int | None = None  # the rank those late blocks were of
         self.clock = clock
         self.wake_s = wake_s  # at most one wake a second: the watchdog's whole cost
         self.durations: collections.deque[float] = collections.deque(maxlen=64)
@@ -799,7 +800,10 @@ class Watchdog:
             others = max(0.0, statistics.median(v for r, v in late.items() if r != rank))
             lag = late[rank] - others
             slow = lag >= self.cfg.slowdown_min_s and lag > (factor - 1) * max(step_s - lag, 0)
-            self._late_blocks = self._late_blocks + 1 if slow else 0
+            # three blocks running of the same rank late (another rank late starts the count)
+            same = rank == self._late_rank
+            self._late_blocks = (self._late_blocks + 1 if same else 1) if slow else 0
+            self._late_rank = rank if slow else None
             if self._late_blocks < 3:
                 continue
             self._straggler = info = {
