@@ -7,12 +7,14 @@ snapshot's loop-thread work does not grow with the number of tensors."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spikewatch.trainer.checkpoints import memory as memory_module
 from spikewatch.trainer.checkpoints import pinned
 from spikewatch.trainer.checkpoints.format import Snapshot
 from spikewatch.trainer.checkpoints.memory import MemoryTier
@@ -26,9 +28,12 @@ class _Device:
     def __init__(self, free: int = 1 << 40) -> None:
         self.free = free
         self.events = 0
+        self.copy_s: float | None = None  # what the device's timing events say of a copy
+        self.kept: list[tuple[torch.Tensor, object]] = []  # (a buffer let go, its stream)
+        self.stream = SimpleNamespace(wait_stream=lambda s: None, wait_event=lambda e: None)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        stream = SimpleNamespace(wait_stream=lambda s: None, wait_event=lambda e: None)
+        stream = self.stream
 
         def event(device: torch.device, s: object = None) -> object:
             self.events += 1
@@ -38,6 +43,9 @@ class _Device:
         monkeypatch.setattr(streams, "new_stream", lambda d: stream)
         monkeypatch.setattr(streams, "current_stream", lambda d: stream)
         monkeypatch.setattr(streams, "record_event", event)
+        monkeypatch.setattr(streams, "timing_event", event)
+        monkeypatch.setattr(streams, "seconds_between", lambda a, b: self.copy_s)
+        monkeypatch.setattr(streams, "keep_until_done", lambda t, s: self.kept.append((t, s)))
         monkeypatch.setattr(streams, "on", lambda s: contextlib.nullcontext())
         monkeypatch.setattr(streams, "free_bytes", lambda d: self.free)
         monkeypatch.setattr(pinned, "_register", lambda ptr, size: True)  # no page-locking
@@ -57,26 +65,63 @@ def _sources(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("free", [1 << 40, 0], ids=["staged", "straight"])
-def test_a_snapshot_lands_every_byte_on_each_path(monkeypatch, free: int) -> None:
+@pytest.mark.parametrize(
+    ("free", "chunk"), [(1 << 40, None), (0, None), (1 << 40, 700)],
+    ids=["staged", "straight", "chunked"],
+)  # fmt: skip
+def test_a_snapshot_lands_every_byte_on_each_path(monkeypatch, free: int, chunk: int) -> None:
     """Staged: each device run goes to the host as its own bytes; a copy of the whole block's
-    span from the staging buffer overwrote the host's step counts between them."""
+    span from the staging buffer overwrote the host's step counts between them. Chunked: the
+    device keeps a buffer of a chunk's bytes (or of its largest tensor), each chunk's tensors
+    copied into it from its start and its bytes to the chunk's place in the block."""
     _Device(free).install(monkeypatch)
     src = _sources(5)
     block = HostBlock(src, pin=False)
     block.data.fill_(0xAB)  # what a reused block held: none of it may survive
-    copies = SideCopies(stage=True)
+    copies = SideCopies(stage=True, chunk=chunk)
     plan = object()
     events = copies.start_block(block, list(src.values()), plan)
-    assert len(events) == 6  # the device's runs, the host's step counts between them
+    assert len(events) == 1  # one device (its runs on one stream: the last run's events)
     for k, t in src.items():
         assert torch.equal(block.tensors[k], t), k
+    staging = copies._staging.get(torch.device("cpu"))
+    runs = [r for r in copies._planned[3] if r.dev is not None]
+    if free == 0:  # no room: straight to the host
+        assert staging is None
+    elif chunk is None:  # a run's whole span: three tensors between the host's step counts
+        assert len(runs) == 6
+        assert staging.numel() == max(r.hi - r.lo for r in runs) > 2 * 512
+    else:  # two of the 512-byte-aligned tensors at a time
+        assert len(runs) == 10  # each three-tensor run in two
+        assert staging.numel() == max(r.hi - r.lo for r in runs) <= chunk
     # the next snapshot, the layout planned: new values land as well, in another block
     for t in src.values():
         t.add_(1)
     other = HostBlock(src, pin=False)
     copies.start_block(other, list(src.values()), plan)
     for k, t in src.items():
+        assert torch.equal(other.tensors[k], t), k
+
+
+def test_a_staging_buffer_outgrown_is_kept_until_its_copies_are_done(monkeypatch) -> None:
+    """The start's snapshot holds no optimizer state; the next one's plan needs a larger
+    staging buffer: the smaller one, which the start's copy to the host may still be reading
+    on the side stream, is let go through the allocator's `record_stream` for that stream
+    (dropped outright, its memory went to the compute stream at once)."""
+    dev = _Device()
+    dev.install(monkeypatch)
+    copies = SideCopies(stage=True)
+    small = {k: v for k, v in _sources(2).items() if v.dim() > 0}
+    block = HostBlock(small, pin=False)
+    copies.start_block(block, list(small.values()), object())
+    first = copies._staging[torch.device("cpu")]
+    assert dev.kept == []
+    large = {k: v for k, v in _sources(6).items() if v.dim() > 0}
+    other = HostBlock(large, pin=False)
+    copies.start_block(other, list(large.values()), object())
+    assert copies._staging[torch.device("cpu")].numel() > first.numel()
+    assert len(dev.kept) == 1 and dev.kept[0][0] is first and dev.kept[0][1] is dev.stream
+    for k, t in large.items():
         assert torch.equal(other.tensors[k], t), k
 
 
@@ -128,7 +173,8 @@ def test_the_memory_tier_copies_a_non_fused_adams_state_whole(monkeypatch) -> No
     snap = Snapshot(3, torch_files={}, json_files={"trainer.json": {}}, meta={"step": 3})
     events_before = dev.events
     tier.save(3, snap, set())
-    assert dev.events - events_before == 2  # one device run: staged, then to the host
+    # one device run: its start (timed), staged (the update may go on), landed on the host
+    assert dev.events - events_before == 3
     tier.before_mutation()
     for _ in range(2):
         train()
@@ -137,6 +183,63 @@ def test_the_memory_tier_copies_a_non_fused_adams_state_whole(monkeypatch) -> No
     for k, v in tier._live().items():
         assert torch.equal(v, want[k]), k
     assert all(float(s["step"]) == 3.0 for s in opt.state.values())
+
+
+def test_the_memory_tier_stages_whole_only_where_the_copy_would_not_hide(
+    monkeypatch, caplog
+) -> None:
+    """A chunk's bytes on the device until the copy is measured and while it takes under 0.8
+    of a step (the next forward and backward hides it); the whole snapshot where it does not;
+    a chunk again only below 0.6 (no flapping). Said when first known and when it changes;
+    every snapshot restores its step's tensors whichever way it was staged."""
+    dev = _Device()
+    dev.install(monkeypatch)
+    monkeypatch.setattr(memory_module, "STAGE_CHUNK", 1100)  # a few tensors a chunk
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=False, foreach=False)
+    tier = MemoryTier(model, opt, interval=1, budget_bytes=1 << 24, keep_last=8)
+    staged = []
+
+    def step_and_save(step: int, copy_s: float | None) -> list[str]:
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        tier.before_mutation()
+        opt.step()
+        dev.copy_s = copy_s  # what the last snapshot's timing events say once it landed
+        assert tier.due(step, 0.1)  # a 100 ms step
+        caplog.clear()
+        snap = Snapshot(step, torch_files={}, json_files={"trainer.json": {}}, meta={})
+        tier.save(step, snap, set())
+        want[step] = {k: v.clone() for k, v in tier._live().items()}
+        staged.append(tier._copies._staging[torch.device("cpu")].numel())
+        return [r.getMessage() for r in caplog.records if "host-memory snapshots" in r.message]
+
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with caplog.at_level(logging.INFO, logger="spikewatch"):
+        assert step_and_save(1, None) == []  # nothing measured yet: a chunk at a time
+        assert tier._copies.chunk == 1100
+        said = step_and_save(2, 0.05)  # hides: said once, as it is
+        assert len(said) == 1 and "50.0 ms against a 100.0 ms step" in said[0]
+        assert "1100" not in said[0] and "at a time" in said[0]
+        assert step_and_save(3, None) == [] and tier._copies.chunk == 1100  # not landed yet
+        said = step_and_save(4, 0.09)  # does not hide: whole
+        assert tier._copies.chunk is None and len(said) == 1 and "staged whole" in said[0]
+        assert step_and_save(5, 0.065) == [] and tier._copies.chunk is None  # kept
+        said = step_and_save(6, 0.05)
+        assert tier._copies.chunk == 1100 and len(said) == 1 and "at a time" in said[0]
+    assert tier.copy_s == 0.05
+    assert staged[0] == staged[1] == staged[2] <= 1100 < staged[3] == staged[4]
+    # each buffer let go (at each change) is kept until the side stream's copies are done
+    assert [(t.numel(), s) for t, s in dev.kept] == [
+        (staged[2], dev.stream),
+        (staged[4], dev.stream),
+    ]
+    assert staged[5] <= 1100
+    for step in range(1, 7):
+        tier.load_tensors(step)
+        for k, v in tier._live().items():
+            assert torch.equal(v, want[step][k]), (step, k)
 
 
 class _Count(TorchDispatchMode):
@@ -292,8 +395,6 @@ def test_a_file_written_from_a_lent_snapshot_on_a_gpus_path(monkeypatch, tmp_pat
 
         waited.append(threading.current_thread().name)
         return real_wait(events)
-
-    from spikewatch.trainer.checkpoints import memory as memory_module
 
     monkeypatch.setattr(memory_module, "host_wait", host_wait)
     model, opt = _trained()

@@ -51,7 +51,7 @@ from spikewatch.trainer.checkpoints.pinned import (
 from spikewatch.trainer.checkpoints.worker import worker
 from spikewatch.trainer.core import streams
 from spikewatch.trainer.core.state import split_optimizer
-from spikewatch.trainer.core.world import local
+from spikewatch.trainer.core.world import local, say
 
 __all__ = ["Lent", "MemoryTier", "default_budget_bytes", "snapshot_bytes"]
 
@@ -283,6 +283,16 @@ AUTO_BUDGET = 0.005
 AUTO_STEPS = (5, 25)
 AUTO_OFF_GPU = False
 
+# Staging on the device (SideCopies): a snapshot's copy to the host hides in the next forward
+# and backward when it takes less than STAGE_HIDES of a step (measured: CUDA events around
+# the copy, the loop's own step time). Then the sources go through a STAGE_CHUNK buffer
+# (the update waits, on the device, for nearly the whole copy, which is over by then) and the
+# device keeps a chunk's bytes; where it does not hide, the whole snapshot is staged (twice
+# its bytes free), so that the update waits for an HBM copy only. A chunk until measured;
+# back to a chunk below STAGE_HIDES * 0.75 (no flapping at the edge).
+STAGE_CHUNK = 256 << 20
+STAGE_HIDES = 0.8
+
 
 class MemoryTier:
     def __init__(
@@ -318,7 +328,11 @@ class MemoryTier:
         self._pending: _Slot | None = None
         self._thread: Future[None] | None = None  # the copy in flight, on a CPU
         self._error: BaseException | None = None
-        self._copies = SideCopies(stage=True)  # the update waits for an HBM copy only
+        # staged on the device, a chunk at a time until the copy is measured (_choose_staging)
+        self._copies = SideCopies(stage=True, chunk=STAGE_CHUNK)
+        self.copy_s: float | None = None  # the device's time for a snapshot's copy, measured
+        self._step_s = 0.0  # the loop's time a step (`due`)
+        self._staging_told: int | None | bool = False  # the chunk last said (False: none yet)
         self._warned = False
         # the next snapshot's host block, pinned ahead in a thread (CUDA: registering ~1 GB
         # takes a good part of a second); `spare_ahead` also on a CPU (tests)
@@ -334,6 +348,7 @@ class MemoryTier:
 
     # -- what the tiers facade asks -------------------------------------------------------------
     def due(self, step: int, seconds_per_step: float = 0.0) -> bool:
+        self._step_s = seconds_per_step
         if not self.auto:
             return step % self.interval == 0
         self.interval = self.interval_for(seconds_per_step)
@@ -524,9 +539,40 @@ class MemoryTier:
         spare.signature = (plan.keys, plan.signature)
         return spare
 
+    def _choose_staging(self) -> None:
+        """Stage the whole snapshot on the device only where its copy to the host would not
+        hide in the next forward and backward (STAGE_HIDES of a step): read from the last
+        snapshot's copy once it has landed (never waited for), and said when first known and
+        when it changes."""
+        c = self._copies.copy_seconds()
+        if c is None:
+            return
+        self.copy_s = c
+        step_s, chunk = self._step_s, self._copies.chunk
+        if step_s <= 0:
+            return
+        if chunk is not None and c > STAGE_HIDES * step_s:
+            chunk = None
+        elif chunk is None and c < 0.75 * STAGE_HIDES * step_s:
+            chunk = STAGE_CHUNK
+        self._copies.set_chunk(chunk)  # the last copies have landed: the buffer is unread
+        if chunk == self._staging_told:
+            return
+        self._staging_told = chunk
+        what = (
+            f"staged on the device {chunk / 2**20:.0f} MB at a time (it hides in the next "
+            "forward and backward)"
+            if chunk is not None
+            else f"staged whole on the device ({self._plan_need / 2**20:.0f} MB of its memory "
+            "where twice that is free: it does not hide in the next forward and backward)"
+        )
+        say(log, f"host-memory snapshots: the copy to the host takes {1e3 * c:.1f} ms against "
+            f"a {1e3 * step_s:.1f} ms step: {what}")  # fmt: skip
+
     def _copy(self, slot: _Slot, live: dict[str, torch.Tensor]) -> None:
         block = getattr(slot.buffers, "block", None)
         if self._on_cuda and block is not None:  # side streams of the tensors' own devices
+            self._choose_staging()
             slot.events = self._copies.start_block(block, list(live.values()), self._plan)
             self._pending = slot
             return

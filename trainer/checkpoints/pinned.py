@@ -142,15 +142,33 @@ class SideCopies:
     buffer on the device, kept for the next snapshot (HBM to HBM, a few ms for a 1B model with
     AdamW, where the copy to the host takes ~0.2 s over PCIe), and then to the host from there:
     the sources may change as soon as the staging copy is done, so the next update waits for
-    that copy, not for the host's."""
+    that copy, not for the host's. With `chunk` bytes, the buffer holds that much (or the
+    largest tensor) and the sources go through it a chunk at a time, each chunk's copy to the
+    host before the next chunk's into the buffer (one side stream): the update then waits for
+    nearly the whole copy to the host, which is free where that copy hides in the next forward
+    and backward, and the device keeps a chunk's bytes rather than a snapshot's (the memory
+    tier chooses, `MemoryTier._choose_staging`). `copy_seconds` is the device's time for the
+    last block's copies, once they have landed."""
 
-    def __init__(self, stage: bool = False) -> None:
+    def __init__(self, stage: bool = False, chunk: int | None = None) -> None:
         self._streams: dict[torch.device, Any] = {}
         self.stage = stage
+        self.chunk = chunk  # staged this many bytes at a time (None: a run's whole span)
         self._staging: dict[torch.device, torch.Tensor] = {}
-        # start_block's layout, made once per plan: (plan, the block's offsets, its runs)
-        self._planned: tuple[object, list[int], list[_Run]] | None = None
+        # start_block's layout, made once per plan: (plan, the block's offsets, chunk, runs)
+        self._planned: tuple[object, list[int], int | None, list[_Run]] | None = None
         self._held: list[torch.Tensor] = []  # start_block's sources, until `release`
+        self._timed: list[tuple[Any, Any]] = []  # the last block's (start, landed) per device
+
+    def set_chunk(self, chunk: int | None) -> None:
+        """Stage `chunk` bytes at a time from the next block on (None: whole). Only once the
+        last block's copies have landed (`copy_seconds` said so): the staging buffer dropped
+        here is not read by a copy still queued."""
+        if chunk != self.chunk:
+            self.chunk = chunk
+            for dev in list(self._staging):
+                self._drop_staging(dev)
+            self._planned = None
 
     def _stream(self, dev: torch.device) -> Any:
         stream = self._streams.get(dev)
@@ -209,26 +227,43 @@ class SideCopies:
         if any(run.dev is None or run.views is None for run in runs):
             dsts = list(block.tensors.values())
         events: Events = []
+        started: dict[torch.device, tuple[Any, Any]] = {}  # a device's stream, its first event
         self._held = list(sources)
         with torch.no_grad():  # the sources are the live tensors: parameters need no detach
             for run in runs:
-                a, b = run.first, run.end
-                if run.dev is None:  # host memory already: at once
+                a, b, dev = run.first, run.end, run.dev
+                if dev is None:  # host memory already: at once
                     torch._foreach_copy_(dsts[a:b], self._held[a:b])
                     continue
-                stream = self._stream(run.dev)
+                if dev not in started:
+                    stream = self._stream(dev)
+                    started[dev] = (stream, streams.timing_event(dev, stream))
+                stream = started[dev][0]
+                free = None
+                # one stream a device: a device's last run's events mark all of its runs
                 with streams.on(stream):
                     if run.views is None or run.staged is None:  # no room: straight to the host
                         for dst, src in zip(dsts[a:b], self._held[a:b], strict=True):
                             dst.copy_(src, non_blocking=True)
-                        landed = free = streams.record_event(run.dev, stream)
                     else:
                         torch._foreach_copy_(run.views, self._held[a:b])
-                        free = streams.record_event(run.dev, stream)
+                        if run.last:
+                            free = streams.record_event(dev, stream)
                         block.data[run.lo : run.hi].copy_(run.staged, non_blocking=True)
-                        landed = streams.record_event(run.dev, stream)
-                events.append((run.dev, landed, free))
+                    if run.last:
+                        landed = streams.timing_event(dev, stream)
+                        events.append((dev, landed, landed if free is None else free))
+        self._timed = [(started[dev][1], landed) for dev, landed, _ in events]
         return events
+
+    def copy_seconds(self) -> float | None:
+        """The device's time for the last block's copies (from the first to the last landed,
+        the slowest device's), once they have all landed; None before, or once it was read."""
+        times = [streams.seconds_between(a, b) for a, b in self._timed]
+        if not times or any(t is None for t in times):
+            return None
+        self._timed = []
+        return max(t for t in times if t is not None)
 
     def release(self) -> None:
         """The compute streams wait for the copies now: the sources need not be held."""
@@ -240,22 +275,37 @@ class SideCopies:
         """`start_block`'s plan for blocks of `layout` (made at its first call if not before:
         the memory tier makes it ahead, at the set-up step, with its own copy plan)."""
         planned = self._planned
-        if planned is not None and planned[0] is plan and planned[1] == layout.offsets:
-            return planned[2]
+        chunk = self.chunk if self.stage else None
+        if (
+            planned is not None
+            and planned[0] is plan
+            and planned[1] == layout.offsets
+            and planned[2] == chunk
+        ):
+            return planned[3]
         runs: list[_Run] = []
-        sizes = layout.sizes
+        sizes, offsets = layout.sizes, layout.offsets
         for i, src in enumerate(sources):
             dev = src.device if streams.is_cuda(src) else None
-            if runs and runs[-1].dev == dev:
+            end = offsets[i] + sizes[i]
+            if (
+                runs
+                and runs[-1].dev == dev
+                and (dev is None or chunk is None or end - offsets[runs[-1].first] <= chunk)
+            ):
                 runs[-1].end = i + 1
-            else:
+            else:  # another device, or the chunk is full (a tensor larger than it: its own)
                 runs.append(_Run(dev, i, i + 1))
         need: dict[torch.device, int] = {}
         for run in runs:
-            run.lo = layout.offsets[run.first]
-            run.hi = layout.offsets[run.end - 1] + sizes[run.end - 1]
+            run.lo = offsets[run.first]
+            run.hi = offsets[run.end - 1] + sizes[run.end - 1]
             if run.dev is not None:
                 need[run.dev] = max(need.get(run.dev, 0), run.hi - run.lo)
+        seen: set[torch.device | None] = set()
+        for run in reversed(runs):  # each device's last run records its events
+            run.last = run.dev not in seen
+            seen.add(run.dev)
         flats = {dev: self._staging_buffer(dev, n) for dev, n in need.items()} if self.stage else {}
         for run in runs:
             flat = flats.get(run.dev) if run.dev is not None else None
@@ -271,7 +321,7 @@ class SideCopies:
                     strict=True,
                 )
             ]
-        self._planned = (plan, list(layout.offsets), runs)
+        self._planned = (plan, list(layout.offsets), chunk, runs)
         return runs
 
     def _staging_buffer(self, dev: torch.device, span: int) -> torch.Tensor | None:
@@ -281,20 +331,32 @@ class SideCopies:
         if flat is not None and flat.numel() >= span:
             return flat
         held = 0 if flat is None else flat.numel()
+        self._drop_staging(dev)
         if span * 2 > streams.free_bytes(dev) + held:
-            self._staging.pop(dev, None)
             return None
         self._staging[dev] = flat = torch.empty(span, dtype=torch.uint8, device=dev)
         return flat
 
+    def _drop_staging(self, dev: torch.device) -> None:
+        """Let the device's staging buffer go once the side stream's copies queued so far are
+        done: a copy to the host from it may still be in flight (a snapshot's plan is made
+        again when the optimizer's state appears, the step after the start's snapshot), and
+        the caching allocator would otherwise give its memory to the compute stream at once."""
+        flat = self._staging.pop(dev, None)
+        stream = self._streams.get(dev)
+        if flat is not None and stream is not None:
+            streams.keep_until_done(flat, stream)
+
 
 class _Run:
     """Consecutive sources of a block on one device (None: the host), [first, end) by index
-    and [lo, hi) in the block's bytes; with a staging buffer, its views for them."""
+    and [lo, hi) in the block's bytes, no more than a chunk's bytes when staged a chunk at a
+    time; with a staging buffer, its views for them (each run's from the buffer's start)."""
 
     def __init__(self, dev: torch.device | None, first: int, end: int) -> None:
         self.dev, self.first, self.end = dev, first, end
         self.lo = self.hi = 0
+        self.last = True  # the device's last run: its events mark the device's copies
         self.views: list[torch.Tensor] | None = None
         self.staged: torch.Tensor | None = None
 

@@ -22,9 +22,12 @@ __all__ = [
     "free_bytes",
     "host_buffer",
     "is_cuda",
+    "keep_until_done",
     "new_stream",
     "on",
     "record_event",
+    "seconds_between",
+    "timing_event",
 ]
 
 
@@ -48,6 +51,27 @@ def record_event(device: torch.device, stream: Any = None) -> Any:
     event = torch.cuda.Event()
     event.record(stream if stream is not None else current_stream(device))
     return event
+
+
+def timing_event(device: torch.device, stream: Any = None) -> Any:
+    """`record_event`'s, able to time the work between two of them (`seconds_between`)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream if stream is not None else current_stream(device))
+    return event
+
+
+def seconds_between(start: Any, end: Any) -> float | None:
+    """The device's seconds from `start` to `end` (timing events), once `end` has completed;
+    None before (the host never waits for it)."""
+    if not end.query():
+        return None
+    return float(start.elapsed_time(end)) / 1e3
+
+
+def keep_until_done(t: torch.Tensor, stream: Any) -> None:
+    """`t`'s memory is not reused before the work queued on `stream` so far is done (the
+    caching allocator's `record_stream`), though `t` be let go now."""
+    t.record_stream(stream)
 
 
 def on(stream: Any) -> Any:
