@@ -659,6 +659,16 @@ def memory_tier_check(smoke: bool) -> dict:
         )
         params = sum(p.numel() for p in tr.model.parameters())
         tr.fit()
+        mem = tr.core.checkpointer.memory
+        # how the snapshot was staged on the device (memory.py `_choose_staging`): the copy to
+        # the host's measured time, and the staging buffer kept (a chunk, or the whole)
+        staging = {
+            "copy_s": getattr(mem, "copy_s", None),
+            "chunk_bytes": getattr(getattr(mem, "_copies", None), "chunk", None),
+            "staging_bytes": sum(
+                t.numel() for t in getattr(getattr(mem, "_copies", None), "_staging", {}).values()
+            ),
+        }
     steps_s = [b - a for a, b in zip(clock.ends[4:], clock.ends[5:], strict=False)]
     step = statistics.median(steps_s)
     stall = statistics.median(clock.stalls[1:] or clock.stalls)  # the first also allocates
@@ -676,6 +686,7 @@ def memory_tier_check(smoke: bool) -> dict:
         "snapshots": len(clock.stalls),
         "stalls_s": clock.stalls,
         "first_stall_s": clock.stalls[0] if clock.stalls else None,
+        "staging": staging,
     }
 
 
