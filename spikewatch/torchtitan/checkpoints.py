@@ -147,9 +147,15 @@ class TitanDisk:
         steps = [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP.match(p.name))]
         return sorted(s for s in steps if self.has(s))
 
-    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
+    def latest(
+        self, at_most: int | None = None, above: int | None = None
+    ) -> tuple[int, Path] | None:
         self.wait()
-        held = [s for s in self.retained() if at_most is None or s <= at_most]
+        held = [
+            s
+            for s in self.retained()
+            if (at_most is None or s <= at_most) and (above is None or s > above)
+        ]
         return (held[-1], self.path_of(held[-1])) if held else None
 
     def resume_point(self) -> tuple[int, Path]:

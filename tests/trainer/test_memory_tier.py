@@ -790,3 +790,39 @@ def test_a_snapshot_copies_a_parameters_state_dict_put_in_place_of_another() -> 
     tier.save(2, snap, set())
     tier.before_mutation()
     assert torch.equal(tier.slots[2].buffers["o/0/momentum_buffer"], torch.full((2, 3), 5.0))
+
+
+def test_a_rollback_host_memory_serves_reads_no_file_to_check_it(tmp_path, monkeypatch) -> None:
+    """Memory at 5, 10, 15, disk at 10: a rollback to 15 or 12 is host memory's (it wins a
+    tie), and no disk checkpoint is read to verify its checksums (a read of every byte of the
+    files: ~12 GB at 1B with AdamW, seconds on the loop a rollback, for a file that loses).
+    A target only the disk holds newer than memory's is still verified and taken."""
+    from spikewatch.trainer.checkpoints import format as ck_format
+
+    cfg = tiny_config(
+        "checkpoint.memory_interval=5", "checkpoint.interval=10", "train.max_steps=40"
+    )
+    tr = build_trainer(cfg, run_dir=tmp_path)
+    core = tr.core
+    core.start()
+    for _ in range(17):
+        tr._train_step()
+        core.save_if_due()
+    ck = core.checkpointer
+    ck.wait()
+    assert ck.memory.steps()[-2:] == [10, 15] and ck.disk.retained()[-1] == 10
+    checked: list[str] = []
+    real = ck_format.verify_checkpoint
+    monkeypatch.setattr(ck_format, "verify_checkpoint", lambda p: checked.append(p.name) or real(p))
+    assert ck.rollback_point(15)[:2] == (15, 15)
+    assert ck.rollback_point(12)[:2] == (10, 10)  # the tie: host memory's
+    assert ck.latest(14) == (10, 10)
+    assert checked == []
+    ck.memory.drop(10)
+    ck.memory.drop(5)
+    step, where, _ = ck.rollback_point(12)  # the disk's alone now: checked
+    assert step == 10 and str(where) == ck.path_of(10, "disk") and checked == [where.name]
+    loaded = ck.read(where)  # just verified: not read a second time to check it
+    assert loaded["meta"]["step"] == 10 and checked == [where.name]
+    ck.read(where)  # not just after `latest`: checked
+    assert checked == [where.name] * 2

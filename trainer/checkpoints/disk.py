@@ -78,6 +78,7 @@ class Checkpointer:
         self._changes_lock = threading.Lock()
         self._undecided: _Undecided | None = None
         self._retake = False  # an awaiting save was dropped: the next step is due
+        self._verified: Path | None = None  # `latest`'s find, its checksums just verified
 
     @property
     def awaits(self) -> bool:
@@ -454,13 +455,21 @@ class Checkpointer:
         self.wait()
         return list(ck.list_checkpoints(self.root))
 
-    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
+    def latest(
+        self, at_most: int | None = None, above: int | None = None
+    ) -> tuple[int, Path] | None:
+        """The newest intact checkpoint at or before `at_most`; only among those after `above`
+        (None: any), so that no file that would lose to another tier is read to be checked."""
         self.wait()
-        return ck.find_intact(self.root, at_most)
+        found = ck.find_intact(self.root, at_most, above)
+        self._verified = found[1] if found is not None else None
+        return found
 
     def read(self, path: Path) -> dict[str, Any]:
-        """What `snapshot.restore` needs from the checkpoint at `path` (verified first)."""
-        return ck.read_checkpoint(path)
+        """What `snapshot.restore` needs from the checkpoint at `path` (verified first, unless
+        `latest` has just found it by verifying it: a rollback read every byte twice)."""
+        verified, self._verified = self._verified == path, None
+        return ck.read_checkpoint(path, verified=verified)
 
 
 def _staged(snap: ck.Snapshot, stager: Stager, lent: Lent | None) -> dict[str, Any]:

@@ -186,12 +186,13 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return meta
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Verify, then load every file to the CPU: {file name: content, 'meta': meta}. Never to
-    the model's device: RNG states must stay CPU byte tensors, an optimizer's step counts stay
-    where torch keeps them, and `load_state_dict` copies into the live tensors anyway (a second
-    model and optimizer on the GPU per rollback otherwise)."""
-    meta = verify_checkpoint(path)
+def read_checkpoint(path: Path, verified: bool = False) -> dict[str, Any]:
+    """Verify (unless `verified`: just done by the caller), then load every file to the CPU:
+    {file name: content, 'meta': meta}. Never to the model's device: RNG states must stay CPU
+    byte tensors, an optimizer's step counts stay where torch keeps them, and
+    `load_state_dict` copies into the live tensors anyway (a second model and optimizer on
+    the GPU per rollback otherwise)."""
+    meta = read_meta(path) if verified else verify_checkpoint(path)
     if meta.get("sharded"):
         raise CheckpointError(
             f"{path} is a sharded checkpoint (torch.distributed.checkpoint) of a "
@@ -219,14 +220,16 @@ def list_checkpoints(root: Path) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def find_intact(root: Path, at_most: int | None = None) -> tuple[int, Path] | None:
-    """The checkpoint to continue from (with step <= at_most): the newest *generation* first,
-    then the newest step. A rollback rewrites its target with the next generation before it
-    deletes the abandoned newer steps, so a crash in between still resumes from the target.
-    Corrupted checkpoints are logged and passed over."""
+def find_intact(
+    root: Path, at_most: int | None = None, above: int | None = None
+) -> tuple[int, Path] | None:
+    """The checkpoint to continue from (with step <= at_most, and > above): the newest
+    *generation* first, then the newest step. A rollback rewrites its target with the next
+    generation before it deletes the abandoned newer steps, so a crash in between still
+    resumes from the target. Corrupted checkpoints are logged and passed over."""
     candidates = []
     for step, path in list_checkpoints(root).items():
-        if at_most is not None and step > at_most:
+        if (at_most is not None and step > at_most) or (above is not None and step <= above):
             continue
         try:
             candidates.append((int(read_meta(path).get("generation", 0)), step, path))

@@ -205,9 +205,11 @@ class ShardedCheckpointer(Checkpointer):
             self.pins.pop(s, None)
         return dropped
 
-    def latest(self, at_most: int | None = None) -> tuple[int, Path] | None:
+    def latest(
+        self, at_most: int | None = None, above: int | None = None
+    ) -> tuple[int, Path] | None:
         """Rank 0 finds the newest checkpoint that verifies; every rank takes that one."""
-        found = super().latest(at_most) if self.world.is_main else None
+        found = super().latest(at_most, above) if self.world.is_main else None
         step = self.world.agree(None if found is None else found[0])
         return None if step is None else (step, ck.step_dir(self.root, step))
 
