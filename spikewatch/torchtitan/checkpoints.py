@@ -250,9 +250,9 @@ class TitanDisk:
         self.save_seconds = time.perf_counter() - t0
         return self.save_seconds
 
-    def drop_after(self, step: int) -> list[int]:
+    def drop_after(self, step: int, background: bool = False) -> list[int]:
         """Delete the checkpoints newer than `step` (the abandoned branch): a resume must never
-        land on them. Rank 0 deletes; every rank returns the same."""
+        land on them. Rank 0 deletes; every rank returns the same (never in the background)."""
         self.wait()
         dropped = [s for s in self.retained() if s > step] if self.world.is_main else []
         for s in dropped:

@@ -5,9 +5,11 @@ placed meanwhile are kept, or moved to the save before a dropped one."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from spikewatch.trainer.checkpoints import format as ck
@@ -108,3 +110,63 @@ def test_a_run_closed_by_the_interpreters_exit_still_writes_its_last_checkpoint(
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "failed" not in done.stderr, done.stderr[-2000:]
     assert sorted(ck.list_checkpoints(tmp_path / "run" / "checkpoints")) == [0, 7]
+
+
+def _generation(step: int, generation: int) -> Any:
+    build = _build(torch.ones(4), step)
+
+    def with_generation(stage: Stager | None) -> ck.Snapshot:
+        snap = build(stage)
+        snap.meta["generation"] = generation
+        return snap
+
+    return with_generation
+
+
+def test_a_rollbacks_abandoned_files_go_once_its_target_is_written_again(tmp_path) -> None:
+    """A rollback to 10 saves 10 again as the next generation and drops 20 and 30 in the
+    background: the loop does not wait for that write (a whole file: seconds at 1B); the
+    writer deletes 20 and 30 only after it, so that at every moment on disk a resume finds
+    the target (the newest generation) or the old files, never an abandoned step alone."""
+    disk = _disk(tmp_path)
+    for s in (10, 20, 30):
+        disk.save(s, _build(torch.ones(4), s))
+    disk.wait()
+    disk.pin(20, "onset anchor")
+    gate = threading.Event()
+    seen: list[list[int]] = []  # what is on disk when the target's file is committed
+    disk.before_commit = lambda: (
+        gate.wait(10),
+        seen.append(sorted(ck.list_checkpoints(disk.root))),
+    )
+    disk.save(10, _generation(10, 1))
+    assert disk.drop_after(10, background=True) == []  # returned with the write held
+    assert sorted(ck.list_checkpoints(disk.root)) == [10, 20, 30] and 20 not in disk.pins
+    gate.set()
+    disk.wait()
+    assert seen == [[10, 20, 30]]  # the abandoned files were still there at the commit
+    assert sorted(ck.list_checkpoints(disk.root)) == [10]
+    assert ck.find_intact(disk.root) == (10, ck.step_dir(disk.root, 10))
+    assert ck.read_meta(ck.step_dir(disk.root, 10))["generation"] == 1
+    changes = [(s, status) for s, _, status in disk.take_changes()]
+    assert changes[-3:] == [(10, "ok"), (20, "deleted"), (30, "deleted")]
+
+
+def test_a_rollbacks_abandoned_files_stay_when_its_target_fails_to_be_written(tmp_path) -> None:
+    """The target's new generation failed to be written: the abandoned files stay (deleting
+    them would leave no file of the decided state and none after it), and the loop hears of
+    the failure at its next wait."""
+    disk = _disk(tmp_path)
+    for s in (10, 20):
+        disk.save(s, _build(torch.ones(4), s))
+    disk.wait()
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    disk.before_commit = fail
+    disk.save(10, _generation(10, 1))
+    disk.drop_after(10, background=True)
+    with pytest.raises(RuntimeError, match="disk full"):
+        disk.wait()
+    assert sorted(ck.list_checkpoints(disk.root)) == [10, 20]

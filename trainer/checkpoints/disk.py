@@ -407,15 +407,29 @@ class Checkpointer:
         if (path / ck.META).exists():
             ck.write_pins(path, sorted(held))
 
-    def drop_after(self, step: int) -> list[int]:
+    def drop_after(self, step: int, background: bool = False) -> list[int]:
         """Delete checkpoints newer than `step`: after a rollback they hold the abandoned branch,
-        and a later resume must never land on them."""
-        self.wait()
+        and a later resume must never land on them. `background`, with a save in flight (a
+        rollback's target saved again as the next generation): they are deleted by the
+        writer thread once that save is written, not before (a crash in between resumes from
+        the target all the same: the newest generation wins), and the loop does not wait for
+        the write (a file of the whole state: seconds at 1B). Returns the steps deleted (none
+        yet, in the background). Anything that lists the checkpoints waits for it (`wait`)."""
         undecided = self._undecided
         if undecided is not None and undecided.snap.step > step:
             self._undecided = None  # never written
             if self.last_saved == undecided.snap.step:
                 self.last_saved = undecided.before
+        if background and self._thread is not None and self.cfg.async_save:
+            for s in [s for s in self.pins if s > step]:
+                del self.pins[s]  # here: the loop's own dict
+            written = self._thread
+            self._thread = self._writer().submit(self._drop_when_written, written, step)
+            return []
+        self.wait()
+        return self._delete_after(step)
+
+    def _delete_after(self, step: int) -> list[int]:
         dropped = []
         for s, path in ck.list_checkpoints(self.root).items():
             if s > step:
@@ -424,6 +438,17 @@ class Checkpointer:
                 dropped.append(s)
                 self._changed(s, "deleted", path)
         return dropped
+
+    def _drop_when_written(self, written: Future[None], step: int) -> None:
+        """On the writer thread, after the save `written` (run before this on the same
+        thread). A save that failed leaves its error for the loop's next `wait`, and the
+        abandoned steps stay: the target's next generation is not on disk to win a resume."""
+        written.result()
+        if self._error is None:
+            try:
+                self._delete_after(step)
+            except BaseException as e:
+                self._error = e
 
     def rollback_point(self, to_step: int) -> tuple[int, Path, list[int]]:
         """For a rollback: the newest intact checkpoint at or before `to_step`, and the steps

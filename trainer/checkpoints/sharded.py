@@ -198,7 +198,8 @@ class ShardedCheckpointer(Checkpointer):
                 if not held:
                     del self.pins[step]
 
-    def drop_after(self, step: int) -> list[int]:
+    def drop_after(self, step: int, background: bool = False) -> list[int]:
+        """Rank 0 deletes, every rank waits for it (never in the background)."""
         dropped = super().drop_after(step) if self.world.is_main else []
         dropped = self.world.agree(dropped)  # also: nobody reads on before rank 0 deleted
         for s in dropped:

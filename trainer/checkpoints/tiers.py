@@ -93,7 +93,7 @@ class DiskTier(Protocol):
     def pin(self, step: int, reason: str) -> None: ...
     def unpin(self, step: int, reason: str) -> None: ...
     def has(self, step: int) -> bool: ...
-    def drop_after(self, step: int) -> list[int]: ...
+    def drop_after(self, step: int, background: bool = False) -> list[int]: ...
     def retained(self) -> list[int]: ...
     def latest(
         self, at_most: int | None = None, above: int | None = None
@@ -288,8 +288,11 @@ class Tiers:
                 if self.disk.enabled:
                     self.disk.unpin(s, r)
 
-    def drop_after(self, step: int) -> list[int]:
-        dropped = set(self.disk.drop_after(step))
+    def drop_after(self, step: int, background: bool = False) -> list[int]:
+        """The steps after `step` go from both tiers. `background` (a rollback, its target
+        just saved again): the disk's go once that save is written, on its writer thread, and
+        are not in the list returned."""
+        dropped = set(self.disk.drop_after(step, background))
         if self.memory is not None:
             dropped |= set(self.memory.drop_after(step))
         return sorted(dropped)

@@ -265,10 +265,11 @@ class Restorer:
         # Rewrite the restored step's checkpoint with what the run learned (skip ranges, LR
         # scale, policy and detector states) as the next generation, which a resume prefers to
         # the abandoned newer steps; only then delete those. A crash at any moment must not
-        # train the bad batches again.
+        # train the bad batches again. A file written in the background: they are deleted on
+        # its writer thread once it is written, and the loop goes on meanwhile.
         core.run.generation += 1
         core.save()
-        core.checkpointer.drop_after(step)
+        core.checkpointer.drop_after(step, background=True)
         core.checkpointer.report(core.callbacks)
 
     def resume(self, check: Callable[[Path], dict[str, list[Any]]]) -> int:
