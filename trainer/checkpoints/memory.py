@@ -560,8 +560,8 @@ class MemoryTier:
             return
         self._staging_told = chunk
         what = (
-            f"staged on the device {chunk / 2**20:.0f} MB at a time (it hides in the next "
-            "forward and backward)"
+            f"staged on the device {chunk / 2**20:.0f} MB (or one larger tensor) at a time (it "
+            "hides in the next forward and backward)"
             if chunk is not None
             else f"staged whole on the device ({self._plan_need / 2**20:.0f} MB of its memory "
             "where twice that is free: it does not hide in the next forward and backward)"
