@@ -170,3 +170,17 @@ def test_a_rollbacks_abandoned_files_stay_when_its_target_fails_to_be_written(tm
     with pytest.raises(RuntimeError, match="disk full"):
         disk.wait()
     assert sorted(ck.list_checkpoints(disk.root)) == [10, 20]
+
+
+def test_the_disk_defers_to_host_memory_in_the_order_a_resume_would_choose(tmp_path) -> None:
+    """`find_intact(above=)` keeps the newest-generation-first order: a file of the newest
+    generation no newer than host memory's step comes first, so host memory wins and no file
+    is checked; an older generation's newer step (a branch a rollback abandoned, left by a
+    crash before its deletion) is not taken in its place."""
+    disk = _disk(tmp_path)
+    disk.save(20, _generation(20, 0))
+    disk.save(10, _generation(10, 1))
+    disk.wait()
+    assert ck.find_intact(disk.root) == (10, ck.step_dir(disk.root, 10))  # the newest generation
+    assert ck.find_intact(disk.root, above=15) is None  # host memory's 15 wins
+    assert ck.find_intact(disk.root, above=5) == (10, ck.step_dir(disk.root, 10))

@@ -223,19 +223,23 @@ def list_checkpoints(root: Path) -> dict[int, Path]:
 def find_intact(
     root: Path, at_most: int | None = None, above: int | None = None
 ) -> tuple[int, Path] | None:
-    """The checkpoint to continue from (with step <= at_most, and > above): the newest
-    *generation* first, then the newest step. A rollback rewrites its target with the next
-    generation before it deletes the abandoned newer steps, so a crash in between still
-    resumes from the target. Corrupted checkpoints are logged and passed over."""
+    """The checkpoint to continue from (with step <= at_most): the newest *generation* first,
+    then the newest step. A rollback rewrites its target with the next generation before it
+    deletes the abandoned newer steps, so a crash in between still resumes from the target.
+    Corrupted checkpoints are logged and passed over. `above`: the caller holds step `above`
+    elsewhere (host memory) and takes it over any file of a step no newer: None as soon as
+    such a file comes first, never read to be checked (its checksums: a read of all of it)."""
     candidates = []
     for step, path in list_checkpoints(root).items():
-        if (at_most is not None and step > at_most) or (above is not None and step <= above):
+        if at_most is not None and step > at_most:
             continue
         try:
             candidates.append((int(read_meta(path).get("generation", 0)), step, path))
         except CheckpointError as e:
             log.warning("skipping corrupted checkpoint: %s", e)
     for _, step, path in sorted(candidates, reverse=True):
+        if above is not None and step <= above:
+            return None
         try:
             verify_checkpoint(path)
         except CheckpointError as e:
