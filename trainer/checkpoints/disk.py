@@ -427,14 +427,18 @@ class Checkpointer:
             self._thread = self._writer().submit(self._drop_when_written, written, step)
             return []
         self.wait()
-        return self._delete_after(step)
+        dropped = self._delete_after(step)
+        for s in dropped:
+            self.pins.pop(s, None)
+        return dropped
 
     def _delete_after(self, step: int) -> list[int]:
+        """The files after `step` deleted (on either thread: the pins are the loop's to drop,
+        `drop_after`, never this, which the writer thread runs too)."""
         dropped = []
         for s, path in ck.list_checkpoints(self.root).items():
             if s > step:
                 ck.delete_checkpoint(path)
-                self.pins.pop(s, None)
                 dropped.append(s)
                 self._changed(s, "deleted", path)
         return dropped
